@@ -1,0 +1,51 @@
+# Everything the tests, the demo and the benchmarks need is installed here.
+# The primary environment prefers Python 3.12 (jax 0.12); `test-compat` runs
+# Python 3.11 with the oldest supported jax (0.10.2).
+SHELL := /bin/bash
+PYTHON ?= $(shell for c in python3.12 "$$(pyenv root 2>/dev/null)"/versions/3.12*/bin/python3.12 python3; do \
+  "$$c" -c 'import sys; assert sys.version_info >= (3, 11)' 2>/dev/null && { echo "$$c"; break; }; done)
+PYTHON_COMPAT ?= $(shell for c in python3.11 "$$(pyenv root 2>/dev/null)"/versions/3.11*/bin/python3.11; do \
+  "$$c" -c 'import sys; assert sys.version_info[:2] == (3, 11)' 2>/dev/null && { echo "$$c"; break; }; done)
+VENV ?= .venv
+VENV_COMPAT ?= .venv-compat
+PIP_FLAGS ?= --quiet --disable-pip-version-check
+PYTEST_FLAGS ?=
+
+.PHONY: all demo test test-compat lint bench clean
+
+all: test
+
+$(VENV)/.installed: pyproject.toml CMakeLists.txt $(wildcard kernels/cpu/*)
+	@test -n "$(PYTHON)" || { echo "need python >= 3.11 (python3.12 preferred)"; exit 1; }
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install $(PIP_FLAGS) --upgrade pip
+	$(VENV)/bin/pip install $(PIP_FLAGS) -e '.[test,bench]'
+	touch $@
+
+$(VENV_COMPAT)/.installed: pyproject.toml CMakeLists.txt $(wildcard kernels/cpu/*)
+	@test -n "$(PYTHON_COMPAT)" || { echo "need python3.11 for test-compat"; exit 1; }
+	$(PYTHON_COMPAT) -m venv $(VENV_COMPAT)
+	$(VENV_COMPAT)/bin/pip install $(PIP_FLAGS) --upgrade pip
+	$(VENV_COMPAT)/bin/pip install $(PIP_FLAGS) -e '.[test]' 'jax==0.10.2' 'jaxlib==0.10.2'
+	touch $@
+
+demo: $(VENV)/.installed
+	$(VENV)/bin/python bench/demo.py
+
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check src tests bench
+	$(VENV)/bin/ruff format --check src tests bench
+
+test: lint
+	$(VENV)/bin/python -m pytest $(PYTEST_FLAGS)
+
+# COMPAT_TESTS selects a subset (CI runs a smoke subset; default: everything).
+COMPAT_TESTS ?=
+test-compat: $(VENV_COMPAT)/.installed
+	$(VENV_COMPAT)/bin/python -m pytest $(PYTEST_FLAGS) $(COMPAT_TESTS)
+
+bench: $(VENV)/.installed
+	$(VENV)/bin/python -m pytest bench --benchmark-enable -p no:cacheprovider $(PYTEST_FLAGS)
+
+clean:
+	rm -rf $(VENV) $(VENV_COMPAT) build .pytest_cache

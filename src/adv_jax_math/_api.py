@@ -1,0 +1,358 @@
+"""Public entry points: validate arguments, plan, hand the plan to an engine."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from . import _plan, _scan
+from ._monoid import identity
+from ._plan import Plan
+from ._trace import rows_aval, trace
+from ._validate import batch_size_from
+
+__all__ = ["batch_map", "batch_vmap", "explain"]
+
+# One numpy-style parameter section shared by the three public docstrings.
+_COMMON_PARAMS = """reduction : callable or None
+        Binary reduction operation. Should take two arguments and return one
+        output, e.g. ``jnp.add``, and must be associative because partial chunk
+        results are combined in an implementation-dependent order. The
+        :class:`Monoid` objects (``ADD``, ``MAX``, ``MIN``, ``LOGSUMEXP``) are
+        accepted too.
+    chunk_reduction : callable
+        Chunk-wise reduction operation. Should summarize a chunk compatibly with
+        ``reduction`` along the mapped axis, e.g. ``jnp.add.reduce``.
+    shard : bool
+        Whether to shard the mapped input across devices before chunking. The
+        divisible prefix is split across devices; ``batch_size`` bounds the
+        batches processed on each device. A local remainder is evaluated once per
+        device and a final global remainder once overall. Default is ``False``.
+    mesh : jax.sharding.Mesh or None
+        Optional one-dimensional mesh with an ``AxisType.Auto`` axis, used by
+        ``shard=True``. Default ``None`` makes a mesh over all devices."""
+
+
+def _check_callables(fun: Any, reduction: Any, chunk_reduction: Any) -> None:
+    if not callable(fun):
+        raise TypeError(f"fun must be callable, got {type(fun).__name__}: {fun!r}")
+    if reduction is not None and not callable(reduction):
+        raise TypeError(f"reduction must be a binary callable or None, got {reduction!r}")
+    if not callable(chunk_reduction):
+        raise TypeError(f"chunk_reduction must be callable, got {chunk_reduction!r}")
+
+
+def _prepare(
+    fun: Callable,
+    fun_input: Any,
+    batch_size: Any,
+    reduction: Callable | None,
+    chunk_reduction: Callable,
+    shard: bool,
+    kwargs: dict[str, Any],
+) -> tuple[Plan, Any]:
+    batch_size = batch_size_from(batch_size, kwargs)
+    _check_callables(fun, reduction, chunk_reduction)
+    if not isinstance(shard, bool):
+        raise TypeError(f"shard={shard!r} must be a bool")
+    if batch_size is not None or shard:
+        fun_input = jax.tree.map(jnp.asarray, fun_input)
+    plan = _plan.make_plan(fun, fun_input, batch_size, reduction, chunk_reduction, shard=shard)
+    return plan, fun_input
+
+
+def _empty_result(
+    plan: Plan, fun: Callable, xs: Any, reduction: Callable | None, chunk_reduction: Callable
+) -> Any:
+    """``n == 0``: a map gives empty outputs, a monoid its identity."""
+    if plan.kind == "generic":
+        return chunk_reduction(fun(xs))
+    one_row = trace(lambda x: chunk_reduction(fun(x)) if plan.monoid is None else fun(x),
+                    rows_aval(xs, 1)).out_shape
+    if plan.monoid is not None:
+        return plan.monoid.identity_like(jax.eval_shape(plan.monoid.reduce_chunk, one_row))
+    return jax.tree.map(lambda s: jnp.zeros((0, *s.shape[1:]), s.dtype), one_row)
+
+
+def _execute(
+    plan: Plan, fun: Callable, xs: Any, reduction: Callable | None, chunk_reduction: Callable
+) -> Any:
+    if plan.error:
+        raise NotImplementedError(plan.error)
+    if plan.backend in ("pallas", "interpret"):
+        from . import _pallas
+
+        return _pallas.fused_reduce(
+            fun, xs, plan.monoid, max_rows=plan.batch_size, interpret=plan.backend == "interpret"
+        )
+    if plan.policy == _plan.SINGLE:
+        return chunk_reduction(fun(xs))
+    if plan.policy == _plan.EMPTY:
+        return _empty_result(plan, fun, xs, reduction, chunk_reduction)
+    if plan.policy == _plan.BALANCED:
+        return _scan.run_balanced(plan, plan.traced, xs)
+    return _scan.run_remainder(plan, fun, xs, reduction, chunk_reduction)
+
+
+def batch_map(
+    fun: Callable,
+    fun_input: Any,
+    /,
+    batch_size: int | None = None,
+    *,
+    reduction: Callable | None = None,
+    chunk_reduction: Callable = identity,
+    strip_dim0: bool = False,
+    shard: bool = False,
+    mesh: jax.sharding.Mesh | None = None,
+    **kwargs: Any,
+) -> Any:
+    """Compute ``chunk_reduction(fun(fun_input))`` in batches.
+
+    ``fun`` is called on chunks of at most ``batch_size`` rows of ``fun_input``
+    (split along the leading axis of every leaf) and the chunk results are
+    concatenated, or combined with ``reduction``. Peak memory is bounded by the
+    chunk size, and so is the memory of reverse-mode gradients (each chunk is
+    recomputed in the backward pass; see :func:`config`).
+
+    Notes
+    -----
+    ``fun`` is not wrapped in ``vmap``: it receives chunks with their leading
+    axis. ``strip_dim0=True`` (only with ``batch_size=1``) passes single rows
+    without it instead, for nesting calls. For a ``fun`` that acts on rows
+    independently, ``batch_map(fun, x)`` matches ``batch_vmap(fun)(x)``;
+    functions whose results depend on other rows of a chunk or on its length do
+    not satisfy this contract. Only ``out_axes=0`` is supported.
+
+    When ``(reduction, chunk_reduction)`` is a recognized monoid (``jnp.add`` with
+    ``jnp.sum`` or ``jnp.add.reduce``; max, min and logsumexp likewise) the input
+    is split into equal chunks and ``fun`` is traced once; on GPU/TPU the chunk
+    work can run as one fused Pallas kernel. Other reductions are seeded with the
+    first chunk's result and the remainder rows are evaluated separately. Use
+    :func:`explain` to see the plan.
+
+    Parameters
+    ----------
+    fun : callable
+        Vectorized function.
+    fun_input : pytree
+        Data to split into batches to feed to ``fun``.
+    batch_size : int or None
+        Size of batches. If no batching should be done or the batch size is the
+        full input then supply ``None``. ``chunk_size`` is accepted as an alias
+        when ``batch_size`` is ``None``.
+    {common}
+    strip_dim0 : bool
+        Whether to strip the leading dim of ``fun_input`` before passing it to
+        ``fun``. Only works if ``batch_size`` is one; should be ``False`` if
+        ``fun`` is wrapped in ``vmap``. Default is ``False``.
+
+    Returns
+    -------
+    fun_output
+        Returns ``chunk_reduction(fun(fun_input))``.
+
+    Examples
+    --------
+    >>> import jax.numpy as jnp
+    >>> import adv_jax_math as ajm
+    >>> x = jnp.arange(10.0)
+    >>> ajm.batch_map(lambda x: x**2, x, 4)
+    Array([ 0.,  1.,  4.,  9., 16., 25., 36., 49., 64., 81.], dtype=float32)
+    >>> ajm.batch_map(lambda x: x**2, x, 4, reduction=jnp.add, chunk_reduction=jnp.sum)
+    Array(285., dtype=float32)
+    """
+    if strip_dim0 and batch_size_from(batch_size, kwargs) == 1:
+        return _strip_dim0(fun, fun_input, reduction, chunk_reduction, shard, mesh)
+    if strip_dim0:
+        warnings.warn(
+            f"strip_dim0=True only works with batch_size=1 (got batch_size={batch_size!r}); "
+            "the flag is ignored",
+            UserWarning,
+            stacklevel=2,
+        )
+    plan, xs = _prepare(fun, fun_input, batch_size, reduction, chunk_reduction, shard, kwargs)
+    return _execute(plan, fun, xs, reduction, chunk_reduction)
+
+
+def _strip_dim0(
+    fun: Callable,
+    xs: Any,
+    reduction: Callable | None,
+    chunk_reduction: Callable,
+    shard: bool,
+    mesh: Any,
+) -> Any:
+    """``fun`` sees single rows: chunks of one row, the row axis stripped.
+
+    With a reduction and the default ``chunk_reduction``, rows are combined
+    directly (no leading axis of 1 on the result), as in the original library.
+    """
+    out = batch_map(
+        jax.vmap(fun), xs, 1, reduction=reduction, chunk_reduction=chunk_reduction,
+        shard=shard, mesh=mesh,
+    )
+    if reduction is not None and chunk_reduction is identity:
+        out = jax.tree.map(lambda y: y[0], out)
+    return out
+
+
+def explain(
+    fun: Callable,
+    fun_input: Any,
+    /,
+    batch_size: int | None = None,
+    *,
+    reduction: Callable | None = None,
+    chunk_reduction: Callable = identity,
+    strip_dim0: bool = False,
+    shard: bool = False,
+    mesh: jax.sharding.Mesh | None = None,
+    **kwargs: Any,
+) -> Plan:
+    """The plan :func:`batch_map` would execute for these arguments, without running it.
+
+    Takes exactly the arguments of :func:`batch_map`. The returned :class:`Plan`
+    prints as a table: rows, chunks and their sizes, rows masked or left as a
+    remainder, the backend chosen and why any faster backend was rejected.
+
+    Examples
+    --------
+    >>> import jax.numpy as jnp
+    >>> import adv_jax_math as ajm
+    >>> plan = ajm.explain(jnp.exp, jnp.ones(100), 32,
+    ...                    reduction=jnp.add, chunk_reduction=jnp.sum)
+    >>> (plan.chunks, plan.rows, plan.masked, plan.backend)
+    (4, 25, 0, 'scan')
+    """
+    if strip_dim0 and batch_size_from(batch_size, kwargs) == 1:
+        fun = jax.vmap(fun)
+    plan, _ = _prepare(fun, fun_input, batch_size, reduction, chunk_reduction, shard, kwargs)
+    return plan
+
+
+def _axes_per_leaf(in_axes: Any, args: tuple) -> list[int | None]:
+    """Broadcast a ``jax.vmap``-style ``in_axes`` prefix to one entry per leaf of args."""
+    if isinstance(in_axes, list):
+        in_axes = tuple(in_axes)
+    if isinstance(in_axes, tuple) and len(in_axes) != len(args):
+        raise ValueError(
+            f"in_axes={in_axes!r} has {len(in_axes)} entries but the function was called "
+            f"with {len(args)} positional arguments; give one entry per argument"
+        )
+    if not isinstance(in_axes, tuple):
+        in_axes = (in_axes,) * len(args)
+
+    def spread(axis: Any, subtree: Any) -> list:
+        if axis is not None and (isinstance(axis, bool) or not isinstance(axis, int)):
+            raise TypeError(f"in_axes entries must be int or None, got {axis!r}")
+        return [axis] * len(jax.tree.leaves(subtree))
+
+    try:
+        per_arg = jax.tree.map(spread, in_axes, args, is_leaf=lambda a: a is None)
+    except ValueError as err:
+        raise ValueError(
+            f"in_axes={in_axes!r} is not a prefix of the arguments' structure: {err}"
+        ) from None
+    return [a for axes in jax.tree.leaves(per_arg, is_leaf=lambda a: isinstance(a, list))
+            for a in axes]
+
+
+def batch_vmap(
+    f: Callable,
+    /,
+    in_axes: int | None | Sequence[Any] = 0,
+    *,
+    batch_size: int | None = None,
+    reduction: Callable | None = None,
+    chunk_reduction: Callable = identity,
+    shard: bool = False,
+    mesh: jax.sharding.Mesh | None = None,
+    **kwargs: Any,
+) -> Callable:
+    """Like ``jax.vmap(f, in_axes)``, evaluated in chunks of ``batch_size``.
+
+    The mapped axes of the arguments are split into chunks; each chunk runs
+    ``jax.vmap(f)`` and the results are concatenated along axis 0
+    (``out_axes=0`` only) or combined with ``reduction``, exactly as
+    :func:`batch_map` does for a vectorized function.
+
+    Parameters
+    ----------
+    f : callable
+        The function to be vectorized, written for one example.
+    in_axes : int, None, or tuple
+        As in ``jax.vmap``: an int applies to every positional argument; a tuple
+        gives one entry (an int, ``None`` or a pytree prefix of the argument) per
+        positional argument; ``None`` broadcasts; negative axes count from the end.
+        Keyword arguments of the returned function are mapped over axis 0.
+    batch_size : int or None
+        Rows per chunk; ``None`` evaluates everything at once. ``chunk_size`` is
+        accepted as an alias when ``batch_size`` is ``None``.
+    {common}
+
+    Returns
+    -------
+    callable
+        The vectorized, chunked function.
+
+    Examples
+    --------
+    Per-example gradients of a loss, three examples at a time:
+
+    >>> import jax, jax.numpy as jnp
+    >>> import adv_jax_math as ajm
+    >>> loss = lambda w, x: jnp.sum(jnp.tanh(x @ w) ** 2)
+    >>> w, xs = jnp.ones(3), jnp.arange(12.0).reshape(4, 3) / 10
+    >>> grads = ajm.batch_vmap(jax.grad(loss), in_axes=(None, 0), batch_size=3)(w, xs)
+    >>> grads.shape
+    (4, 3)
+    >>> bool(jnp.allclose(grads, jax.vmap(jax.grad(loss), (None, 0))(w, xs)))
+    True
+    """
+    batch_size_from(batch_size, kwargs)  # fail at definition time, like the original
+    _check_callables(f, reduction, chunk_reduction)
+
+    def vectorized(*args: Any, **fkwargs: Any) -> Any:
+        leaves, treedef = jax.tree.flatten((args, fkwargs))
+        axes = _axes_per_leaf(in_axes, args) + [0] * len(jax.tree.leaves(fkwargs))
+        mapped = [i for i, axis in enumerate(axes) if axis is not None]
+        if not mapped:
+            raise ValueError(
+                f"batch_vmap needs at least one mapped argument, but in_axes={in_axes!r} "
+                "maps none; use an integer axis for at least one argument"
+            )
+        moved = []
+        for i in mapped:
+            leaf, axis = jnp.asarray(leaves[i]), axes[i]
+            if not -leaf.ndim <= axis < leaf.ndim:
+                raise ValueError(
+                    f"in_axes entry {axis} is out of range for an argument of shape "
+                    f"{leaf.shape} (ndim {leaf.ndim})"
+                )
+            moved.append(jnp.moveaxis(leaf, axis, 0))
+
+        def chunk_fun(rows: list) -> Any:
+            def one(*row_leaves: Any) -> Any:
+                full = list(leaves)
+                for i, leaf in zip(mapped, row_leaves, strict=True):
+                    full[i] = leaf
+                call_args, call_kwargs = jax.tree.unflatten(treedef, full)
+                return f(*call_args, **call_kwargs)
+
+            return jax.vmap(one)(*rows)
+
+        return batch_map(
+            chunk_fun, moved, batch_size, reduction=reduction,
+            chunk_reduction=chunk_reduction, shard=shard, mesh=mesh, **kwargs,
+        )
+
+    return vectorized
+
+
+batch_map.__doc__ = batch_map.__doc__.format(common=_COMMON_PARAMS)
+batch_vmap.__doc__ = batch_vmap.__doc__.format(common=_COMMON_PARAMS)
