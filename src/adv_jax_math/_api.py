@@ -71,8 +71,9 @@ def _empty_result(
     """``n == 0``: a map gives empty outputs, a monoid its identity."""
     if plan.kind == "generic":
         return chunk_reduction(fun(xs))
-    one_row = trace(lambda x: chunk_reduction(fun(x)) if plan.monoid is None else fun(x),
-                    rows_aval(xs, 1)).out_shape
+    one_row = trace(
+        lambda x: chunk_reduction(fun(x)) if plan.monoid is None else fun(x), rows_aval(xs, 1)
+    ).out_shape
     if plan.monoid is not None:
         return plan.monoid.identity_like(jax.eval_shape(plan.monoid.reduce_chunk, one_row))
     return jax.tree.map(lambda s: jnp.zeros((0, *s.shape[1:]), s.dtype), one_row)
@@ -90,6 +91,8 @@ def _execute(
             fun, xs, plan.monoid, max_rows=plan.batch_size, interpret=plan.backend == "interpret"
         )
     if plan.policy == _plan.SINGLE:
+        if plan.monoid is not None:  # a Monoid object as reduction carries its chunk reduction
+            return plan.monoid.reduce_chunk(fun(xs))
         return chunk_reduction(fun(xs))
     if plan.policy == _plan.EMPTY:
         return _empty_result(plan, fun, xs, reduction, chunk_reduction)
@@ -193,8 +196,13 @@ def _strip_dim0(
     directly (no leading axis of 1 on the result), as in the original library.
     """
     out = batch_map(
-        jax.vmap(fun), xs, 1, reduction=reduction, chunk_reduction=chunk_reduction,
-        shard=shard, mesh=mesh,
+        jax.vmap(fun),
+        xs,
+        1,
+        reduction=reduction,
+        chunk_reduction=chunk_reduction,
+        shard=shard,
+        mesh=mesh,
     )
     if reduction is not None and chunk_reduction is identity:
         out = jax.tree.map(lambda y: y[0], out)
@@ -258,14 +266,15 @@ def _axes_per_leaf(in_axes: Any, args: tuple) -> list[int | None]:
         raise ValueError(
             f"in_axes={in_axes!r} is not a prefix of the arguments' structure: {err}"
         ) from None
-    return [a for axes in jax.tree.leaves(per_arg, is_leaf=lambda a: isinstance(a, list))
-            for a in axes]
+    return [
+        a for axes in jax.tree.leaves(per_arg, is_leaf=lambda a: isinstance(a, list)) for a in axes
+    ]
 
 
 def batch_vmap(
     f: Callable,
     /,
-    in_axes: int | None | Sequence[Any] = 0,
+    in_axes: int | Sequence[Any] | None = 0,
     *,
     batch_size: int | None = None,
     reduction: Callable | None = None,
@@ -347,8 +356,14 @@ def batch_vmap(
             return jax.vmap(one)(*rows)
 
         return batch_map(
-            chunk_fun, moved, batch_size, reduction=reduction,
-            chunk_reduction=chunk_reduction, shard=shard, mesh=mesh, **kwargs,
+            chunk_fun,
+            moved,
+            batch_size,
+            reduction=reduction,
+            chunk_reduction=chunk_reduction,
+            shard=shard,
+            mesh=mesh,
+            **kwargs,
         )
 
     return vectorized

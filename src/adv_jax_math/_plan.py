@@ -223,10 +223,14 @@ def _choose_backend(
         return "scan", "nothing mapped (batch_size=None): one plain call of fun", ""
     platform = jax.default_backend()
     if requested == "auto" and platform == "cpu":
-        return "scan", (
-            "on CPU the fused kernel only runs in interpret mode (slow); "
-            "backend='interpret' forces it"
-        ), ""
+        return (
+            "scan",
+            (
+                "on CPU the fused kernel only runs in interpret mode (slow); "
+                "backend='interpret' forces it"
+            ),
+            "",
+        )
     if requested == "pallas" and platform == "cpu":
         problem = "Pallas has no compiled CPU lowering; use backend='interpret' on CPU"
     else:

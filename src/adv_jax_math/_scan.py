@@ -79,7 +79,8 @@ def run_balanced(plan: Plan, traced: Traced, xs: Any) -> Any:
     out_shape = jax.eval_shape(monoid.reduce_chunk, traced.out_shape)
     acc_shape = jax.eval_shape(lambda xs: chunk(0, xs), xs)
     init = monoid.identity_like(acc_shape)
-    total, _ = lax.scan(lambda acc, start: (monoid.combine(acc, chunk(start, xs)), None), init, starts)
+    body = lambda acc, start: (monoid.combine(acc, chunk(start, xs)), None)
+    total, _ = lax.scan(body, init, starts)
     return jax.tree.map(lambda t, s: t.astype(s.dtype), total, out_shape)
 
 

@@ -1,0 +1,250 @@
+"""Every decision of the DESIGN.md §1 table, each with a test."""
+
+import operator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import assert_tree_close
+
+import adv_jax_math as ajm
+
+SUM = dict(reduction=jnp.add, chunk_reduction=jnp.sum)
+
+
+def test_chunk_size_alias_used_when_batch_size_is_none():
+    x = jnp.arange(10.0)
+    plan = ajm.explain(jnp.sin, x, chunk_size=3)
+    assert plan.batch_size == 3 and plan.chunks == 4
+    assert_tree_close(ajm.batch_map(jnp.sin, x, chunk_size=3), jnp.sin(x))
+
+
+def test_batch_size_wins_over_chunk_size():
+    plan = ajm.explain(jnp.sin, jnp.arange(10.0), 5, chunk_size=3)
+    assert plan.batch_size == 5 and plan.chunks == 2
+
+
+def test_unexpected_kwargs_are_all_named():
+    with pytest.raises(ValueError, match="'bogus'.*'other'"):
+        ajm.batch_map(jnp.sin, jnp.ones(3), 2, bogus=1, other=2)
+    with pytest.raises(ValueError, match="'oops'"):
+        ajm.batch_vmap(jnp.sin, batch_size=2, oops=True)
+
+
+@pytest.mark.parametrize(
+    "bad, exc, match",
+    [
+        (True, TypeError, "batch_size=True"),
+        (2.0, TypeError, "batch_size=2.0"),
+        ("3", TypeError, "batch_size='3'"),
+        (0, ValueError, "batch_size=0"),
+        (-3, ValueError, "batch_size=-3"),
+    ],
+)
+def test_invalid_batch_size(bad, exc, match):
+    with pytest.raises(exc, match=match):
+        ajm.batch_map(jnp.sin, jnp.ones(4), bad)
+    with pytest.raises(exc, match=match.replace("batch_size", "chunk_size")):
+        ajm.batch_map(jnp.sin, jnp.ones(4), chunk_size=bad)
+    with pytest.raises(exc):
+        ajm.batch_vmap(jnp.sin, batch_size=bad)
+
+
+def test_numpy_integer_batch_size_is_accepted():
+    out = ajm.batch_map(jnp.sin, jnp.arange(5.0), np.int64(2))
+    assert_tree_close(out, jnp.sin(jnp.arange(5.0)))
+
+
+@pytest.mark.parametrize("batch_size", [None, 10, 12, 100])
+def test_batch_size_at_least_n_is_one_call(batch_size):
+    calls = []
+    f = lambda x: calls.append(x.shape) or x * 2
+    out = ajm.batch_map(f, jnp.arange(10.0), batch_size)
+    assert calls == [(10,)]
+    assert_tree_close(out, jnp.arange(10.0) * 2)
+
+
+@pytest.mark.parametrize("batch_size", [1, 2, 3, 4, 6, 12, 13])
+@pytest.mark.parametrize("reduction", [None, "sum", "generic"])
+def test_mismatched_leading_sizes_raise_for_every_batch_size(batch_size, reduction):
+    # 12 and 6 rows: batch sizes 1, 2, 3 and 6 divide both; the original silently
+    # dropped rows for those.
+    kw = {None: {}, "sum": SUM, "generic": dict(reduction=jnp.multiply)}[reduction]
+    xs = {"a": jnp.ones(12), "b": jnp.ones(6)}
+    with pytest.raises(ValueError, match=r"different leading sizes.*\['a'\]: 12.*\['b'\]: 6"):
+        ajm.batch_map(lambda d: d["a"], xs, batch_size, **kw)
+    with pytest.raises(ValueError, match="different leading sizes"):
+        ajm.batch_vmap(lambda a, b: a * b, batch_size=batch_size)(jnp.ones(12), jnp.ones(6))
+
+
+def test_zero_dim_leaf_raises():
+    with pytest.raises(ValueError, match=r"\['s'\] is 0-d"):
+        ajm.batch_map(lambda d: d["x"] * d["s"], {"x": jnp.ones(4), "s": jnp.float32(2)}, 2)
+    with pytest.raises(ValueError, match="out of range"):
+        ajm.batch_vmap(lambda x: x, batch_size=2)(jnp.float32(1))
+
+
+@pytest.mark.parametrize("batch_size", [None, 1, 3])
+def test_zero_dim_leaf_allowed_when_not_mapped(batch_size):
+    if batch_size is None:
+        assert ajm.batch_map(lambda s: s * 2, jnp.float32(2)) == 4
+    f = ajm.batch_vmap(lambda x, s: x * s, in_axes=(0, None), batch_size=batch_size)
+    assert_tree_close(f(jnp.arange(4.0), jnp.float32(3)), jnp.arange(4.0) * 3)
+
+
+class TestEmptyInput:
+    def test_map_gives_empty_outputs(self):
+        out = ajm.batch_map(lambda x: {"y": x[:, None] * jnp.ones(3)}, jnp.ones((0,)), 4)
+        assert out["y"].shape == (0, 3) and out["y"].dtype == jnp.float32
+
+    @pytest.mark.parametrize(
+        "reduction, chunk_reduction, expected",
+        [
+            (jnp.add, jnp.sum, 0.0),
+            (jnp.maximum, jnp.max, -np.inf),
+            (jnp.minimum, jnp.min, np.inf),
+            (jnp.logaddexp, jax.nn.logsumexp, -np.inf),
+        ],
+    )
+    def test_monoid_gives_identity(self, reduction, chunk_reduction, expected):
+        out = ajm.batch_map(
+            jnp.exp, jnp.ones((0, 2)), 4, reduction=reduction, chunk_reduction=chunk_reduction
+        )
+        assert out.shape == () and out == expected
+
+    def test_axis0_monoid_identity_keeps_trailing_shape(self):
+        out = ajm.batch_map(
+            jnp.exp, jnp.ones((0, 2)), 4, reduction=jnp.add, chunk_reduction=jnp.add.reduce
+        )
+        assert_tree_close(out, jnp.zeros(2))
+
+    def test_int_max_identity_is_dtype_min(self):
+        out = ajm.batch_map(
+            lambda x: x, jnp.ones(0, jnp.int32), 2, reduction=jnp.maximum, chunk_reduction=jnp.max
+        )
+        assert out == jnp.iinfo(jnp.int32).min and out.dtype == jnp.int32
+
+    def test_generic_reduction_calls_chunk_reduction_on_empty(self):
+        out = ajm.batch_map(
+            jnp.exp, jnp.ones(0), 4, reduction=jnp.multiply, chunk_reduction=jnp.prod
+        )
+        assert out == 1.0
+
+
+def test_strip_dim0_with_batch_size_other_than_one_warns_and_is_ignored():
+    x = jnp.arange(6.0).reshape(3, 2)
+    with pytest.warns(UserWarning, match="strip_dim0=True only works with batch_size=1"):
+        out = ajm.batch_map(lambda x: x.sum(1), x, 2, strip_dim0=True)
+    assert_tree_close(out, x.sum(1))
+
+
+def test_strip_dim0_passes_rows_without_leading_axis():
+    x = jnp.arange(12.0).reshape(4, 3)
+    seen = []
+    out = ajm.batch_map(lambda r: seen.append(r.shape) or r @ r, x, 1, strip_dim0=True)
+    assert seen == [(3,)]
+    assert_tree_close(out, jnp.einsum("ij,ij->i", x, x))
+    red = ajm.batch_map(lambda r: r * 2, x, 1, strip_dim0=True, reduction=jnp.add)
+    assert_tree_close(red, (x * 2).sum(0))
+
+
+def test_strip_dim0_nesting():
+    x = jnp.arange(24.0).reshape(4, 6)
+    inner = lambda row: ajm.batch_map(jnp.sin, row, 4, **SUM)
+    out = ajm.batch_map(inner, x, 1, strip_dim0=True)
+    assert_tree_close(out, jnp.sin(x).sum(1))
+
+
+def test_fun_output_rows_must_match_chunk_rows_without_reduction():
+    with pytest.raises(ValueError, match=r"has shape \(\) for a chunk of 4 rows"):
+        ajm.batch_map(lambda x: x.sum(), jnp.ones(8), 4)
+    with pytest.raises(ValueError, match="one row per input row"):
+        ajm.batch_map(lambda x: x.sum(), jnp.ones(10), 4)
+    with pytest.raises(ValueError, match="one row per input row"):
+        ajm.batch_map(lambda x: x, jnp.ones(10), 4, chunk_reduction=lambda y: y[:1])
+
+
+def test_reduction_seeded_from_first_chunk_not_zeros():
+    x = -jnp.arange(1.0, 11.0)  # all negative
+    out = ajm.batch_map(
+        lambda x: x, x, 4, reduction=jnp.maximum, chunk_reduction=lambda y: jnp.max(y)
+    )  # generic: lambda
+    assert out == -1.0
+    prod = ajm.batch_map(lambda x: x, x[:7], 3, reduction=operator.mul, chunk_reduction=jnp.prod)
+    assert_tree_close(prod, jnp.prod(x[:7]))
+
+
+def test_bad_callables():
+    with pytest.raises(TypeError, match="fun must be callable"):
+        ajm.batch_map(3, jnp.ones(2), 1)
+    with pytest.raises(TypeError, match="reduction must be"):
+        ajm.batch_map(jnp.sin, jnp.ones(2), 1, reduction="add")
+    with pytest.raises(TypeError, match="chunk_reduction must be"):
+        ajm.batch_map(jnp.sin, jnp.ones(2), 1, chunk_reduction=None)
+
+
+def test_mismatched_monoid_objects_raise():
+    with pytest.raises(ValueError, match="does not match chunk_reduction"):
+        ajm.batch_map(jnp.sin, jnp.ones(4), 2, reduction=ajm.LOGSUMEXP, chunk_reduction=jnp.sum)
+
+
+class TestBatchVmapInAxes:
+    def test_int_applies_to_every_positional_argument(self):
+        a, b = jnp.arange(6.0).reshape(3, 2), jnp.arange(6.0).reshape(3, 2) + 1
+        f = lambda a, b: a @ b
+        assert_tree_close(ajm.batch_vmap(f, 0, batch_size=2)(a, b), jax.vmap(f, 0)(a, b))
+        assert_tree_close(ajm.batch_vmap(f, 1, batch_size=1)(a, b), jax.vmap(f, 1)(a, b))
+
+    @pytest.mark.parametrize("axis", [0, 1, 2, -1, -2, -3])
+    def test_any_integer_axis(self, axis):
+        x = jnp.arange(60.0).reshape(3, 4, 5)
+        f = lambda m: jnp.sum(m**2)
+        expect = jax.vmap(f, axis)(x)
+        assert_tree_close(ajm.batch_vmap(f, axis, batch_size=2)(x), expect)
+
+    def test_pytree_in_axes_and_none_broadcast(self):
+        args = ({"w": jnp.arange(3.0), "b": jnp.arange(4.0)}, jnp.arange(12.0).reshape(3, 4))
+        in_axes = ({"w": None, "b": 0}, 1)
+        f = lambda p, x: p["w"] @ x + p["b"]
+        out = ajm.batch_vmap(f, in_axes, batch_size=3)(*args)
+        assert_tree_close(out, jax.vmap(f, in_axes)(*args))
+
+    def test_list_in_axes_like_tuple(self):
+        f = lambda a, s: a * s
+        out = ajm.batch_vmap(f, [0, None], batch_size=2)(jnp.arange(5.0), 2.0)
+        assert_tree_close(out, jnp.arange(5.0) * 2)
+
+    def test_kwargs_are_mapped_over_axis_0(self):
+        f = lambda a, *, b: a * b
+        out = ajm.batch_vmap(f, batch_size=2)(jnp.arange(5.0), b=jnp.arange(5.0))
+        assert_tree_close(out, jax.vmap(f)(jnp.arange(5.0), b=jnp.arange(5.0)))
+
+    @pytest.mark.parametrize(
+        "in_axes, match",
+        [
+            ((0,), "has 1 entries but the function was called with 2"),
+            ((None, None), "at least one mapped argument"),
+            ((0, 1.5), "must be int or None"),
+            ((0, 3), "out of range"),
+        ],
+    )
+    def test_errors(self, in_axes, match):
+        with pytest.raises((ValueError, TypeError), match=match):
+            ajm.batch_vmap(lambda a, b: a + b, in_axes, batch_size=2)(jnp.ones(3), jnp.ones(3))
+
+    def test_prefix_mismatch(self):
+        with pytest.raises(ValueError, match="not a prefix"):
+            ajm.batch_vmap(lambda p: p["a"], ({"a": 0, "b": 0},), batch_size=2)({"a": jnp.ones(2)})
+
+    def test_per_example_gradients_seed_example(self):
+        # The seed tutorial's example: w (3,), xs (4, 3).
+        def loss(w, x):
+            return jnp.sum(jnp.tanh(x @ w) ** 2)
+
+        w = jnp.array([0.1, -0.2, 0.3])
+        xs = jnp.arange(12.0).reshape(4, 3) / 7
+        expect = jax.vmap(jax.grad(loss), in_axes=(None, 0))(w, xs)
+        for bs in (None, 1, 3, 4, 5):
+            out = ajm.batch_vmap(jax.grad(loss), in_axes=(None, 0), batch_size=bs)(w, xs)
+            assert_tree_close(out, expect)
