@@ -53,15 +53,25 @@ def _prepare(
     reduction: Callable | None,
     chunk_reduction: Callable,
     shard: bool,
+    mesh: Any,
     kwargs: dict[str, Any],
 ) -> tuple[Plan, Any]:
     batch_size = batch_size_from(batch_size, kwargs)
     _check_callables(fun, reduction, chunk_reduction)
     if not isinstance(shard, bool):
         raise TypeError(f"shard={shard!r} must be a bool")
-    if batch_size is not None or shard:
+    if mesh is not None and not shard:
+        warnings.warn("mesh is only used with shard=True; it is ignored", UserWarning, stacklevel=3)
+    if shard:
+        from . import _shard
+
+        mesh = _shard.resolve_mesh(mesh)
+        fun_input = jax.tree.map(lambda x: _shard.as_global(x, mesh), fun_input)
+    elif batch_size is not None:
         fun_input = jax.tree.map(jnp.asarray, fun_input)
-    plan = _plan.make_plan(fun, fun_input, batch_size, reduction, chunk_reduction, shard=shard)
+    plan = _plan.make_plan(
+        fun, fun_input, batch_size, reduction, chunk_reduction, shard=shard, mesh=mesh
+    )
     return plan, fun_input
 
 
@@ -84,6 +94,16 @@ def _execute(
 ) -> Any:
     if plan.error:
         raise NotImplementedError(plan.error)
+    if plan.shard is not None:
+        from . import _shard
+
+        def run_local(rows: Any) -> Any:
+            local = _plan.make_plan(
+                fun, rows, plan.batch_size, reduction, chunk_reduction, mapped=True
+            )
+            return _execute(local, fun, rows, reduction, chunk_reduction)
+
+        return _shard.run_sharded(plan, run_local, xs, reduction)
     if plan.backend in ("pallas", "interpret"):
         from . import _pallas
 
@@ -178,7 +198,7 @@ def batch_map(
             UserWarning,
             stacklevel=2,
         )
-    plan, xs = _prepare(fun, fun_input, batch_size, reduction, chunk_reduction, shard, kwargs)
+    plan, xs = _prepare(fun, fun_input, batch_size, reduction, chunk_reduction, shard, mesh, kwargs)
     return _execute(plan, fun, xs, reduction, chunk_reduction)
 
 
@@ -239,7 +259,7 @@ def explain(
     """
     if strip_dim0 and batch_size_from(batch_size, kwargs) == 1:
         fun = jax.vmap(fun)
-    plan, _ = _prepare(fun, fun_input, batch_size, reduction, chunk_reduction, shard, kwargs)
+    plan, _ = _prepare(fun, fun_input, batch_size, reduction, chunk_reduction, shard, mesh, kwargs)
     return plan
 
 
@@ -335,6 +355,14 @@ def batch_vmap(
                 f"batch_vmap needs at least one mapped argument, but in_axes={in_axes!r} "
                 "maps none; use an integer axis for at least one argument"
             )
+        if shard:
+            from . import _shard
+
+            on_mesh = _shard.resolve_mesh(mesh)
+            leaves = [
+                x if a is not None else _shard.as_global(x, on_mesh)
+                for x, a in zip(leaves, axes, strict=True)
+            ]
         moved = []
         for i in mapped:
             leaf, axis = jnp.asarray(leaves[i]), axes[i]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
@@ -18,6 +18,9 @@ from . import _config
 from ._monoid import MonoidReduction, identity, recognize
 from ._trace import Traced, check_rowwise, rows_aval, trace
 
+if TYPE_CHECKING:
+    from ._shard import ShardLayout
+
 __all__ = ["Plan", "chunk_rows", "make_plan", "mapped_rows"]
 
 # Policies: how rows are split into chunks.
@@ -25,6 +28,7 @@ SINGLE = "single call"  # no chunking: chunk_reduction(fun(x))
 EMPTY = "empty input"  # n == 0: identity / empty outputs
 BALANCED = "balanced"  # k equal chunks; the last one overlaps and its repeats are masked
 REMAINDER = "remainder"  # full chunks of batch_size, then the remainder evaluated apart
+SHARDED = "sharded"  # rows spread over a mesh; see Plan.shard for each device's plan
 
 
 def mapped_rows(xs: Any, what: str = "fun_input") -> int:
@@ -95,7 +99,11 @@ class Plan:
         Set when the requested backend cannot run this call; executing the plan
         raises ``NotImplementedError`` with it.
     notes : tuple of str
-        Other facts worth knowing (native kernels, sharding layout).
+        Other facts worth knowing.
+    shard : ShardLayout or None
+        For ``shard=True``: the mesh, the rows per device and the plans each
+        device runs (``shard.local``) and the global remainder runs
+        (``shard.remainder``).
     """
 
     n: int | None
@@ -111,6 +119,7 @@ class Plan:
     reason: str = ""
     error: str = ""
     notes: tuple[str, ...] = field(default_factory=tuple)
+    shard: ShardLayout | None = None
     traced: Traced | None = field(default=None, repr=False, compare=False)
 
     def __str__(self) -> str:
@@ -121,12 +130,15 @@ class Plan:
             ("reduction", what.get(self.kind) or f"{self.monoid} (monoid)"),
             ("policy", self._policy_text()),
             ("backend", f"{self.backend}: {self.reason}"),
+            *((("sharding", str(self.shard)),) if self.shard else ()),
             *(("note", note) for note in self.notes),
         ]
         width = max(len(k) for k, _ in lines)
         return "\n".join(f"{k:<{width}} : {v}" for k, v in lines)
 
     def _policy_text(self) -> str:
+        if self.policy == SHARDED:
+            return "sharded over a mesh (see sharding)"
         if self.policy == BALANCED:
             text = f"{self.chunks} chunks of {self.rows} rows"
             if self.masked:
@@ -148,12 +160,40 @@ def make_plan(
     chunk_reduction: Callable,
     *,
     shard: bool = False,
+    mesh: Any = None,
+    mapped: bool = False,
 ) -> Plan:
-    """Plan a call from validated arguments (see ``_api.batch_map``)."""
+    """Plan a call from validated arguments (see ``_api.batch_map``).
+
+    Rows are counted when something is split (``batch_size`` or ``shard``) or when
+    ``mapped`` says the input's leading axis is mapped (a device's share of rows).
+    """
     monoid = recognize(reduction, chunk_reduction)
     kind = "monoid" if monoid else "map" if reduction is None else "generic"
-    n = mapped_rows(fun_input) if batch_size is not None or shard else None
+    n = mapped_rows(fun_input) if batch_size is not None or shard or mapped else None
     notes: list[str] = []
+    if shard and n:
+        from . import _shard
+
+        mesh = _shard.resolve_mesh(mesh)
+        plan_rows = lambda rows: make_plan(
+            fun, rows_aval(fun_input, rows), batch_size, reduction, chunk_reduction, mapped=True
+        )
+        lay = _shard.layout(mesh, n, plan_rows)
+        first = lay.local or lay.remainder
+        return Plan(
+            n=n,
+            batch_size=batch_size,
+            kind=kind,
+            monoid=monoid,
+            policy=SHARDED,
+            chunks=0,
+            rows=0,
+            backend=first.backend,
+            reason=first.reason,
+            error=first.error,
+            shard=lay,
+        )
 
     if n is None or (batch_size is not None and n <= batch_size and n > 0):
         policy, chunks, rows = SINGLE, 1, n or 0

@@ -1,0 +1,177 @@
+"""shard=True on four virtual CPU devices (set up by the repository conftest.py)."""
+
+import collections
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import assert_tree_close
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+import adv_jax_math as ajm
+
+pytestmark = pytest.mark.skipif(
+    jax.device_count() != 4, reason="needs the 4 virtual CPU devices of conftest.py"
+)
+
+REDUCTIONS = {
+    "map": (None, ajm.identity, lambda y: y),
+    "add": (jnp.add, jnp.sum, lambda y: jax.tree.map(jnp.sum, y)),
+    "max": (
+        jnp.maximum,
+        jnp.maximum.reduce,
+        lambda y: jax.tree.map(lambda v: v.max(0, initial=-jnp.inf), y),
+    ),
+    "logsumexp": (jnp.logaddexp, jax.nn.logsumexp, lambda y: jax.tree.map(jax.nn.logsumexp, y)),
+    "generic": (
+        lambda a, b: jax.tree.map(jnp.add, a, b),
+        lambda y: jax.tree.map(lambda v: v.sum(0), y),
+        lambda y: jax.tree.map(lambda v: v.sum(0), y),
+    ),
+}
+
+
+def fun(d):
+    return {"s": jnp.sin(d["x"]) * d["y"][:, None], "t": jnp.cos(d["y"])}
+
+
+def inputs(n):
+    x = jnp.linspace(-2, 2, n * 3).reshape(n, 3)
+    return {"x": x, "y": jnp.linspace(0.5, 1.5, n)}
+
+
+class Recorder:
+    """Records the rows of every chunk actually executed, on every device."""
+
+    def __init__(self, fun):
+        self.fun, self.rows = fun, []
+
+    def __call__(self, d):
+        rows = d["y"].shape[0]
+        jax.debug.callback(lambda: self.rows.append(rows))
+        return self.fun(d)
+
+    def executed(self):
+        jax.effects_barrier()
+        return collections.Counter(self.rows)
+
+
+def expected_chunks(plan):
+    """Chunk sizes the plan says each device runs (Counter of rows)."""
+    lay, count = plan.shard, collections.Counter()
+
+    def add(p, times):
+        count[p.rows] += p.chunks * times
+        if p.remainder:
+            count[p.remainder] += times
+
+    if lay.local is not None:
+        add(lay.local, lay.devices)
+    if lay.remainder is not None:
+        add(lay.remainder, 1)
+    return count
+
+
+@pytest.mark.parametrize("name", list(REDUCTIONS))
+@pytest.mark.parametrize("batch_size", [None, 1, 2, 5])
+@pytest.mark.parametrize("n", [0, 1, 3, 4, 7, 17, 67])
+def test_matches_oracle_and_plan(name, batch_size, n):
+    reduction, chunk_reduction, oracle = REDUCTIONS[name]
+    rec = Recorder(fun)
+    kw = dict(reduction=reduction, chunk_reduction=chunk_reduction, shard=True)
+    out = jax.jit(lambda d: ajm.batch_map(rec, d, batch_size, **kw))(inputs(n))
+    assert_tree_close(out, oracle(fun(inputs(n))), rtol=1e-5, atol=1e-5)
+    plan = ajm.explain(fun, inputs(n), batch_size, **kw)
+    if n:
+        assert rec.executed() == expected_chunks(plan), str(plan)
+        local_rows = [plan.shard.local_rows] if plan.shard.local else []
+        assert plan.shard.prefix == n - n % 4 and local_rows in ([n // 4], [])
+        assert plan.shard.global_remainder == n % 4
+
+
+@pytest.mark.parametrize("name", list(REDUCTIONS))
+@pytest.mark.parametrize("n, batch_size", [(3, 2), (17, 2), (67, 5), (16, None)])
+def test_gradients(name, n, batch_size):
+    reduction, chunk_reduction, oracle = REDUCTIONS[name]
+    w0 = jnp.float32(0.7)
+
+    def loss(w, d, run):
+        out = run(lambda d: fun({"x": d["x"] * w, "y": d["y"]}), d)
+        return sum(jnp.sum(v**2) for v in jax.tree.leaves(out))
+
+    chunked = lambda f, d: ajm.batch_map(
+        f, d, batch_size, reduction=reduction, chunk_reduction=chunk_reduction, shard=True
+    )
+    plain = lambda f, d: oracle(f(d))
+    g = jax.jit(jax.grad(loss, argnums=(0, 1)), static_argnums=2)(w0, inputs(n), chunked)
+    expect = jax.grad(loss, argnums=(0, 1))(w0, inputs(n), plain)
+    assert_tree_close(g, expect, rtol=1e-4, atol=1e-5)
+
+
+def test_single_device_mesh_equals_unsharded():
+    mesh = jax.make_mesh((1,), ("x",), axis_types=(AxisType.Auto,), devices=jax.devices()[:1])
+    d = inputs(13)
+    for name, (reduction, chunk_reduction, _) in REDUCTIONS.items():
+        kw = dict(reduction=reduction, chunk_reduction=chunk_reduction)
+        out = ajm.batch_map(fun, d, 4, shard=True, mesh=mesh, **kw)
+        assert_tree_close(out, ajm.batch_map(fun, d, 4, **kw)), name
+
+
+def test_explicit_mesh_selects_devices():
+    mesh = jax.make_mesh((2,), ("rows",), axis_types=(AxisType.Auto,), devices=jax.devices()[2:])
+    out = ajm.batch_map(jnp.sin, jnp.arange(9.0), 2, shard=True, mesh=mesh)
+    assert_tree_close(out, jnp.sin(jnp.arange(9.0)))
+    assert out.sharding.mesh.devices.tolist() == jax.devices()[2:]
+    plan = ajm.explain(jnp.sin, jnp.arange(9.0), 2, shard=True, mesh=mesh)
+    assert plan.shard.devices == 2 and plan.shard.global_remainder == 1
+    assert "2 devices on mesh axis 'rows'" in str(plan)
+
+
+def test_map_output_layout():
+    mesh = jax.make_mesh((4,), ("x",), axis_types=(AxisType.Auto,))
+    divisible = ajm.batch_map(jnp.sin, jnp.arange(16.0), 2, shard=True, mesh=mesh)
+    assert divisible.sharding.spec == PartitionSpec("x")
+    with_rest = ajm.batch_map(jnp.sin, jnp.arange(17.0), 2, shard=True, mesh=mesh)
+    assert with_rest.sharding.is_fully_replicated
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
+def test_already_sharded_inputs(axis_type):
+    src = jax.make_mesh((4,), ("x",), axis_types=(axis_type,))
+    x = jax.device_put(jnp.linspace(0, 1, 20), NamedSharding(src, PartitionSpec("x")))
+    w = jax.device_put(jnp.float32(3.0), NamedSharding(src, PartitionSpec()))
+    mesh = jax.make_mesh((4,), ("x",), axis_types=(AxisType.Auto,))
+    f = ajm.batch_vmap(lambda w, x: w * jnp.sin(x), (None, 0), batch_size=2, shard=True,
+                       mesh=mesh)
+    assert_tree_close(f(w, x), 3.0 * jnp.sin(jnp.linspace(0, 1, 20)))
+    red = ajm.batch_map(jnp.sin, x, 3, reduction=jnp.add, chunk_reduction=jnp.sum, shard=True,
+                        mesh=mesh)
+    assert_tree_close(red, jnp.sin(jnp.linspace(0, 1, 20)).sum())
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda: jax.make_mesh((2, 2), ("a", "b"), axis_types=(AxisType.Auto,) * 2),
+         "one-dimensional mesh"),
+        (lambda: jax.make_mesh((4,), ("a",), axis_types=(AxisType.Explicit,)), "AxisType.Auto"),
+        (lambda: "cpu", "must be a jax.sharding.Mesh"),
+    ],
+)
+def test_bad_mesh(make, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        ajm.batch_map(jnp.sin, jnp.ones(8), 2, shard=True, mesh=make())
+
+
+def test_mesh_without_shard_warns():
+    mesh = jax.make_mesh((4,), ("x",), axis_types=(AxisType.Auto,))
+    with pytest.warns(UserWarning, match="only used with shard=True"):
+        ajm.batch_map(jnp.sin, jnp.ones(8), 2, mesh=mesh)
+
+
+def test_batch_vmap_sharded_per_example_grads():
+    loss = lambda w, x: jnp.sum(jnp.tanh(x @ w) ** 2)
+    w, xs = jnp.ones(3) / 3, jnp.asarray(np.random.default_rng(0).normal(size=(11, 3)), jnp.float32)
+    f = ajm.batch_vmap(jax.grad(loss), (None, 0), batch_size=2, shard=True)
+    assert_tree_close(f(w, xs), jax.vmap(jax.grad(loss), (None, 0))(w, xs))
