@@ -29,8 +29,7 @@ def batch_size_from(batch_size: Any, kwargs: Mapping[str, Any]) -> int | None:
         return None
     if isinstance(batch_size, bool) or not _is_integer(batch_size):
         raise TypeError(
-            f"{name}={batch_size!r} must be a positive int or None, "
-            f"not {type(batch_size).__name__}"
+            f"{name}={batch_size!r} must be a positive int or None, not {type(batch_size).__name__}"
         )
     batch_size = operator.index(batch_size)
     if batch_size < 1:
