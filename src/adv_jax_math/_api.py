@@ -107,8 +107,14 @@ def _execute(
     if plan.backend in ("pallas", "interpret"):
         from . import _pallas
 
+        interpret = plan.backend == "interpret"
         return _pallas.fused_reduce(
-            fun, xs, plan.monoid, max_rows=plan.batch_size, interpret=plan.backend == "interpret"
+            fun,
+            xs,
+            plan.monoid,
+            max_rows=plan.batch_size,
+            interpret=interpret,
+            platform="cpu" if interpret else plan.platform,
         )
     if plan.policy == _plan.SINGLE:
         if plan.monoid is not None:  # a Monoid object as reduction carries its chunk reduction

@@ -98,6 +98,9 @@ class Plan:
     error : str
         Set when the requested backend cannot run this call; executing the plan
         raises ``NotImplementedError`` with it.
+    platform : str
+        The platform planned for: the active abstract mesh's device platform
+        (when lowering for another platform) or ``jax.default_backend()``.
     notes : tuple of str
         Other facts worth knowing.
     shard : ShardLayout or None
@@ -118,6 +121,7 @@ class Plan:
     backend: str = "scan"
     reason: str = ""
     error: str = ""
+    platform: str = ""
     notes: tuple[str, ...] = field(default_factory=tuple)
     shard: ShardLayout | None = None
     traced: Traced | None = field(default=None, repr=False, compare=False)
@@ -192,6 +196,7 @@ def make_plan(
             backend=first.backend,
             reason=first.reason,
             error=first.error,
+            platform=first.platform,
             shard=lay,
         )
 
@@ -208,7 +213,10 @@ def make_plan(
         policy = BALANCED
         chunks, rows = chunk_rows(n, batch_size)
 
-    backend, reason, error = _choose_backend(fun, fun_input, monoid, n, batch_size, policy)
+    platform = target_platform()
+    backend, reason, error = _choose_backend(
+        fun, fun_input, monoid, n, batch_size, policy, platform
+    )
     traced = None
     if policy == BALANCED and backend == "scan":
         # Trace fun once here; the engine evaluates this jaxpr for every chunk.
@@ -233,9 +241,18 @@ def make_plan(
         backend=backend,
         reason=reason,
         error=error,
+        platform=platform,
         notes=tuple(notes),
         traced=traced,
     )
+
+
+def target_platform() -> str:
+    """The platform being compiled for: an active abstract mesh's device platform
+    (cross-platform lowering, e.g. for a GPU from a CPU machine), else the default
+    backend."""
+    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    return getattr(device, "platform", None) or jax.default_backend()
 
 
 def _choose_backend(
@@ -245,6 +262,7 @@ def _choose_backend(
     n: int | None,
     batch_size: int | None,
     policy: str,
+    platform: str,
 ) -> tuple[str, str, str]:
     """Pick the engine: ``(backend, why, error)``.
 
@@ -261,7 +279,6 @@ def _choose_backend(
         return "scan", "empty input: the result is the monoid identity", ""
     if n is None:
         return "scan", "nothing mapped (batch_size=None): one plain call of fun", ""
-    platform = jax.default_backend()
     if requested == "auto" and platform == "cpu":
         return (
             "scan",
