@@ -248,3 +248,19 @@ class TestBatchVmapInAxes:
         for bs in (None, 1, 3, 4, 5):
             out = ajm.batch_vmap(jax.grad(loss), in_axes=(None, 0), batch_size=bs)(w, xs)
             assert_tree_close(out, expect)
+
+
+@pytest.mark.parametrize(
+    "n, batch_size, rows, masked",
+    [
+        (1000, 64, 64, 24),  # repeats <= n / 16: chunks of batch_size
+        (30001, 1024, 1024, 719),
+        (100, 32, 25, 0),  # 28 repeats would be > n / 16: balanced chunks
+        (33, 32, 17, 1),
+        (64, 16, 16, 0),
+    ],
+)
+def test_overlap_chunking(n, batch_size, rows, masked):
+    plan = ajm.explain(jnp.sin, jnp.ones(n), batch_size, reduction=jnp.add, chunk_reduction=jnp.sum)
+    assert (plan.policy, plan.rows, plan.masked) == ("overlap", rows, masked)
+    assert plan.chunks * plan.rows - plan.masked == n and plan.rows <= batch_size

@@ -122,8 +122,8 @@ def _execute(
         return chunk_reduction(fun(xs))
     if plan.policy == _plan.EMPTY:
         return _empty_result(plan, fun, xs, reduction, chunk_reduction)
-    if plan.policy == _plan.BALANCED:
-        return _scan.run_balanced(plan, plan.traced, xs)
+    if plan.policy == _plan.OVERLAP:
+        return _scan.run_overlapped(plan, plan.traced, xs)
     return _scan.run_remainder(plan, fun, xs, reduction, chunk_reduction)
 
 
@@ -258,10 +258,16 @@ def explain(
     --------
     >>> import jax.numpy as jnp
     >>> import adv_jax_math as ajm
-    >>> plan = ajm.explain(jnp.exp, jnp.ones(100), 32,
+    >>> plan = ajm.explain(jnp.exp, jnp.ones(1000), 64,
     ...                    reduction=jnp.add, chunk_reduction=jnp.sum)
     >>> (plan.chunks, plan.rows, plan.masked, plan.backend)
-    (4, 25, 0, 'scan')
+    (16, 64, 24, 'scan')
+    >>> print(plan)  # doctest: +ELLIPSIS
+    rows (n)   : 1000
+    batch_size : 64
+    reduction  : add over all axes (monoid)
+    policy     : 16 chunks of 64 rows; the last chunk overlaps the one before by 24 rows, ...
+    backend    : scan: on CPU the fused kernel only runs in interpret mode ...
     """
     if strip_dim0 and batch_size_from(batch_size, kwargs) == 1:
         fun = jax.vmap(fun)

@@ -69,10 +69,10 @@ class Monoid:
     def __repr__(self) -> str:
         return f"adv_jax_math.{self.name.upper()}"
 
-    def identity(self, dtype: Any) -> jax.Array:
-        """The identity element as a 0-d array of ``dtype``."""
+    def identity(self, dtype: Any) -> np.ndarray:
+        """The identity element as a 0-d NumPy array of ``dtype``."""
         dtype = np.dtype(dtype)
-        return jnp.asarray(self._identity(dtype), dtype)
+        return np.asarray(self._identity(dtype), dtype)
 
     def mask(self, y: jax.Array, valid: jax.Array) -> jax.Array:
         """Replace the rows of ``y`` where ``valid`` (shape ``(rows,)``) is False."""

@@ -6,7 +6,6 @@ options in force); engines only execute it. :func:`adv_jax_math.explain` returns
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -21,12 +20,12 @@ from ._trace import Traced, check_rowwise, rows_aval, trace
 if TYPE_CHECKING:
     from ._shard import ShardLayout
 
-__all__ = ["Plan", "chunk_rows", "make_plan", "mapped_rows"]
+__all__ = ["Plan", "make_plan", "mapped_rows", "overlap_rows"]
 
 # Policies: how rows are split into chunks.
 SINGLE = "single call"  # no chunking: chunk_reduction(fun(x))
 EMPTY = "empty input"  # n == 0: identity / empty outputs
-BALANCED = "balanced"  # k equal chunks; the last one overlaps and its repeats are masked
+OVERLAP = "overlap"  # chunks of batch_size; the last one overlaps, its repeats are masked
 REMAINDER = "remainder"  # full chunks of batch_size, then the remainder evaluated apart
 SHARDED = "sharded"  # rows spread over a mesh; see Plan.shard for each device's plan
 
@@ -55,17 +54,17 @@ def mapped_rows(xs: Any, what: str = "fun_input") -> int:
     return next(iter(sizes.values()))
 
 
-def chunk_rows(n: int, batch_size: int) -> tuple[int, int]:
-    """Balanced chunking: ``k = ceil(n / B)`` chunks of ``b = ceil(n / k) <= B`` rows.
+def overlap_rows(n: int, batch_size: int) -> int:
+    """Rows per chunk for the overlap policy (``n > batch_size``).
 
-    ``b`` is rounded up to a multiple of 8 when the chunks do not tile ``n`` anyway
-    and the rounded size still fits in ``batch_size``. Returns ``(k, b)``.
+    Chunks of ``batch_size`` rows, as the user asked, unless the last chunk would
+    repeat more than ``n / 16`` rows; then ``k = ceil(n / batch_size)`` balanced
+    chunks of ``ceil(n / k)`` rows (fewer than ``k`` repeated rows).
     """
-    k = math.ceil(n / batch_size)
-    b = math.ceil(n / k)
-    if n % b and (b8 := -(-b // 8) * 8) <= batch_size:
-        b = b8
-    return k, b
+    k = -(-n // batch_size)
+    if k * batch_size - n <= n // 16:
+        return batch_size
+    return -(-n // k)
 
 
 @dataclass(frozen=True)
@@ -84,11 +83,13 @@ class Plan:
     monoid : MonoidReduction or None
         The recognized reduction, for ``kind == "monoid"``.
     policy : str
-        ``"single call"``, ``"empty input"``, ``"balanced"`` or ``"remainder"``.
+        ``"single call"``, ``"empty input"``, ``"overlap"``, ``"remainder"`` or
+        ``"sharded"``.
     chunks, rows : int
-        Chunks executed by the loop and rows in each.
+        Chunks executed and rows in each.
     masked : int
-        Rows of the last balanced chunk that repeat earlier rows and are masked.
+        Rows of the last chunk (policy ``"overlap"``) that repeat rows of the
+        chunk before and are masked out.
     remainder : int
         Rows evaluated apart after the loop (policy ``"remainder"``).
     backend : str
@@ -143,10 +144,10 @@ class Plan:
     def _policy_text(self) -> str:
         if self.policy == SHARDED:
             return "sharded over a mesh (see sharding)"
-        if self.policy == BALANCED:
+        if self.policy == OVERLAP:
             text = f"{self.chunks} chunks of {self.rows} rows"
             if self.masked:
-                text += f"; the last chunk repeats {self.masked} earlier rows, masked out"
+                text += f"; the last chunk overlaps the one before by {self.masked} rows, masked"
             return text + "; fun traced once"
         if self.policy == REMAINDER:
             text = f"{self.chunks} chunks of {self.rows} rows"
@@ -210,15 +211,15 @@ def make_plan(
         # Padded rows cannot be masked out of an unknown reduction or a chunk summary.
         policy, chunks, rows = REMAINDER, n // batch_size, batch_size
     else:
-        policy = BALANCED
-        chunks, rows = chunk_rows(n, batch_size)
+        policy, rows = OVERLAP, overlap_rows(n, batch_size)
+        chunks = -(-n // rows)
 
     platform = target_platform()
     backend, reason, error = _choose_backend(
         fun, fun_input, monoid, n, batch_size, policy, platform
     )
     traced = None
-    if policy == BALANCED and backend == "scan":
+    if policy == OVERLAP and backend == "scan":
         # Trace fun once here; the engine evaluates this jaxpr for every chunk.
         traced = trace(fun, rows_aval(fun_input, rows))
         rowwise = all(s.shape[:1] == (rows,) for s in jax.tree.leaves(traced.out_shape))
@@ -236,7 +237,7 @@ def make_plan(
         policy=policy,
         chunks=chunks,
         rows=rows,
-        masked=chunks * rows - n if policy == BALANCED else 0,
+        masked=chunks * rows - n if policy == OVERLAP else 0,
         remainder=n - chunks * rows if policy == REMAINDER else 0,
         backend=backend,
         reason=reason,

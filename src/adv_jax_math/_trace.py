@@ -18,7 +18,7 @@ from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
 __all__ = ["Traced", "check_rowwise", "rows_aval", "trace"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Traced:
     """``fun`` traced on one input shape: call it like ``fun`` on that shape."""
 
