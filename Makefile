@@ -11,7 +11,7 @@ VENV_COMPAT ?= .venv-compat
 PIP_FLAGS ?= --quiet --disable-pip-version-check
 PYTEST_FLAGS ?=
 
-.PHONY: all demo test test-compat lint bench clean
+.PHONY: all demo test test-compat test-asan lint bench clean
 
 all: test
 
@@ -43,6 +43,10 @@ test: lint
 COMPAT_TESTS ?=
 test-compat: $(VENV_COMPAT)/.installed
 	$(VENV_COMPAT)/bin/python -m pytest $(PYTEST_FLAGS) $(COMPAT_TESTS)
+
+# The native kernel tests against an AddressSanitizer build of the library.
+test-asan: $(VENV)/.installed
+	PYTHON=$(VENV)/bin/python bash .ci/asan.sh
 
 bench: $(VENV)/.installed
 	$(VENV)/bin/python -m pytest bench --benchmark-enable -p no:cacheprovider $(PYTEST_FLAGS)

@@ -103,13 +103,20 @@ class MonoidReduction:
         axes = "all axes" if self.axis is None else "axis 0"
         return f"{self.monoid.name} over {axes}"
 
-    def reduce_chunk(self, y: Any, valid: jax.Array | None = None) -> Any:
-        """Reduce each leaf of ``y`` (rows first), ignoring rows where ``valid`` is False."""
+    def reduce_chunk(
+        self, y: Any, valid: jax.Array | None = None, reduce: Callable | None = None
+    ) -> Any:
+        """Reduce each leaf of ``y`` (rows first), ignoring rows where ``valid`` is False.
+
+        ``reduce(leaf, axis=...)`` replaces the monoid's own reduction (an engine's
+        faster equivalent of it).
+        """
+        reduce = reduce or self.monoid.reduce
 
         def leaf(v):
             if valid is not None:
                 v = self.monoid.mask(v, valid)
-            return self.monoid.reduce(v, axis=self.axis)
+            return reduce(v, axis=self.axis)
 
         return jax.tree.map(leaf, y)
 

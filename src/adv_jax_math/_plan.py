@@ -218,6 +218,16 @@ def make_plan(
     backend, reason, error = _choose_backend(
         fun, fun_input, monoid, n, batch_size, policy, platform
     )
+    if backend == "scan" and monoid is not None and monoid.monoid.name == "logsumexp":
+        from . import _native
+
+        loaded, why = _native.status()
+        notes.append(
+            f"chunk logsumexp: native CPU kernel for f32/f64 chunks of >= "
+            f"{_native.MIN_ELEMENTS} elements ({why})"
+            if loaded
+            else f"chunk logsumexp: XLA (native kernel unavailable: {why})"
+        )
     traced = None
     if policy == OVERLAP and backend == "scan":
         # Trace fun once here; the engine evaluates this jaxpr for every chunk.

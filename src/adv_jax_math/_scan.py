@@ -25,7 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import _config
+from . import _config, _native
+from ._monoid import LOGSUMEXP, MonoidReduction
 from ._plan import Plan
 from ._trace import Traced, check_rowwise, rows_aval, trace
 
@@ -34,6 +35,19 @@ __all__ = ["run_overlapped", "run_remainder"]
 
 def _remat(f: Callable) -> Callable:
     return jax.checkpoint(f, prevent_cse=False) if _config.current().remat else f
+
+
+def _native_logsumexp(v: jax.Array, axis: int | None) -> jax.Array:
+    if _native.worth_it(v.shape, v.dtype):
+        return _native.logsumexp(v, axis)
+    return jax.nn.logsumexp(v, axis=axis)
+
+
+def chunk_reducer(monoid: MonoidReduction) -> Callable | None:
+    """The engine's own per-leaf reduction, where it beats the monoid's: the native
+    CPU logsumexp (one pass, ~1.7x XLA's) for chunks large enough to pay for the
+    call. None keeps the monoid's reduction."""
+    return _native_logsumexp if monoid.monoid is LOGSUMEXP else None
 
 
 def _accumulator_dtype(dtype: Any) -> Any:
@@ -62,7 +76,7 @@ def run_overlapped(plan: Plan, traced: Traced, xs: Any) -> Any:
         y = traced(x)
         if monoid is None:
             return y
-        part = monoid.reduce_chunk(y, valid)
+        part = monoid.reduce_chunk(y, valid, chunk_reducer(monoid))
         return jax.tree.map(lambda p: p.astype(_accumulator_dtype(p.dtype)), part)
 
     chunk = _remat(chunk)

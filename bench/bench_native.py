@@ -1,0 +1,128 @@
+"""Native CPU logsumexp vs ``jax.nn.logsumexp``, as ratios measured side by side.
+
+Run with ``python -m pytest bench/bench_native.py --benchmark-enable -q``. Each test
+times both functions alternately in this process (best of several repeats, after
+warm-up) and stores ``ratio`` = XLA time / native time in ``benchmark.extra_info``;
+pytest-benchmark's own statistics are for the native call.
+
+- ``test_reduction``: one jitted reduction over axis 0 of a (2^14, 2^10) array. The
+  target is ratio >= 1.5 in float32.
+- ``test_chunk_threshold``: the per-chunk reduction inside ``lax.scan``, as the scan
+  engine runs it, for several chunk sizes; this is what ``_native.worth_it`` encodes.
+- ``test_batch_map_end_to_end``: a ``batch_map`` logsumexp reduction with the native
+  chunk reduction and with ``config(native="off")``.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from adv_jax_math import _native
+
+TARGET_F32 = 1.5
+
+
+@pytest.fixture(autouse=True)
+def _x64_and_native():
+    loaded, why = _native.status()
+    if not loaded:
+        pytest.skip(f"native kernel unavailable: {why}")
+    before = jax.config.jax_enable_x64
+    jax.config.update("jax_enable_x64", True)
+    yield
+    jax.config.update("jax_enable_x64", before)
+
+
+def side_by_side(native: Callable, xla: Callable, arg, repeats: int = 7, min_time: float = 0.05):
+    """Best-of-`repeats` seconds per call of each function, timed alternately."""
+    jax.block_until_ready((native(arg), xla(arg)))
+    t0 = time.perf_counter()
+    jax.block_until_ready(xla(arg))
+    loops = max(1, int(min_time / max(time.perf_counter() - t0, 1e-6)))
+    best = {"native": float("inf"), "xla": float("inf")}
+    for _ in range(repeats):
+        for name, fn in (("native", native), ("xla", xla)):
+            t0 = time.perf_counter()
+            for _ in range(loops):
+                out = fn(arg)
+            jax.block_until_ready(out)
+            best[name] = min(best[name], (time.perf_counter() - t0) / loops)
+    return best["native"], best["xla"]
+
+
+def record(benchmark, native_s: float, xla_s: float, **info) -> float:
+    ratio = xla_s / native_s
+    benchmark.extra_info.update(
+        native_ms=round(native_s * 1e3, 4), xla_ms=round(xla_s * 1e3, 4), ratio=round(ratio, 3)
+    )
+    benchmark.extra_info.update(info)
+    print(f"\n{info}: native {native_s * 1e3:.3f} ms, xla {xla_s * 1e3:.3f} ms, ratio {ratio:.2f}")
+    return ratio
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_reduction(benchmark, dtype):
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(1 << 14, 1 << 10)), dtype)
+    native = jax.jit(lambda v: _native.logsumexp(v, axis=0))
+    xla = jax.jit(lambda v: jax.nn.logsumexp(v, axis=0))
+    np.testing.assert_allclose(native(x), xla(x), rtol=1e-5 if dtype == "float32" else 1e-12)
+    if not benchmark.disabled:
+        ratio = record(benchmark, *side_by_side(native, xla, x), shape=x.shape, dtype=dtype)
+        if dtype == "float32" and ratio < TARGET_F32:
+            warnings.warn(f"float32 ratio {ratio:.2f} < target {TARGET_F32}", stacklevel=1)
+    benchmark.pedantic(lambda: jax.block_until_ready(native(x)), rounds=10, warmup_rounds=1)
+
+
+@pytest.mark.parametrize("chunk", [64, 256, 1024, 4096])
+@pytest.mark.parametrize(("columns", "axis"), [(1, 0), (16, 0), (16, None), (256, None)])
+def test_chunk_threshold(benchmark, chunk, columns, axis):
+    """Mixture-style log-likelihood chunks reduced inside a scan (float32, 2^16 rows)."""
+    n = 1 << 16
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(n,)), jnp.float32)
+    mu = jnp.linspace(-1.0, 1.0, columns, dtype=jnp.float32)
+    init = jnp.full((columns,) if axis == 0 else (), -jnp.inf, jnp.float32)
+
+    def engine(lse):
+        def body(carry, xc):
+            y = -0.5 * (xc[:, None] - mu[None, :]) ** 2
+            return jnp.logaddexp(carry, lse(y, axis)), None
+
+        return jax.jit(lambda v: jax.lax.scan(body, init, v.reshape(n // chunk, chunk))[0])
+
+    native = engine(lambda y, a: _native.logsumexp(y, axis=a))
+    xla = engine(lambda y, a: jax.nn.logsumexp(y, axis=a))
+    np.testing.assert_allclose(native(x), xla(x), rtol=1e-5)
+    if not benchmark.disabled:
+        record(
+            benchmark,
+            *side_by_side(native, xla, x),
+            chunk_elements=chunk * columns,
+            worth_it=_native.worth_it((chunk, columns), jnp.float32),
+            axis=axis,
+        )
+    benchmark.pedantic(lambda: jax.block_until_ready(native(x)), rounds=5, warmup_rounds=1)
+
+
+def test_batch_map_end_to_end(benchmark):
+    """The batch_map logsumexp workload (axis 0 of (2^16, 256) float32 rows, chunks of
+    2^12 rows) with the native chunk reduction and without it."""
+    import adv_jax_math as ajm
+
+    x = jnp.linspace(-3, 3, 1 << 24, dtype=jnp.float32).reshape(1 << 16, 256)
+    chunked = lambda x: ajm.batch_map(lambda v: v * 1.5, x, 1 << 12, reduction=ajm.LOGSUMEXP)
+    native = jax.jit(lambda x: chunked(x))
+    with ajm.config(native="off"):  # options are read at trace time: trace it here
+        xla = jax.jit(lambda x: chunked(x))
+        jax.block_until_ready(xla(x))
+    assert _native.TARGET in native.lower(x).as_text()
+    np.testing.assert_allclose(native(x), xla(x), rtol=1e-5)
+    if not benchmark.disabled:
+        record(benchmark, *side_by_side(native, xla, x), workload="batch_map logsumexp")
+    benchmark.pedantic(lambda: jax.block_until_ready(native(x)), rounds=5, warmup_rounds=1)

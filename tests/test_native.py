@@ -1,0 +1,366 @@
+"""The native CPU logsumexp (kernels/cpu/logsumexp.cc through adv_jax_math._native).
+
+Oracles: ``jax.nn.logsumexp`` in float64 and a ``math.fsum`` reference; never our own
+code. Tests that need the library fail when it does not load (a broken build must
+not pass quietly), unless ``ADV_JAX_MATH_NATIVE=off`` is set.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from adv_jax_math import _config, _native
+
+NEG_INF, POS_INF, NAN = -np.inf, np.inf, np.nan
+
+
+@pytest.fixture
+def x64() -> Iterator[None]:
+    """Enable float64 for one test, restoring the previous setting."""
+    before = jax.config.jax_enable_x64
+    jax.config.update("jax_enable_x64", True)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_x64", before)
+
+
+@pytest.fixture
+def native() -> Iterator[None]:
+    """Require the native kernel (mode "auto"); skip only when switched off by env."""
+    if os.environ.get("ADV_JAX_MATH_NATIVE", "").strip().lower() == "off":
+        pytest.skip("ADV_JAX_MATH_NATIVE=off")
+    with _config.config(native="auto"):
+        loaded, why = _native.status()
+        assert loaded, f"native library did not load: {why}"
+        yield
+
+
+@pytest.fixture
+def fresh_load() -> Iterator[None]:
+    """Forget the cached load result before and after a test that fakes the library."""
+    _native._load.cache_clear()
+    try:
+        yield
+    finally:
+        _native._load.cache_clear()
+
+
+def uses_native(fn, *args) -> bool:
+    """Whether the lowered computation calls the native kernel."""
+    return _native.TARGET in jax.jit(fn).lower(*args).as_text()
+
+
+def fsum_reference(x: np.ndarray, axis: int | None) -> np.ndarray:
+    """log(sum(exp(x))) along `axis` with an exactly rounded sum (math.fsum), float64."""
+    x = np.asarray(x, np.float64)
+    if axis is None:
+        x, axis = x.reshape(-1, 1), 0
+    moved = np.moveaxis(x, axis, -1)
+    out = np.empty(moved.shape[:-1])
+    for idx in np.ndindex(*out.shape):
+        col = moved[idx]
+        if np.isnan(col).any():
+            out[idx] = np.nan
+        elif col.size == 0 or np.all(col == NEG_INF):
+            out[idx] = NEG_INF
+        elif np.any(col == POS_INF):
+            out[idx] = POS_INF
+        else:
+            top = float(col.max())
+            out[idx] = top + math.log(math.fsum(math.exp(v - top) for v in col))
+    return out
+
+
+def random_input(shape, dtype, seed=0, scale=3.0) -> np.ndarray:
+    return (np.random.default_rng(seed).normal(size=shape) * scale).astype(dtype)
+
+
+# Shapes cover: 1-d (narrow path, m == 1), few columns (narrow, gathered), many
+# columns (wide), widths that are not multiples of the SIMD width, several row
+# segments and column blocks (threaded work items), leading batch dimensions.
+CASES = [
+    ((1,), 0),
+    ((7,), 0),
+    ((7,), None),
+    ((1000,), 0),
+    ((200_000,), 0),
+    ((3, 5), 0),
+    ((64, 17), 0),
+    ((1000, 3), 0),
+    ((50_000, 3), 0),
+    ((257, 300), 0),
+    ((2000, 64), 0),
+    ((300, 1500), 0),
+    ((2, 3, 4), 0),
+    ((2, 3, 4), 1),
+    ((2, 3, 4), -1),
+    ((5, 6, 7), None),
+    ((4, 33, 40), 1),
+]
+
+
+@pytest.mark.parametrize(("shape", "axis"), CASES)
+@pytest.mark.usefixtures("native", "x64")
+def test_float64_matches_jax_and_fsum(shape, axis):
+    x = random_input(shape, np.float64)
+    got = np.asarray(_native.logsumexp(x, axis=axis))
+    want = np.asarray(jax.nn.logsumexp(jnp.asarray(x), axis=axis))
+    assert got.shape == want.shape and got.dtype == np.float64
+    np.testing.assert_allclose(got, want, rtol=1e-13, atol=1e-13)
+    if x.size <= 20_000:
+        np.testing.assert_allclose(got, fsum_reference(x, axis), rtol=1e-14, atol=1e-14)
+    assert uses_native(lambda v: _native.logsumexp(v, axis=axis), x)
+
+
+@pytest.mark.parametrize(("shape", "axis"), CASES)
+@pytest.mark.usefixtures("native")
+def test_float32_matches_fsum(shape, axis):
+    x = random_input(shape, np.float32, seed=1)
+    got = np.asarray(_native.logsumexp(x, axis=axis))
+    assert got.dtype == np.float32
+    want = np.asarray(jax.nn.logsumexp(x, axis=axis))
+    np.testing.assert_allclose(got, want, rtol=5e-6, atol=5e-6)
+    if x.size <= 20_000:
+        np.testing.assert_allclose(got, fsum_reference(x, axis), rtol=2e-6, atol=2e-6)
+
+
+SPECIAL_COLUMNS = {
+    "all -inf": [NEG_INF] * 5,
+    "one +inf": [1.0, POS_INF, -2.0, 0.5, 3.0],
+    "+inf and -inf": [NEG_INF, POS_INF, NEG_INF, 0.0, 1.0],
+    "nan": [1.0, 2.0, NAN, 0.0, -1.0],
+    "nan and +inf": [POS_INF, NAN, 1.0, 2.0, 3.0],
+    "nan and -inf": [NEG_INF, NAN, NEG_INF, NEG_INF, NEG_INF],
+    "some -inf": [NEG_INF, -1.0, NEG_INF, 2.0, NEG_INF],
+    "huge": [3e38, 3e38, -3e38, 1e30, 0.0],
+    "tiny": [-3e38, -3e38, -1e30, -3e38, -3e38],
+    "-inf then finite far below": [NEG_INF, NEG_INF, -1000.0, -1000.0, NEG_INF],
+}
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.usefixtures("native", "x64")
+def test_special_values_like_jax(dtype):
+    names = sorted(SPECIAL_COLUMNS)
+    columns = np.array([SPECIAL_COLUMNS[k] for k in names], dtype).T  # (5, len(names))
+    # Spread each column's values over a long axis, so they land in different tiles,
+    # segments and lanes, next to ordinary columns (wide path); then the same with a
+    # -inf background; then the short columns alone (narrow path, 1-d, axis=None).
+    rows = [0, 9, 4_999, 13_333, 19_999]
+    wide = random_input((20_000, 3 * len(names)), dtype, seed=2)
+    wide[rows, : len(names)] = columns
+    wide[:, len(names) : 2 * len(names)] = NEG_INF
+    wide[rows, len(names) : 2 * len(names)] = columns
+    cases = [(wide, 0), (columns, 0), (np.ascontiguousarray(columns.T), 1)]
+    cases += [(columns[:, j], None) for j in range(len(names))]
+    cases += [(wide[:, j], 0) for j in range(len(names))]
+    rtol = 1e-6 if dtype == np.float32 else 1e-13
+    for arr, axis in cases:
+        got = np.asarray(_native.logsumexp(arr, axis=axis))
+        want = np.asarray(jax.nn.logsumexp(jnp.asarray(arr), axis=axis))
+        np.testing.assert_allclose(got, want, rtol=rtol, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.usefixtures("native", "x64")
+def test_empty_reduction_is_minus_inf(dtype):
+    for shape, axis, out_shape in [((0,), 0, ()), ((0, 3), 0, (3,)), ((4, 0, 2), 1, (4, 2))]:
+        got = _native.logsumexp(np.zeros(shape, dtype), axis=axis)
+        assert got.shape == out_shape and got.dtype == dtype
+        assert np.all(np.asarray(got) == NEG_INF)
+    empty_out = _native.logsumexp(np.zeros((3, 0), dtype), axis=0)
+    assert empty_out.shape == (0,)
+    assert _native.logsumexp(np.zeros((0, 3), dtype), axis=None) == NEG_INF
+
+
+@pytest.mark.usefixtures("native", "x64")
+def test_single_row_is_identity():
+    x = random_input((1, 37), np.float64)
+    np.testing.assert_allclose(_native.logsumexp(x, axis=0), x[0], rtol=1e-15)
+    assert float(_native.logsumexp(np.float64(2.5), axis=None)) == 2.5
+
+
+@pytest.mark.parametrize("axis", [0, 1, None])
+@pytest.mark.usefixtures("native", "x64")
+def test_grad_matches_jax(axis):
+    x = random_input((40, 6), np.float64, seed=3)
+    x[3, 2] = NEG_INF  # a -inf entry gets a zero gradient, as with jax
+
+    def ours(v):
+        return jnp.sum(jnp.sin(_native.logsumexp(v, axis=axis)))
+
+    def ref(v):
+        return jnp.sum(jnp.sin(jax.nn.logsumexp(v, axis=axis)))
+
+    np.testing.assert_allclose(jax.grad(ours)(x), jax.grad(ref)(x), rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(jax.jit(jax.grad(ours))(x), jax.grad(ref)(x), rtol=1e-12, atol=1e-14)
+    assert uses_native(jax.grad(ours), x)
+
+
+@pytest.mark.usefixtures("native", "x64")
+def test_jvp_and_hessian_match_jax():
+    x = random_input((9, 3), np.float64, seed=4)
+    t = random_input((9, 3), np.float64, seed=5)
+    y, dy = jax.jvp(lambda v: _native.logsumexp(v, axis=0), (x,), (t,))
+    y_ref, dy_ref = jax.jvp(lambda v: jax.nn.logsumexp(v, axis=0), (x,), (t,))
+    np.testing.assert_allclose(y, y_ref, rtol=1e-14)
+    np.testing.assert_allclose(dy, dy_ref, rtol=1e-12, atol=1e-14)
+    v = x[:, 0]
+    np.testing.assert_allclose(
+        jax.hessian(lambda u: _native.logsumexp(u, axis=0))(v),
+        jax.hessian(lambda u: jax.nn.logsumexp(u, axis=0))(v),
+        rtol=1e-10,
+        atol=1e-14,
+    )
+
+
+@pytest.mark.usefixtures("native", "x64")
+def test_vmap_matches_jax():
+    x = random_input((5, 300, 20), np.float64, seed=6)
+    # Mapped axis first and in the middle; the kernel sees the batch as leading dims.
+    got = jax.vmap(lambda v: _native.logsumexp(v, axis=0))(x)
+    np.testing.assert_allclose(got, jax.nn.logsumexp(x, axis=1), rtol=1e-13)
+    got = jax.vmap(lambda v: _native.logsumexp(v, axis=0), in_axes=2)(x)
+    np.testing.assert_allclose(got, jax.nn.logsumexp(x, axis=0).T, rtol=1e-13)
+    got = jax.jit(jax.vmap(lambda v: _native.logsumexp(v, axis=None)))(x)
+    np.testing.assert_allclose(got, jax.nn.logsumexp(x, axis=(1, 2)), rtol=1e-13)
+    got = jax.vmap(jax.vmap(lambda v: _native.logsumexp(v, axis=0)))(x.reshape(5, 10, 30, 20))
+    np.testing.assert_allclose(got, jax.nn.logsumexp(x.reshape(5, 10, 30, 20), axis=2), rtol=1e-13)
+    assert uses_native(jax.vmap(lambda v: _native.logsumexp(v, axis=0)), x)
+
+
+@pytest.mark.usefixtures("native")
+def test_results_do_not_depend_on_threads_or_batching(monkeypatch):
+    x = random_input((6000, 700), np.float32, seed=7)  # many work items
+    fn = jax.jit(lambda v: _native.logsumexp(v, axis=0))
+    threaded = np.asarray(fn(x))
+    monkeypatch.setenv("ADV_JAX_MATH_NATIVE_THREADS", "1")  # read by the kernel per call
+    single = np.asarray(fn(x))
+    monkeypatch.delenv("ADV_JAX_MATH_NATIVE_THREADS")
+    np.testing.assert_array_equal(threaded, single)
+    batched = np.asarray(jax.vmap(fn)(np.stack([x, x[::-1], x])))
+    np.testing.assert_array_equal(batched[0], threaded)
+    np.testing.assert_array_equal(batched[2], threaded)
+
+
+@pytest.mark.usefixtures("native")
+def test_kernel_rejects_bad_calls_with_clear_errors():
+    call = jax.ffi.ffi_call
+    x = np.ones((5, 3), np.float32)
+    bad = [
+        (
+            call(_native.TARGET, jax.ShapeDtypeStruct((3,), np.int32)),
+            np.ones((5, 3), np.int32),
+            {"reduced_rank": np.int64(1), "rest_rank": np.int64(1)},
+            "only float32 and float64",
+        ),
+        (
+            call(_native.TARGET, jax.ShapeDtypeStruct((4,), np.float32)),
+            x,
+            {"reduced_rank": np.int64(1), "rest_rank": np.int64(1)},
+            r"input \(5, 3\) float32, output \(4,\) float32.*without its reduced dimensions",
+        ),
+        (
+            call(_native.TARGET, jax.ShapeDtypeStruct((3,), np.float32)),
+            x,
+            {"reduced_rank": np.int64(2), "rest_rank": np.int64(1)},
+            "reduced_rank \\+ rest_rank <= the input rank",
+        ),
+        (
+            call(_native.TARGET, jax.ShapeDtypeStruct((3,), np.float64)),
+            x,
+            {"reduced_rank": np.int64(1), "rest_rank": np.int64(1)},
+            "output dtype must equal the input dtype",
+        ),
+    ]
+    for fn, arg, attrs, message in bad:
+        with pytest.raises(Exception, match=message):
+            jax.block_until_ready(jax.jit(lambda v, fn=fn, attrs=attrs: fn(v, **attrs))(arg))
+
+
+@pytest.mark.usefixtures("native")
+def test_other_dtypes_fall_back_to_jax():
+    for x in [np.arange(12, dtype=np.int32).reshape(4, 3), jnp.ones((4, 3), jnp.bfloat16)]:
+        np.testing.assert_array_equal(_native.logsumexp(x, axis=0), jax.nn.logsumexp(x, axis=0))
+        assert not uses_native(lambda v: _native.logsumexp(v, axis=0), x)
+
+
+def test_axis_validation():
+    with pytest.raises(ValueError, match="out of bounds"):
+        _native.logsumexp(np.ones((2, 3)), axis=2)
+    with pytest.raises(TypeError, match="must be an int or None"):
+        _native.logsumexp(np.ones((2, 3)), axis=(0, 1))
+
+
+@pytest.mark.usefixtures("native", "fresh_load")
+def test_first_load_inside_a_trace_still_uses_native():
+    x = np.ones((8, 4), np.float32)
+    assert uses_native(lambda v: _native.logsumexp(v, axis=0), x)
+
+
+@pytest.mark.usefixtures("native", "fresh_load")
+def test_registration_happens_once(monkeypatch):
+    calls = []
+    monkeypatch.setattr(jax.ffi, "register_ffi_target", lambda *a, **k: calls.append(a))
+    for _ in range(2):
+        _native._load.cache_clear()
+        assert _native.status()[0]
+    assert calls == []  # already registered by the first load in this process
+
+
+def test_worth_it():
+    assert _native.worth_it((4096, 16), np.float32)
+    assert _native.worth_it((1 << 20,), jnp.float64)
+    assert not _native.worth_it((64, 4), np.float32)
+    assert not _native.worth_it((1 << 20,), jnp.bfloat16)
+    assert not _native.worth_it((1 << 20,), np.int32)
+    assert not _native.worth_it((1 << 20,), "not a dtype")
+
+
+# --- the library is absent, disabled or broken -----------------------------------
+
+
+@pytest.mark.usefixtures("fresh_load")
+def test_fallback_when_library_is_absent(monkeypatch):
+    reason = "library not found (package built without CMake?): reinstall"
+    monkeypatch.setattr(_native, "_find_library", lambda: (None, reason))
+    x = random_input((100, 3), np.float32)
+    with _config.config(native="auto"):
+        assert _native.status() == (False, reason)
+        np.testing.assert_array_equal(_native.logsumexp(x, axis=0), jax.nn.logsumexp(x, axis=0))
+        assert not uses_native(lambda v: _native.logsumexp(v, axis=0), x)
+    with _config.config(native="require"), pytest.raises(RuntimeError, match="library not found"):
+        _native.logsumexp(x, axis=0)
+
+
+@pytest.mark.usefixtures("fresh_load")
+def test_explicit_library_path_that_is_missing_or_broken(monkeypatch, tmp_path):
+    monkeypatch.setenv(_native.ENV_LIB, str(tmp_path / "missing.so"))
+    with _config.config(native="auto"):
+        loaded, why = _native.status()
+        assert not loaded and "is not a file" in why and _native.ENV_LIB in why
+        _native._load.cache_clear()
+        junk = tmp_path / "junk.so"
+        junk.write_bytes(b"not a shared library")
+        monkeypatch.setenv(_native.ENV_LIB, str(junk))
+        loaded, why = _native.status()
+        assert not loaded and why.startswith(f"cannot load {junk}")
+
+
+def test_disabled_by_env_or_config(monkeypatch):
+    x = random_input((100, 3), np.float32)
+    monkeypatch.setenv("ADV_JAX_MATH_NATIVE", "off")
+    assert _native.status() == (False, "disabled by ADV_JAX_MATH_NATIVE=off")
+    assert not uses_native(lambda v: _native.logsumexp(v, axis=0), x)
+    monkeypatch.setenv("ADV_JAX_MATH_NATIVE", "auto")
+    with _config.config(native="off"):
+        assert _native.status() == (False, "disabled by adv_jax_math.config(native='off')")
+        assert not uses_native(lambda v: _native.logsumexp(v, axis=0), x)
