@@ -9,7 +9,7 @@ import sys
 
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
 
-import jax  # noqa: E402
+import jax
 
 jax.distributed.initialize(
     coordinator_address=f"127.0.0.1:{sys.argv[2]}",

@@ -6,9 +6,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_tree_close
 
 import adv_jax_math as ajm
+from conftest import assert_tree_close
 
 # (reduction, chunk_reduction, oracle applied to the unchunked fun output)
 REDUCTIONS = {

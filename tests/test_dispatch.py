@@ -7,11 +7,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_tree_close
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
 
 import adv_jax_math as ajm
 from adv_jax_math._pallas import contains_kernel
+from conftest import assert_tree_close
 
 X = jnp.linspace(-1, 1, 37 * 4).reshape(37, 4)
 W = jnp.array([0.5, -1.0, 2.0, 0.25])
@@ -153,6 +153,9 @@ def test_forced_pallas_on_abstract_gpu_raises_for_unlowerable_fun():
     def f(x, run=ajm.batch_map):
         return run(jnp.cos, x, 256, reduction=jnp.add, chunk_reduction=jnp.sum)
 
-    with ajm.config(backend="pallas"), use_abstract_mesh(abstract_mesh("cuda")):
-        with pytest.raises(NotImplementedError, match="power-of-two"):
-            jax.jit(f).trace(np.ones((4096, 3), np.float32))
+    with (
+        ajm.config(backend="pallas"),
+        use_abstract_mesh(abstract_mesh("cuda")),
+        pytest.raises(NotImplementedError, match="power-of-two"),
+    ):
+        jax.jit(f).trace(np.ones((4096, 3), np.float32))

@@ -41,7 +41,7 @@ def run_workers(timeout=240):
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    for p, (out, err) in zip(procs, outs, strict=True):
+    for p, (_, err) in zip(procs, outs, strict=True):
         assert p.returncode == 0, err[-3000:]
     return [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
 

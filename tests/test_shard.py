@@ -6,10 +6,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_tree_close
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 import adv_jax_math as ajm
+from conftest import assert_tree_close
 
 pytestmark = pytest.mark.skipif(
     jax.device_count() != 4, reason="needs the 4 virtual CPU devices of conftest.py"
@@ -142,19 +142,21 @@ def test_already_sharded_inputs(axis_type):
     x = jax.device_put(jnp.linspace(0, 1, 20), NamedSharding(src, PartitionSpec("x")))
     w = jax.device_put(jnp.float32(3.0), NamedSharding(src, PartitionSpec()))
     mesh = jax.make_mesh((4,), ("x",), axis_types=(AxisType.Auto,))
-    f = ajm.batch_vmap(lambda w, x: w * jnp.sin(x), (None, 0), batch_size=2, shard=True,
-                       mesh=mesh)
+    f = ajm.batch_vmap(lambda w, x: w * jnp.sin(x), (None, 0), batch_size=2, shard=True, mesh=mesh)
     assert_tree_close(f(w, x), 3.0 * jnp.sin(jnp.linspace(0, 1, 20)))
-    red = ajm.batch_map(jnp.sin, x, 3, reduction=jnp.add, chunk_reduction=jnp.sum, shard=True,
-                        mesh=mesh)
+    red = ajm.batch_map(
+        jnp.sin, x, 3, reduction=jnp.add, chunk_reduction=jnp.sum, shard=True, mesh=mesh
+    )
     assert_tree_close(red, jnp.sin(jnp.linspace(0, 1, 20)).sum())
 
 
 @pytest.mark.parametrize(
     "make, match",
     [
-        (lambda: jax.make_mesh((2, 2), ("a", "b"), axis_types=(AxisType.Auto,) * 2),
-         "one-dimensional mesh"),
+        (
+            lambda: jax.make_mesh((2, 2), ("a", "b"), axis_types=(AxisType.Auto,) * 2),
+            "one-dimensional mesh",
+        ),
         (lambda: jax.make_mesh((4,), ("a",), axis_types=(AxisType.Explicit,)), "AxisType.Auto"),
         (lambda: "cpu", "must be a jax.sharding.Mesh"),
     ],
