@@ -13,14 +13,15 @@ import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import _original
 import jax
 import jax.numpy as jnp
 import pytest
 from jax import lax
-from workloads import field_contributions
 
 import adv_jax_math as ajm
+
+import _original
+from workloads import field_contributions
 
 # -- engines: batch_map's signature ------------------------------------------------
 

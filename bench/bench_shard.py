@@ -12,9 +12,10 @@ import jax
 import jax.numpy as jnp
 import pytest
 from jax.sharding import AxisType
-from workloads import field_contributions
 
 import adv_jax_math as ajm
+
+from workloads import field_contributions
 
 
 def _times(f, args, repeats=15):

@@ -11,9 +11,10 @@ import time
 
 import jax
 import jax.numpy as jnp
-from workloads import HEADLINE
 
 import adv_jax_math as ajm
+
+from workloads import HEADLINE
 
 
 def best_time(f, args, repeats=5):

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import adv_jax_math as ajm
+
 from conftest import assert_tree_close
 
 # (reduction, chunk_reduction, oracle applied to the unchunked fun output)

@@ -11,6 +11,7 @@ from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_me
 
 import adv_jax_math as ajm
 from adv_jax_math._pallas import contains_kernel
+
 from conftest import assert_tree_close
 
 X = jnp.linspace(-1, 1, 37 * 4).reshape(37, 4)

@@ -3,11 +3,12 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
-from conftest import assert_tree_close
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import adv_jax_math as ajm
+
+from conftest import assert_tree_close
 
 PAIRS = {
     "map": (None, ajm.identity, lambda v: v),

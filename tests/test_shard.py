@@ -9,6 +9,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 import adv_jax_math as ajm
+
 from conftest import assert_tree_close
 
 pytestmark = pytest.mark.skipif(
