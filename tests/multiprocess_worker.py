@@ -1,53 +1,43 @@
 """One process of the two-process test in test_multiprocess.py.
 
 Usage: python multiprocess_worker.py PROCESS_ID PORT. Prints one JSON line.
+(Everything runs under ``__main__``: pytest's doctest collection imports this file.)
 """
 
 import json
 import os
 import sys
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
 
-import jax
+def main(process_id: int, port: str) -> None:
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+    import jax
 
-jax.distributed.initialize(
-    coordinator_address=f"127.0.0.1:{sys.argv[2]}",
-    num_processes=2,
-    process_id=int(sys.argv[1]),
-    initialization_timeout=60,
-)
+    jax.distributed.initialize(
+        coordinator_address=f"127.0.0.1:{port}",
+        num_processes=2,
+        process_id=process_id,
+        initialization_timeout=60,
+    )
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.experimental import multihost_utils
 
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.experimental import multihost_utils  # noqa: E402
+    import adv_jax_math as ajm
 
-import adv_jax_math as ajm  # noqa: E402
+    def fun(x):
+        return jnp.sin(x) * x
 
-
-def fun(x):
-    return jnp.sin(x) * x
-
-
-def main():
     x = np.linspace(-2, 2, 67 * 3, dtype=np.float32).reshape(67, 3)
+    loss = lambda w: ajm.batch_map(
+        lambda x: fun(x * w), x, 4, reduction=jnp.add, chunk_reduction=jnp.sum, shard=True
+    )
     results = {
         "devices": jax.device_count(),
         "sum": ajm.batch_map(fun, x, 5, reduction=jnp.add, chunk_reduction=jnp.sum, shard=True),
         "logsumexp": ajm.batch_map(fun, x, 5, reduction=ajm.LOGSUMEXP, shard=True),
         "map": ajm.batch_map(fun, x, 5, shard=True),
-        "grad": jax.jit(
-            jax.grad(
-                lambda w: ajm.batch_map(
-                    lambda x: fun(x * w),
-                    x,
-                    4,
-                    reduction=jnp.add,
-                    chunk_reduction=jnp.sum,
-                    shard=True,
-                )
-            )
-        )(jnp.float32(0.5)),
+        "grad": jax.jit(jax.grad(loss))(jnp.float32(0.5)),
         "divisible_map": multihost_utils.process_allgather(
             ajm.batch_map(fun, x[:64], 8, shard=True), tiled=True
         ),
@@ -56,4 +46,5 @@ def main():
     jax.distributed.shutdown()
 
 
-main()
+if __name__ == "__main__":
+    main(int(sys.argv[1]), sys.argv[2])

@@ -68,7 +68,7 @@ def batch_jacfwd(
     Examples
     --------
     >>> import jax.numpy as jnp
-    >>> from adv_jax_math._jacobian import batch_jacfwd
+    >>> from adv_jax_math import batch_jacfwd
     >>> f = lambda x: x * jnp.sum(x)
     >>> batch_jacfwd(f, batch_size=2)(jnp.array([1.0, 2.0, 3.0]))
     Array([[7., 1., 1.],
@@ -174,7 +174,7 @@ def batch_jacrev(
     Examples
     --------
     >>> import jax.numpy as jnp
-    >>> from adv_jax_math._jacobian import batch_jacrev
+    >>> from adv_jax_math import batch_jacrev
     >>> f = lambda x, y: {"s": x * y, "p": jnp.prod(x)}
     >>> jac = batch_jacrev(f, argnums=(0, 1), batch_size=1)(jnp.array([1.0, 2.0]), 3.0)
     >>> jac["s"][0]

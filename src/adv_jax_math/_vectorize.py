@@ -78,7 +78,7 @@ def batch_vectorize(
     Examples
     --------
     >>> import jax.numpy as jnp
-    >>> from adv_jax_math._vectorize import batch_vectorize
+    >>> from adv_jax_math import batch_vectorize
     >>> matvec = batch_vectorize(lambda m, v: m @ v, signature="(n,k),(k)->(n)", batch_size=2)
     >>> matvec(jnp.ones((5, 2, 3)), jnp.arange(3.0)).shape
     (5, 2)
