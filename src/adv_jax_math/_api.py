@@ -118,7 +118,7 @@ def _execute(
         )
     if plan.policy == _plan.SINGLE:
         if plan.monoid is not None:  # a Monoid object as reduction carries its chunk reduction
-            return plan.monoid.reduce_chunk(fun(xs))
+            return plan.monoid.reduce_chunk(fun(xs), None, _scan.chunk_reducer(plan.monoid))
         return chunk_reduction(fun(xs))
     if plan.policy == _plan.EMPTY:
         return _empty_result(plan, fun, xs, reduction, chunk_reduction)

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 
 from . import _config
-from ._monoid import MonoidReduction, identity, recognize
+from ._monoid import LOGSUMEXP, MonoidReduction, identity, recognize
 from ._trace import Traced, check_rowwise, rows_aval, trace
 
 if TYPE_CHECKING:
@@ -201,14 +201,12 @@ def make_plan(
             shard=lay,
         )
 
-    if n is None or (batch_size is not None and n <= batch_size and n > 0):
-        policy, chunks, rows = SINGLE, 1, n or 0
-    elif n == 0:
+    if n == 0:
         policy, chunks, rows = EMPTY, 0, 0
-    elif batch_size is None:
-        policy, chunks, rows = SINGLE, 1, n
+    elif n is None or batch_size is None or n <= batch_size:
+        policy, chunks, rows = SINGLE, 1, n or 0
     elif kind == "generic" or (kind == "map" and chunk_reduction is not identity):
-        # Padded rows cannot be masked out of an unknown reduction or a chunk summary.
+        # Repeated rows cannot be masked out of an unknown reduction or a chunk summary.
         policy, chunks, rows = REMAINDER, n // batch_size, batch_size
     else:
         policy, rows = OVERLAP, overlap_rows(n, batch_size)
@@ -218,16 +216,6 @@ def make_plan(
     backend, reason, error = _choose_backend(
         fun, fun_input, monoid, n, batch_size, policy, platform
     )
-    if backend == "scan" and monoid is not None and monoid.monoid.name == "logsumexp":
-        from . import _native
-
-        loaded, why = _native.status()
-        notes.append(
-            f"chunk logsumexp: native CPU kernel for f32/f64 chunks of >= "
-            f"{_native.MIN_ELEMENTS} elements ({why})"
-            if loaded
-            else f"chunk logsumexp: XLA (native kernel unavailable: {why})"
-        )
     traced = None
     if policy == OVERLAP and backend == "scan":
         # Trace fun once here; the engine evaluates this jaxpr for every chunk.
@@ -239,6 +227,16 @@ def make_plan(
             # Repeated rows can only be masked in outputs that keep the row axis.
             notes.append("fun's output has no row axis, so repeated rows cannot be masked")
             policy, chunks, rows, traced = REMAINDER, n // batch_size, batch_size, None
+    if backend == "scan" and policy in (SINGLE, OVERLAP) and monoid and monoid.monoid is LOGSUMEXP:
+        from . import _native
+
+        loaded, why = _native.status()
+        notes.append(
+            f"chunk logsumexp: native CPU kernel for f32/f64 chunks of >= "
+            f"{_native.MIN_ELEMENTS} elements ({why})"
+            if loaded
+            else f"chunk logsumexp: XLA (native kernel unavailable: {why})"
+        )
     return Plan(
         n=n,
         batch_size=batch_size,
