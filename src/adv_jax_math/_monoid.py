@@ -54,7 +54,18 @@ class Monoid:
     """An associative binary operation with an identity element.
 
     Monoid objects are callable as their binary ``combine``, so they can be passed
-    directly as ``reduction=``, e.g. ``reduction=adv_jax_math.LOGSUMEXP``.
+    directly as ``reduction=``, e.g. ``reduction=adv_jax_math.LOGSUMEXP``; with the
+    default ``chunk_reduction`` that reduces the mapped axis.
+
+    Examples
+    --------
+    >>> import jax.numpy as jnp
+    >>> import adv_jax_math as ajm
+    >>> x = jnp.log(jnp.arange(1.0, 7.0)).reshape(3, 2)
+    >>> ajm.batch_map(lambda v: v, x, 2, reduction=ajm.LOGSUMEXP)  # log(1+3+5), log(2+4+6)
+    Array([2.1972246, 2.4849067], dtype=float32)
+    >>> ajm.MAX.identity(jnp.int32), ajm.LOGSUMEXP(0.0, 0.0)
+    (array(-2147483648, dtype=int32), Array(0.6931472, dtype=float32, weak_type=True))
     """
 
     name: str
