@@ -9,7 +9,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from . import _plan, _scan
+from . import _plan, _scan, _shard
 from ._monoid import identity
 from ._plan import Plan
 from ._trace import rows_aval, trace
@@ -63,8 +63,6 @@ def _prepare(
     if mesh is not None and not shard:
         warnings.warn("mesh is only used with shard=True; it is ignored", UserWarning, stacklevel=3)
     if shard:
-        from . import _shard
-
         mesh = _shard.resolve_mesh(mesh)
         fun_input = jax.tree.map(lambda x: _shard.as_global(x, mesh), fun_input)
     elif batch_size is not None:
@@ -95,7 +93,6 @@ def _execute(
     if plan.error:
         raise NotImplementedError(plan.error)
     if plan.shard is not None:
-        from . import _shard
 
         def run_local(rows: Any) -> Any:
             local = _plan.make_plan(
@@ -368,8 +365,6 @@ def batch_vmap(
                 "maps none; use an integer axis for at least one argument"
             )
         if shard:
-            from . import _shard
-
             on_mesh = _shard.resolve_mesh(mesh)
             leaves = [
                 x if a is not None else _shard.as_global(x, on_mesh)

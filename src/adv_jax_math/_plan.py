@@ -8,17 +8,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import numpy as np
 
-from . import _config
+from . import _config, _native, _shard
 from ._monoid import LOGSUMEXP, MonoidReduction, identity, recognize
 from ._trace import Traced, check_rowwise, rows_aval, trace
-
-if TYPE_CHECKING:
-    from ._shard import ShardLayout
 
 __all__ = ["Plan", "make_plan", "mapped_rows", "overlap_rows"]
 
@@ -124,7 +121,7 @@ class Plan:
     error: str = ""
     platform: str = ""
     notes: tuple[str, ...] = field(default_factory=tuple)
-    shard: ShardLayout | None = None
+    shard: _shard.ShardLayout | None = None
     traced: Traced | None = field(default=None, repr=False, compare=False)
 
     def __str__(self) -> str:
@@ -178,8 +175,6 @@ def make_plan(
     n = mapped_rows(fun_input) if batch_size is not None or shard or mapped else None
     notes: list[str] = []
     if shard and n:
-        from . import _shard
-
         mesh = _shard.resolve_mesh(mesh)
         plan_rows = lambda rows: make_plan(
             fun, rows_aval(fun_input, rows), batch_size, reduction, chunk_reduction, mapped=True
@@ -228,8 +223,6 @@ def make_plan(
             notes.append("fun's output has no row axis, so repeated rows cannot be masked")
             policy, chunks, rows, traced = REMAINDER, n // batch_size, batch_size, None
     if backend == "scan" and policy in (SINGLE, OVERLAP) and monoid and monoid.monoid is LOGSUMEXP:
-        from . import _native
-
         loaded, why = _native.status()
         notes.append(
             f"chunk logsumexp: native CPU kernel for f32/f64 chunks of >= "

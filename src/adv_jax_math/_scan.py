@@ -57,6 +57,17 @@ def _accumulator_dtype(dtype: Any) -> Any:
     return dtype
 
 
+def _stack(xs: Any, chunks: int, rows: int) -> Any:
+    """The first ``chunks * rows`` rows of each leaf as ``(chunks, rows, ...)``."""
+    return jax.tree.map(lambda x: x[: chunks * rows].reshape(chunks, rows, *x.shape[1:]), xs)
+
+
+def _map_chunks(f: Callable, stacked: Any) -> Any:
+    """``f`` on every chunk of ``stacked`` in a scan; outputs concatenated by rows."""
+    _, ys = lax.scan(lambda carry, x: (carry, f(x)), (), stacked)
+    return jax.tree.map(lambda y: y.reshape(y.shape[0] * y.shape[1], *y.shape[2:]), ys)
+
+
 def run_overlapped(plan: Plan, traced: Traced, xs: Any) -> Any:
     """Run a map or a recognized monoid reduction: ``n // B`` full chunks in a scan,
     then one last chunk of the final ``B`` rows whose repeated rows are masked.
@@ -68,9 +79,8 @@ def run_overlapped(plan: Plan, traced: Traced, xs: Any) -> Any:
     """
     n, b, monoid = plan.n, plan.rows, plan.monoid
     full, repeated = n // b, plan.masked
-    stacked = jax.tree.map(lambda x: x[: full * b].reshape(full, b, *x.shape[1:]), xs)
+    stacked = _stack(xs, full, b)
     last = jax.tree.map(lambda x: x[n - b :], xs)
-    valid = np.arange(b) >= repeated  # the last chunk's rows not seen by the loop
 
     def chunk(x, valid):
         y = traced(x)
@@ -81,8 +91,7 @@ def run_overlapped(plan: Plan, traced: Traced, xs: Any) -> Any:
 
     chunk = _remat(chunk)
     if monoid is None:
-        _, ys = lax.scan(lambda carry, x: (carry, chunk(x, None)), (), stacked)
-        out = jax.tree.map(lambda y: y.reshape(full * b, *y.shape[2:]), ys)
+        out = _map_chunks(lambda x: chunk(x, None), stacked)
         if repeated:
             tail = chunk(last, None)
             out = jax.tree.map(lambda o, t: jnp.concatenate([o, t[repeated:]]), out, tail)
@@ -95,7 +104,8 @@ def run_overlapped(plan: Plan, traced: Traced, xs: Any) -> Any:
     body = lambda acc, x: (monoid.combine(acc, chunk(x, None)), None)
     total, _ = lax.scan(body, monoid.identity_like(acc_shape), stacked)
     if repeated:
-        total = monoid.combine(total, chunk(last, jnp.asarray(valid)))
+        unseen = jnp.asarray(np.arange(b) >= repeated)  # last-chunk rows the loop missed
+        total = monoid.combine(total, chunk(last, unseen))
     return jax.tree.map(lambda t, s: t.astype(s.dtype), total, out_shape)
 
 
@@ -113,11 +123,10 @@ def run_remainder(
     if reduction is None:
         check_rowwise(traced.out_shape, b, "chunk_reduction(fun(chunk))")
     step = _remat(traced)
-    stacked = jax.tree.map(lambda x: x[: k * b].reshape(k, b, *x.shape[1:]), xs)
+    stacked = _stack(xs, k, b)
 
     if reduction is None:
-        _, ys = lax.scan(lambda carry, x: (carry, step(x)), (), stacked)
-        out = jax.tree.map(lambda y: y.reshape(k * b, *y.shape[2:]), ys)
+        out = _map_chunks(step, stacked)
     else:
         out = step(jax.tree.map(lambda x: x[0], stacked))
         if k > 1:
