@@ -263,5 +263,7 @@ class TestBatchVmapInAxes:
 )
 def test_overlap_chunking(n, batch_size, rows, masked):
     plan = ajm.explain(jnp.sin, jnp.ones(n), batch_size, reduction=jnp.add, chunk_reduction=jnp.sum)
-    assert (plan.policy, plan.rows, plan.masked) == ("overlap", rows, masked)
-    assert plan.chunks * plan.rows - plan.masked == n and plan.rows <= batch_size
+    assert (plan.policy, plan.rows_per_chunk, plan.masked) == (ajm.Policy.OVERLAP, rows, masked)
+    assert (
+        plan.chunks * plan.rows_per_chunk - plan.masked == n and plan.rows_per_chunk <= batch_size
+    )

@@ -33,7 +33,7 @@ def jaxpr_text(f, *args):
 
 def test_auto_on_cpu_uses_scan_and_says_why():
     plan = ajm.explain(fun, X, 8, reduction=jnp.add, chunk_reduction=jnp.sum)
-    assert plan.backend == "scan" and "interpret mode" in plan.reason
+    assert plan.engine == "scan" and "interpret mode" in plan.reason
     f = lambda x: ajm.batch_map(fun, x, 8, reduction=jnp.add, chunk_reduction=jnp.sum)
     assert not contains_kernel(jaxpr_text(f, X))
 
@@ -48,7 +48,7 @@ def test_interpret_backend_runs_the_kernel(name):
         out = f(W, X)
         grads = jax.grad(lambda w, x: jnp.sum(f(w, x)), argnums=(0, 1))(W, X)
         text = jaxpr_text(f, W, X)
-    assert plan.backend == "interpret" and "interpret" in plan.reason
+    assert plan.engine == "interpret" and "interpret" in plan.reason
     assert contains_kernel(text)
     plain = lambda w, x: oracle(jnp.tanh(x * w))
     assert_tree_close(out, plain(W, X))
@@ -60,7 +60,7 @@ def test_interpret_backend_leaves_maps_and_generic_reductions_on_scan():
     with ajm.config(backend="interpret"):
         for kw in ({}, dict(reduction=jnp.multiply, chunk_reduction=jnp.prod)):
             plan = ajm.explain(fun, X, 8, **kw)
-            assert plan.backend == "scan" and "not a recognized monoid" in plan.reason
+            assert plan.engine == "scan" and "not a recognized monoid" in plan.reason
             assert not plan.error
 
 
@@ -74,13 +74,11 @@ def test_pallas_backend_on_cpu_raises_not_implemented():
 
 def test_environment_variable(monkeypatch):
     monkeypatch.setenv("ADV_JAX_MATH_BACKEND", "interpret")
-    assert ajm.explain(fun, X, 8, reduction=jnp.add, chunk_reduction=jnp.sum).backend == (
+    assert ajm.explain(fun, X, 8, reduction=jnp.add, chunk_reduction=jnp.sum).engine == (
         "interpret"
     )
     with ajm.config(backend="scan"):  # a config block wins over the environment
-        assert ajm.explain(fun, X, 8, reduction=jnp.add, chunk_reduction=jnp.sum).backend == (
-            "scan"
-        )
+        assert ajm.explain(fun, X, 8, reduction=jnp.add, chunk_reduction=jnp.sum).engine == ("scan")
     monkeypatch.setenv("ADV_JAX_MATH_BACKEND", "cuda")
     with pytest.raises(ValueError, match="backend='cuda' is not one of"):
         ajm.batch_map(fun, X, 8)
@@ -102,7 +100,7 @@ def test_sharded_interpret_runs_a_kernel_per_device():
         kw = dict(reduction=jnp.logaddexp, chunk_reduction=jax.nn.logsumexp, shard=True)
         plan = ajm.explain(fun, X, 8, **kw)
         out = ajm.batch_map(fun, X, 8, **kw)
-    assert plan.backend == "interpret" and plan.shard.local.backend == "interpret"
+    assert plan.engine == "interpret" and plan.shard.local.engine == "interpret"
     assert_tree_close(out, jax.nn.logsumexp(fun(X)))
 
 
@@ -128,7 +126,7 @@ def test_auto_picks_the_kernel_when_it_lowers(platform):
         return run(fun, x, 256, reduction=jnp.add, chunk_reduction=jnp.sum)
 
     plan, text = lower_for(platform, f, jnp.ones((4096, 4)))
-    assert plan.backend == "pallas" and plan.platform == platform, str(plan)
+    assert plan.engine == "pallas" and plan.platform == platform, str(plan)
     assert contains_kernel(text, platform)
 
 
@@ -137,7 +135,7 @@ def test_triton_rejects_three_wide_rows_and_scan_runs():
         return run(jnp.cos, x, 256, reduction=jnp.add, chunk_reduction=jnp.sum)
 
     plan, text = lower_for("cuda", f, jnp.ones((4096, 3)))
-    assert plan.backend == "scan" and "power-of-two" in plan.reason, str(plan)
+    assert plan.engine == "scan" and "power-of-two" in plan.reason, str(plan)
     assert not contains_kernel(text, "cuda")
 
 
@@ -146,7 +144,7 @@ def test_tpu_rejects_float64_and_scan_runs(x64):
         return run(jnp.cos, x, 256, reduction=jnp.add, chunk_reduction=jnp.sum)
 
     plan, text = lower_for("tpu", f, jnp.ones((4096, 4), jnp.float64))
-    assert plan.backend == "scan" and "64-bit" in plan.reason, str(plan)
+    assert plan.engine == "scan" and "64-bit" in plan.reason, str(plan)
     assert not contains_kernel(text, "tpu")
 
 

@@ -1,4 +1,4 @@
-"""The native CPU logsumexp (kernels/cpu/logsumexp.cc through adv_jax_math._native).
+"""The native CPU logsumexp (kernels/cpu/logsumexp.cc through adv_jax_math.kernels.native).
 
 Oracles: ``jax.nn.logsumexp`` in float64 and a ``math.fsum`` reference; never our own
 code. Tests that need the library fail when it does not load (a broken build must
@@ -16,7 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from adv_jax_math import _config, _native
+from adv_jax_math import _config
+from adv_jax_math.kernels import native as _native
 
 NEG_INF, POS_INF, NAN = -np.inf, np.inf, np.nan
 

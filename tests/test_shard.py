@@ -63,7 +63,7 @@ def expected_chunks(plan):
     lay, count = plan.shard, collections.Counter()
 
     def add(p, times):
-        count[p.rows] += p.chunks * times
+        count[p.rows_per_chunk] += p.chunks * times
         if p.remainder:
             count[p.remainder] += times
 

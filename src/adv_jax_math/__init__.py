@@ -1,32 +1,45 @@
 """adv_jax_math: chunked map/reduce for JAX with bounded memory.
 
 ``batch_map`` / ``batch_vmap`` compute ``chunk_reduction(fun(x))`` in chunks;
-the front end plans chunks and the backend, engines execute the plan.
+the front end plans chunks and picks an engine, engines execute the plan.
 """
 
 from ._api import batch_map, batch_vmap, explain
 from ._config import Options, config
 from ._jacobian import batch_jacfwd, batch_jacrev
-from ._monoid import ADD, LOGSUMEXP, MAX, MIN, Monoid, MonoidReduction, identity
-from ._plan import Plan
+from ._monoid import ADD, LOGSUMEXP, MAX, MIN, LeafReduction, Monoid, MonoidReduction, identity
+from ._plan import Kind, Plan, Policy
 from ._vectorize import batch_vectorize
+
+# DESC's names for the same functions (desc.batching), so DESC code runs unchanged.
+vmap_chunked = batch_vmap
+batched_vectorize = batch_vectorize
+jacfwd_chunked = batch_jacfwd
+jacrev_chunked = batch_jacrev
 
 __all__ = [
     "ADD",
     "LOGSUMEXP",
     "MAX",
     "MIN",
+    "Kind",
+    "LeafReduction",
     "Monoid",
     "MonoidReduction",
     "Options",
     "Plan",
+    "Policy",
     "batch_jacfwd",
     "batch_jacrev",
     "batch_map",
     "batch_vectorize",
     "batch_vmap",
+    "batched_vectorize",
     "config",
     "explain",
     "identity",
+    "jacfwd_chunked",
+    "jacrev_chunked",
+    "vmap_chunked",
 ]
 __version__ = "0.1.0"

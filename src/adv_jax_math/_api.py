@@ -9,11 +9,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from . import _plan, _scan, _shard
+from . import _engines
 from ._monoid import identity
-from ._plan import Plan
-from ._trace import rows_aval, trace
-from ._validate import batch_size_from
+from ._plan import Call, Plan
+from ._shard import as_global
+from ._validate import batch_size_from, check_callable, resolve_mesh
 
 __all__ = ["batch_map", "batch_vmap", "explain"]
 
@@ -38,12 +38,14 @@ _COMMON_PARAMS = """reduction : callable or None
 
 
 def _check_callables(fun: Any, reduction: Any, chunk_reduction: Any) -> None:
-    if not callable(fun):
-        raise TypeError(f"fun must be callable, got {type(fun).__name__}: {fun!r}")
-    if reduction is not None and not callable(reduction):
-        raise TypeError(f"reduction must be a binary callable or None, got {reduction!r}")
-    if not callable(chunk_reduction):
-        raise TypeError(f"chunk_reduction must be callable, got {chunk_reduction!r}")
+    check_callable(fun, "fun")
+    if reduction is not None:
+        check_callable(reduction, "reduction", "a binary callable or None")
+    check_callable(chunk_reduction, "chunk_reduction")
+
+
+def _as_input(x: Any) -> Any:
+    return x if isinstance(x, jax.ShapeDtypeStruct) else jnp.asarray(x)
 
 
 def _prepare(
@@ -55,73 +57,21 @@ def _prepare(
     shard: bool,
     mesh: Any,
     kwargs: dict[str, Any],
-) -> tuple[Plan, Any]:
+) -> Call:
+    """Validate the arguments of :func:`batch_map` into a :class:`Call`."""
     batch_size = batch_size_from(batch_size, kwargs)
     _check_callables(fun, reduction, chunk_reduction)
     if not isinstance(shard, bool):
         raise TypeError(f"shard={shard!r} must be a bool")
     if mesh is not None and not shard:
         warnings.warn("mesh is only used with shard=True; it is ignored", UserWarning, stacklevel=3)
+        mesh = None
     if shard:
-        mesh = _shard.resolve_mesh(mesh)
-        fun_input = jax.tree.map(lambda x: _shard.as_global(x, mesh), fun_input)
+        mesh = resolve_mesh(mesh)
+        fun_input = jax.tree.map(lambda x: as_global(x, mesh), fun_input)
     elif batch_size is not None:
-        fun_input = jax.tree.map(jnp.asarray, fun_input)
-    plan = _plan.make_plan(
-        fun, fun_input, batch_size, reduction, chunk_reduction, shard=shard, mesh=mesh
-    )
-    return plan, fun_input
-
-
-def _empty_result(
-    plan: Plan, fun: Callable, xs: Any, reduction: Callable | None, chunk_reduction: Callable
-) -> Any:
-    """``n == 0``: a map gives empty outputs, a monoid its identity."""
-    if plan.kind == "generic":
-        return chunk_reduction(fun(xs))
-    one_row = trace(
-        lambda x: chunk_reduction(fun(x)) if plan.monoid is None else fun(x), rows_aval(xs, 1)
-    ).out_shape
-    if plan.monoid is not None:
-        return plan.monoid.identity_like(jax.eval_shape(plan.monoid.reduce_chunk, one_row))
-    return jax.tree.map(lambda s: jnp.zeros((0, *s.shape[1:]), s.dtype), one_row)
-
-
-def _execute(
-    plan: Plan, fun: Callable, xs: Any, reduction: Callable | None, chunk_reduction: Callable
-) -> Any:
-    if plan.error:
-        raise NotImplementedError(plan.error)
-    if plan.shard is not None:
-
-        def run_local(rows: Any) -> Any:
-            local = _plan.make_plan(
-                fun, rows, plan.batch_size, reduction, chunk_reduction, mapped=True
-            )
-            return _execute(local, fun, rows, reduction, chunk_reduction)
-
-        return _shard.run_sharded(plan, run_local, xs, reduction)
-    if plan.backend in ("pallas", "interpret"):
-        from . import _pallas
-
-        interpret = plan.backend == "interpret"
-        return _pallas.fused_reduce(
-            fun,
-            xs,
-            plan.monoid,
-            max_rows=plan.batch_size,
-            interpret=interpret,
-            platform="cpu" if interpret else plan.platform,
-        )
-    if plan.policy == _plan.SINGLE:
-        if plan.monoid is not None:  # a Monoid object as reduction carries its chunk reduction
-            return plan.monoid.reduce_chunk(fun(xs), None, _scan.chunk_reducer(plan.monoid))
-        return chunk_reduction(fun(xs))
-    if plan.policy == _plan.EMPTY:
-        return _empty_result(plan, fun, xs, reduction, chunk_reduction)
-    if plan.policy == _plan.OVERLAP:
-        return _scan.run_overlapped(plan, plan.traced, xs)
-    return _scan.run_remainder(plan, fun, xs, reduction, chunk_reduction)
+        fun_input = jax.tree.map(_as_input, fun_input)
+    return Call(fun, fun_input, batch_size, reduction, chunk_reduction, shard, mesh)
 
 
 def batch_map(
@@ -201,8 +151,8 @@ def batch_map(
             UserWarning,
             stacklevel=2,
         )
-    plan, xs = _prepare(fun, fun_input, batch_size, reduction, chunk_reduction, shard, mesh, kwargs)
-    return _execute(plan, fun, xs, reduction, chunk_reduction)
+    call = _prepare(fun, fun_input, batch_size, reduction, chunk_reduction, shard, mesh, kwargs)
+    return _engines.run(_engines.plan(call), call)
 
 
 def _strip_dim0(
@@ -268,8 +218,8 @@ def explain(
     """
     if strip_dim0 and batch_size_from(batch_size, kwargs) == 1:
         fun = jax.vmap(fun)
-    plan, _ = _prepare(fun, fun_input, batch_size, reduction, chunk_reduction, shard, mesh, kwargs)
-    return plan
+    call = _prepare(fun, fun_input, batch_size, reduction, chunk_reduction, shard, mesh, kwargs)
+    return _engines.plan(call)
 
 
 def _axes_per_leaf(in_axes: Any, args: tuple) -> list[int | None]:
@@ -365,9 +315,9 @@ def batch_vmap(
                 "maps none; use an integer axis for at least one argument"
             )
         if shard:
-            on_mesh = _shard.resolve_mesh(mesh)
+            on_mesh = resolve_mesh(mesh)
             leaves = [
-                x if a is not None else _shard.as_global(x, on_mesh)
+                x if a is not None else as_global(x, on_mesh)
                 for x, a in zip(leaves, axes, strict=True)
             ]
         moved = []

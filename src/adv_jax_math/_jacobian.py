@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._api import batch_vmap
-from ._validate import batch_size_from
+from ._validate import batch_size_from, check_callable, is_int
 
 __all__ = ["batch_jacfwd", "batch_jacrev"]
 
@@ -75,7 +75,7 @@ def batch_jacfwd(
            [2., 8., 2.],
            [3., 3., 9.]], dtype=float32)
     """
-    _check_callable(fun, "batch_jacfwd")
+    check_callable(fun, "batch_jacfwd: fun")
     argnums_tuple, single = _normalize_argnums(argnums, "batch_jacfwd")
     batch_size = batch_size_from(batch_size, kwargs)
 
@@ -183,7 +183,7 @@ def batch_jacrev(
     >>> jac["p"][0]
     Array([2., 1.], dtype=float32)
     """
-    _check_callable(fun, "batch_jacrev")
+    check_callable(fun, "batch_jacrev: fun")
     argnums_tuple, single = _normalize_argnums(argnums, "batch_jacrev")
     batch_size = batch_size_from(batch_size, kwargs)
 
@@ -308,29 +308,14 @@ def _flat_problem(
 
 def _normalize_argnums(argnums: Any, name: str) -> tuple[tuple[int, ...], bool]:
     """``(positions, single)``: ``single`` when ``argnums`` is one int (not a sequence)."""
-    if _is_int(argnums):
+    if is_int(argnums):
         return (operator.index(argnums),), True
     nums = tuple(argnums) if isinstance(argnums, Sequence) else ()
-    if not nums or not all(map(_is_int, nums)):
+    if not nums or not all(map(is_int, nums)):
         raise TypeError(
             f"{name}: argnums={argnums!r} must be an int or a non-empty sequence of ints"
         )
     return tuple(map(operator.index, nums)), False
-
-
-def _is_int(x: Any) -> bool:
-    if isinstance(x, bool):
-        return False
-    try:
-        operator.index(x)
-    except TypeError:
-        return False
-    return True
-
-
-def _check_callable(fun: Any, name: str) -> None:
-    if not callable(fun):
-        raise TypeError(f"{name} expects a callable fun, got {type(fun).__name__}: {fun!r}")
 
 
 def _is_inexact(dtype: Any) -> bool:

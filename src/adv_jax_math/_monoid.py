@@ -1,16 +1,19 @@
-"""Monoids: the reductions the engines know how to mask, chunk and fuse.
+"""Monoids: the reductions the engines know how to mask, chunk, fuse and differentiate.
 
-A monoid is an associative ``combine`` with an ``identity``. A recognized
-``(reduction, chunk_reduction)`` pair becomes a :class:`MonoidReduction`: the
-monoid plus the axes the user's ``chunk_reduction`` reduces (all axes for
-``jnp.sum``-style functions, only the mapped axis for ``jnp.add.reduce``-style
-ones). Anything not recognized is run unchanged by the generic scan path.
+A :class:`Monoid` owns all of its math, so that engines never ask which monoid
+they hold: the identity, the dtype partials accumulate in, a numerically stable
+reduction and combine (written with operations every backend lowers), the
+accumulator that carries partials across chunks, and the tangent rule (ties of
+max/min share the derivative evenly, as ``jax.grad(jnp.max)`` does).
+
+A recognized ``(reduction, chunk_reduction)`` pair becomes a
+:class:`MonoidReduction`: one :class:`LeafReduction` (monoid, axes, final shape)
+per leaf of the result, plus the elementwise prologue the chunk reduction applies
+first (see ``_recognize``).
 """
 
 from __future__ import annotations
 
-import functools
-import operator
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -18,9 +21,18 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
-__all__ = ["ADD", "LOGSUMEXP", "MAX", "MIN", "Monoid", "MonoidReduction", "identity", "recognize"]
+__all__ = [
+    "ADD",
+    "LOGSUMEXP",
+    "MAX",
+    "MIN",
+    "MONOIDS",
+    "LeafReduction",
+    "Monoid",
+    "MonoidReduction",
+    "identity",
+]
 
 
 def identity(x: Any) -> Any:
@@ -44,9 +56,9 @@ def _highest(dtype: np.dtype) -> Any:
     return jnp.iinfo(dtype).max
 
 
-def _as_inexact(y: jax.Array) -> jax.Array:
-    # logsumexp of integers is computed in floating point, as jax.nn.logsumexp does.
-    return y if jnp.issubdtype(y.dtype, jnp.inexact) else y.astype(jnp.result_type(y, 1.0))
+def _finite_or_zero(top: jax.Array) -> jax.Array:
+    # Shift for a stable logsumexp: all -inf (or +inf) rows shift by 0 instead of NaN.
+    return jnp.where(jnp.abs(top) < jnp.inf, top, jnp.zeros_like(top))
 
 
 @dataclass(frozen=True, eq=False)
@@ -72,7 +84,7 @@ class Monoid:
     combine: Callable[[Any, Any], Any]
     reduce: Callable[..., Any]
     _identity: Callable[[np.dtype], Any]
-    _prepare: Callable[[jax.Array], jax.Array] = identity
+    selects: bool = False  # max/min: the result is one of the inputs (ties matter)
 
     def __call__(self, a: Any, b: Any) -> Any:
         return self.combine(a, b)
@@ -85,125 +97,165 @@ class Monoid:
         dtype = np.dtype(dtype)
         return np.asarray(self._identity(dtype), dtype)
 
-    def mask(self, y: jax.Array, valid: jax.Array) -> jax.Array:
-        """Replace the rows of ``y`` where ``valid`` (shape ``(rows,)``) is False."""
-        y = self._prepare(y)
-        valid = valid.reshape(valid.shape + (1,) * (y.ndim - 1))
-        return jnp.where(valid, y, self.identity(y.dtype))
+    def identity_scalar(self, dtype: Any) -> Any:
+        """The identity as a NumPy scalar (a literal inside a kernel, not a constant)."""
+        return self.identity(dtype)[()]
+
+    def result_dtype(self, dtype: Any) -> np.dtype:
+        """The dtype of a reduction of ``dtype`` values (logsumexp of ints is a float)."""
+        dtype = np.dtype(dtype)
+        if self is LOGSUMEXP and not jnp.issubdtype(dtype, jnp.inexact):
+            return np.dtype(jnp.result_type(dtype, 1.0))
+        return dtype
+
+    def acc_dtype(self, dtype: Any) -> np.dtype:
+        """The dtype partials accumulate in: 16-bit floats are summed in float32 (as
+        ``jnp.sum`` does); max/min select values and stay exact in any dtype."""
+        dtype = self.result_dtype(dtype)
+        low = jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4
+        return np.dtype(np.float32) if low and not self.selects else dtype
+
+    def mask(self, y: jax.Array, valid: jax.Array | None) -> jax.Array:
+        """Replace the rows of ``y`` where ``valid`` (a boolean row mask that
+        broadcasts against ``y``) is False with the identity."""
+        if valid is None:
+            return y
+        valid = valid.reshape(valid.shape + (1,) * (y.ndim - valid.ndim))
+        return jnp.where(valid, y, self.identity_scalar(y.dtype))
+
+    def reduce_stable(self, y: jax.Array, axis: int | None) -> jax.Array:
+        """``reduce(y, axis)`` from elementwise ops and plain reductions only (what
+        Pallas kernels lower); logsumexp shifted by its finite maximum."""
+        if self is not LOGSUMEXP:
+            return self.reduce(y, axis=axis)
+        top = _finite_or_zero(jnp.max(y, axis=axis, keepdims=True))
+        out = jnp.log(jnp.sum(jnp.exp(y - top), axis=axis, keepdims=True)) + top
+        return out.reshape(jnp.sum(y, axis=axis).shape)
+
+    def combine_stable(self, a: jax.Array, b: jax.Array) -> jax.Array:
+        """``combine(a, b)``, for logsumexp without ops a kernel may not lower; inf-safe."""
+        if self is not LOGSUMEXP:
+            return self.combine(a, b)
+        top = _finite_or_zero(jnp.maximum(a, b))
+        return jnp.log(jnp.exp(a - top) + jnp.exp(b - top)) + top
+
+    # Tangent rule ------------------------------------------------------------
+    # One chunk's contribution to the tangent of ``reduce(y)`` given the final
+    # ``total``; contributions of chunks are merged, then finished. add: (sum dy,);
+    # logsumexp: (sum softmax * dy,); max/min: (top, sum of dy where y == top, ties),
+    # so every tied row, in any chunk, gets an equal share (as jax.grad(jnp.max)).
+
+    def tangent_part(
+        self, y: jax.Array, dy: jax.Array, valid: Any, total: jax.Array, axis: int | None
+    ) -> tuple[jax.Array, ...]:
+        valid = jnp.broadcast_to(valid.reshape(valid.shape + (1,) * (y.ndim - 1)), y.shape)
+        if self is ADD:
+            return (jnp.sum(jnp.where(valid, dy, 0), axis=axis),)
+        if self is LOGSUMEXP:
+            weight = jnp.exp(y - (total if axis is None else total[None]))
+            return (jnp.sum(jnp.where(valid, weight * dy, 0), axis=axis),)
+        top = self.reduce(self.mask(y, valid), axis=axis)
+        hit = valid & (y == (top if axis is None else top[None]))
+        return top, jnp.sum(jnp.where(hit, dy, 0), axis=axis), jnp.sum(hit.astype(dy.dtype), axis)
+
+    def tangent_start(self, shapes: tuple[Any, ...]) -> tuple[jax.Array, ...]:
+        parts = [jnp.zeros(s.shape, s.dtype) for s in shapes]
+        if self.selects and parts:
+            parts[0] = jnp.full(shapes[0].shape, self.identity_scalar(shapes[0].dtype))
+        return tuple(parts)
+
+    def tangent_merge(self, a: tuple, b: tuple) -> tuple:
+        if not self.selects or not a:
+            return tuple(u + v for u, v in zip(a, b, strict=True))
+        (top_a, dy_a, n_a), (top_b, dy_b, n_b) = a, b
+        top = self.combine(top_a, top_b)
+        in_a, in_b = top_a == top, top_b == top  # both when tied across chunks
+        return (
+            top,
+            jnp.where(in_a, dy_a, 0) + jnp.where(in_b, dy_b, 0),
+            jnp.where(in_a, n_a, 0) + jnp.where(in_b, n_b, 0),
+        )
+
+    def tangent_finish(self, parts: tuple) -> jax.Array:
+        return parts[1] / parts[2] if self.selects else parts[0]
 
 
 ADD = Monoid("add", jnp.add, jnp.sum, lambda dtype: 0)
-MAX = Monoid("max", jnp.maximum, jnp.max, _lowest)
-MIN = Monoid("min", jnp.minimum, jnp.min, _highest)
-LOGSUMEXP = Monoid("logsumexp", jnp.logaddexp, jax.nn.logsumexp, lambda dtype: -np.inf, _as_inexact)
+MAX = Monoid("max", jnp.maximum, jnp.max, _lowest, selects=True)
+MIN = Monoid("min", jnp.minimum, jnp.min, _highest, selects=True)
+LOGSUMEXP = Monoid("logsumexp", jnp.logaddexp, jax.nn.logsumexp, lambda dtype: -np.inf)
 MONOIDS = (ADD, MAX, MIN, LOGSUMEXP)
 
 
 @dataclass(frozen=True)
-class MonoidReduction:
-    """A monoid plus the axes of each output leaf that a chunk reduction removes.
+class LeafReduction:
+    """How one leaf of the result is computed from the chunk outputs.
 
-    ``axis=None`` reduces every axis of each leaf (``jnp.sum``); ``axis=0`` only the
-    mapped axis (``jnp.add.reduce``).
+    ``source`` is the index of ``fun``'s output leaf it reduces, ``axis`` the axes
+    (``0``: the mapped axis only; ``None``: all axes), ``shape``/``dtype`` the final
+    result leaf (``keepdims`` reshapes included).
     """
 
+    source: int
     monoid: Monoid
     axis: int | None
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    has_prologue: bool = False
 
     def __str__(self) -> str:
         axes = "all axes" if self.axis is None else "axis 0"
-        return f"{self.monoid.name} over {axes}"
-
-    def reduce_chunk(
-        self, y: Any, valid: jax.Array | None = None, reduce: Callable | None = None
-    ) -> Any:
-        """Reduce each leaf of ``y`` (rows first), ignoring rows where ``valid`` is False.
-
-        ``reduce(leaf, axis=...)`` replaces the monoid's own reduction (an engine's
-        faster equivalent of it).
-        """
-        reduce = reduce or self.monoid.reduce
-
-        def leaf(v):
-            if valid is not None:
-                v = self.monoid.mask(v, valid)
-            return reduce(v, axis=self.axis)
-
-        return jax.tree.map(leaf, y)
-
-    def combine(self, a: Any, b: Any) -> Any:
-        return jax.tree.map(self.monoid.combine, a, b)
-
-    def identity_like(self, out: Any) -> Any:
-        """The identity with the structure, shapes and dtypes of ``out`` (a shape pytree)."""
-        return jax.tree.map(lambda s: jnp.full(s.shape, self.monoid.identity(s.dtype)), out)
+        pre = " after an elementwise map" if self.has_prologue else ""
+        return f"{self.monoid.name} over {axes}{pre}"
 
 
-_COMBINES: dict[Any, Monoid] = {
-    jnp.add: ADD,
-    operator.add: ADD,
-    lax.add: ADD,
-    jnp.maximum: MAX,
-    lax.max: MAX,
-    jnp.minimum: MIN,
-    lax.min: MIN,
-    jnp.logaddexp: LOGSUMEXP,
-}
+@dataclass(frozen=True, eq=False)
+class MonoidReduction:
+    """A recognized reduction: one :class:`LeafReduction` per result leaf.
 
-_CHUNK_REDUCTIONS: dict[Any, tuple[Monoid, int | None]] = {
-    jnp.sum: (ADD, None),
-    jnp.add.reduce: (ADD, 0),
-    jnp.max: (MAX, None),
-    jnp.amax: (MAX, None),
-    jnp.maximum.reduce: (MAX, 0),
-    jnp.min: (MIN, None),
-    jnp.amin: (MIN, None),
-    jnp.minimum.reduce: (MIN, 0),
-    jax.nn.logsumexp: (LOGSUMEXP, None),
-    jax.scipy.special.logsumexp: (LOGSUMEXP, None),
-}
-
-
-def _lookup(table: dict, f: Any) -> Any:
-    try:
-        return table.get(f)
-    except TypeError:  # unhashable callable
-        return None
-
-
-def _chunk_reduction_spec(f: Callable) -> tuple[Monoid, int | None] | None:
-    """Recognize ``f`` or ``functools.partial(f, axis=0 | None)``."""
-    if isinstance(f, functools.partial) and not f.args and set(f.keywords) == {"axis"}:
-        spec = _lookup(_CHUNK_REDUCTIONS, f.func)
-        axis = f.keywords["axis"]
-        if spec is None or axis not in (None, 0) or isinstance(axis, bool):
-            return None
-        return spec[0], axis
-    return _lookup(_CHUNK_REDUCTIONS, f)
-
-
-def recognize(reduction: Callable | None, chunk_reduction: Callable) -> MonoidReduction | None:
-    """The monoid behind ``(reduction, chunk_reduction)``, or None if not recognized.
-
-    A :class:`Monoid` passed as ``reduction`` with the default ``chunk_reduction``
-    reduces the mapped axis; with a recognized ``chunk_reduction`` of a different
-    monoid it is an error.
+    Engines evaluate ``prepare(fun(x))`` (one array per result leaf, rows first),
+    reduce each with its monoid, combine partials across chunks, and hand the
+    reduced leaves to :meth:`finish` for the result's structure, shapes and dtypes.
     """
-    if reduction is None:
-        return None
-    monoid = reduction if isinstance(reduction, Monoid) else _lookup(_COMBINES, reduction)
-    if monoid is None:
-        return None
-    if isinstance(reduction, Monoid) and chunk_reduction is identity:
-        return MonoidReduction(monoid, 0)
-    spec = _chunk_reduction_spec(chunk_reduction)
-    if spec is None:
-        return None
-    if spec[0] is not monoid:
-        if isinstance(reduction, Monoid):
-            raise ValueError(
-                f"reduction={reduction!r} does not match chunk_reduction={chunk_reduction!r}, "
-                f"which is a {spec[0].name} reduction; pass matching functions"
-            )
-        return None
-    return MonoidReduction(monoid, spec[1])
+
+    leaves: tuple[LeafReduction, ...]
+    out_tree: Any
+    prologue: Callable[[Any], list[jax.Array]]
+    how: str = ""
+
+    def __str__(self) -> str:
+        kinds = sorted({str(leaf) for leaf in self.leaves})
+        return kinds[0] if len(kinds) == 1 else "per leaf: " + "; ".join(map(str, self.leaves))
+
+    def prepare(self, fun: Callable) -> Callable[[Any], list[jax.Array]]:
+        """``fun`` followed by the prologue: a list of arrays, one per result leaf."""
+        return lambda x: self.prologue(fun(x))
+
+    def reduce_rows(self, ys: list[jax.Array], valid: Any = None, reduce: Any = None) -> list:
+        """Reduce each prepared leaf over its axes in its accumulator dtype, ignoring
+        rows where ``valid`` is False; ``reduce(leaf, monoid, axis)`` may replace the
+        monoid's reduction (an engine's faster equivalent)."""
+        out = []
+        for y, leaf in zip(ys, self.leaves, strict=True):
+            y = leaf.monoid.mask(y.astype(leaf.monoid.acc_dtype(y.dtype)), valid)
+            r = reduce(y, leaf.monoid, leaf.axis) if reduce else None
+            out.append(leaf.monoid.reduce(y, axis=leaf.axis) if r is None else r)
+        return out
+
+    def combine(self, a: list, b: list) -> list:
+        return [leaf.monoid.combine(u, v) for leaf, u, v in zip(self.leaves, a, b, strict=True)]
+
+    def finish(self, reduced: list[jax.Array]) -> Any:
+        """Reduced leaves (any dtype) → the result pytree with its shapes and dtypes."""
+        leaves = [
+            jnp.asarray(r).astype(leaf.dtype).reshape(leaf.shape)
+            for r, leaf in zip(reduced, self.leaves, strict=True)
+        ]
+        return jax.tree.unflatten(self.out_tree, leaves)
+
+    def identity_result(self) -> Any:
+        """The result for ``n == 0``: each leaf's identity."""
+        return jax.tree.unflatten(
+            self.out_tree,
+            [jnp.full(leaf.shape, leaf.monoid.identity(leaf.dtype)) for leaf in self.leaves],
+        )

@@ -1,54 +1,228 @@
-"""The front end's plan: how many rows, which chunks, which engine, and why.
+"""The front end's plan: how many rows, which chunks, which reduction, and why.
 
-A :class:`Plan` is computed from the arguments alone (shapes, the reduction, the
-options in force); engines only execute it. :func:`adv_jax_math.explain` returns it.
+A :class:`Plan` is plain data computed from the arguments (shapes, what the
+reduction computes, the options in force); :func:`make_plan` fills in everything
+but the engine, which the registry in ``_engines`` picks. Engines only execute
+plans. :func:`adv_jax_math.explain` returns one.
 """
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import jax
-import numpy as np
+import jax.numpy as jnp
+from jax.sharding import Mesh
 
-from . import _config, _native, _shard
-from ._monoid import LOGSUMEXP, MonoidReduction, identity, recognize
-from ._trace import Traced, check_rowwise, rows_aval, trace
+from ._monoid import Monoid, MonoidReduction, identity
+from ._recognize import recognize
+from ._trace import Traced, rows_aval, trace
+from ._validate import check_rowwise, mapped_rows
 
-__all__ = ["Plan", "make_plan", "mapped_rows", "overlap_rows"]
+__all__ = [
+    "Call",
+    "Kind",
+    "Plan",
+    "Policy",
+    "Rejection",
+    "ShardLayout",
+    "make_plan",
+    "target_platform",
+]
 
-# Policies: how rows are split into chunks.
-SINGLE = "single call"  # no chunking: chunk_reduction(fun(x))
-EMPTY = "empty input"  # n == 0: identity / empty outputs
-OVERLAP = "overlap"  # chunks of batch_size; the last one overlaps, its repeats are masked
-REMAINDER = "remainder"  # full chunks of batch_size, then the remainder evaluated apart
-SHARDED = "sharded"  # rows spread over a mesh; see Plan.shard for each device's plan
+
+class Kind(enum.Enum):
+    """What the call computes."""
+
+    MAP = "map"  # outputs concatenated
+    MONOID = "monoid"  # a recognized monoid reduction
+    GENERIC = "generic"  # any other associative reduction
 
 
-def mapped_rows(xs: Any, what: str = "fun_input") -> int:
-    """The common leading size of the leaves of ``xs``; a clear error otherwise."""
-    paths_leaves = jax.tree_util.tree_flatten_with_path(xs)[0]
-    if not paths_leaves:
-        raise ValueError(f"{what} has no array leaves to map over; pass at least one array")
-    sizes: dict[str, int] = {}
-    for path, leaf in paths_leaves:
-        name = f"{what}{jax.tree_util.keystr(path)}"
-        shape = np.shape(leaf)
-        if not shape:
-            raise ValueError(
-                f"{name} is 0-d (shape ()), but mapping needs a leading axis to split; "
-                "give it a leading axis, or close over it in fun instead of mapping it"
-            )
-        sizes[name] = shape[0]
-    if len(set(sizes.values())) > 1:
-        listing = ", ".join(f"{k}: {v}" for k, v in sizes.items())
-        raise ValueError(
-            f"the mapped leaves have different leading sizes ({listing}); "
-            "every mapped leaf must have the same number of rows"
-        )
-    return next(iter(sizes.values()))
+class Policy(enum.Enum):
+    """How rows are split into chunks."""
+
+    SINGLE = "single call"  # no chunking: chunk_reduction(fun(x))
+    EMPTY = "empty input"  # n == 0: identity / empty outputs
+    OVERLAP = "overlap"  # equal chunks; the last overlaps, its repeated rows masked
+    REMAINDER = "remainder"  # full chunks of batch_size, then the remainder apart
+    SHARDED = "sharded"  # rows spread over a mesh; see Plan.shard
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """Why an engine cannot run a plan; ``error`` when the user forced that engine
+    for a call it is meant for (running the plan then raises)."""
+
+    reason: str
+    error: bool = False
+
+
+@dataclass(frozen=True, eq=False)
+class Call:
+    """A validated call: what the user passed (``xs`` may hold ShapeDtypeStructs)."""
+
+    fun: Callable
+    xs: Any
+    batch_size: int | None
+    reduction: Callable | None
+    chunk_reduction: Callable
+    shard: bool = False
+    mesh: Mesh | None = None
+
+    def with_rows(self, xs: Any) -> Call:
+        """The same call on other rows (a device's share), not sharded again."""
+        return Call(self.fun, xs, self.batch_size, self.reduction, self.chunk_reduction)
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """How rows are spread over the mesh; ``local`` and ``remainder`` are the plans
+    each device runs on its rows and the one run for the global remainder."""
+
+    mesh: Mesh
+    prefix: int
+    local_rows: int
+    global_remainder: int
+    local: Plan | None
+    remainder: Plan | None
+
+    @property
+    def devices(self) -> int:
+        return self.mesh.size
+
+    @property
+    def axis(self) -> str:
+        return self.mesh.axis_names[0]
+
+    def __str__(self) -> str:
+        text = f"{self.devices} devices on mesh axis {self.axis!r}: "
+        if self.local is not None:
+            text += f"prefix of {self.prefix} rows, {self.local_rows} per device "
+            text += f"({self.local.brief()})"
+        else:
+            text += "no divisible prefix"
+        if self.remainder is not None:
+            text += f"; global remainder of {self.global_remainder} rows on the first device"
+            text += f" ({self.remainder.brief()})"
+        return text
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How a call is executed. Returned by :func:`adv_jax_math.explain`.
+
+    Attributes
+    ----------
+    n : int or None
+        Mapped rows (None when nothing is mapped: ``batch_size=None``, no sharding).
+    batch_size : int or None
+        The user's bound on rows per chunk.
+    kind : Kind
+        ``MAP`` (outputs concatenated), ``MONOID`` (a recognized reduction) or
+        ``GENERIC`` (any other associative reduction).
+    reduction : MonoidReduction or None
+        The recognized reduction, for ``kind == Kind.MONOID``.
+    recognition : str
+        How the reduction was recognized, or why it was not.
+    policy : Policy
+        ``SINGLE``, ``EMPTY``, ``OVERLAP``, ``REMAINDER`` or ``SHARDED``.
+    chunks, rows_per_chunk : int
+        Chunks executed and rows in each.
+    masked : int
+        Rows of the last chunk (``OVERLAP``) that repeat rows of the chunk before.
+    remainder : int
+        Rows evaluated apart after the loop (``REMAINDER``).
+    engine : str
+        ``"scan"``, ``"pallas"``, ``"interpret"`` or ``"shard"``.
+    block_rows, block_steps : int
+        The fused kernel's rows per block and blocks per program (fused engines).
+    reason : str
+        Why that engine.
+    rejected : tuple of (str, str)
+        Every engine tried before it, with the reason it could not run the call.
+    error : str
+        Set when the requested backend cannot run this call; executing the plan
+        raises ``NotImplementedError`` with it.
+    platform : str
+        The platform planned for: the active abstract mesh's device platform
+        (when lowering for another platform) or ``jax.default_backend()``.
+    notes : tuple of str
+        Other facts worth knowing.
+    shard : ShardLayout or None
+        For ``shard=True``: the mesh, the rows per device and the plans each
+        device runs (``shard.local``) and the global remainder runs.
+    """
+
+    n: int | None
+    batch_size: int | None
+    kind: Kind
+    reduction: MonoidReduction | None
+    policy: Policy
+    chunks: int
+    rows_per_chunk: int
+    masked: int = 0
+    remainder: int = 0
+    recognition: str = ""
+    engine: str = ""
+    block_rows: int = 0
+    block_steps: int = 1
+    reason: str = ""
+    rejected: tuple[tuple[str, str], ...] = ()
+    error: str = ""
+    platform: str = ""
+    notes: tuple[str, ...] = ()
+    shard: ShardLayout | None = None
+    traced: Traced | None = field(default=None, repr=False, compare=False)
+
+    def __str__(self) -> str:
+        what = {Kind.MAP: "none (outputs concatenated)", Kind.GENERIC: "generic (not a monoid)"}
+        lines = [
+            ("rows (n)", "not mapped" if self.n is None else str(self.n)),
+            ("batch_size", str(self.batch_size)),
+            ("reduction", what.get(self.kind) or f"{self.reduction} (monoid)"),
+            *((("recognized", self.recognition),) if self.recognition else ()),
+            ("policy", self._policy_text()),
+            ("engine", f"{self.engine}: {self.reason}"),
+            *(("rejected", f"{name}: {why}") for name, why in self.rejected),
+            *((("sharding", str(self.shard)),) if self.shard else ()),
+            *(("note", note) for note in self.notes),
+        ]
+        width = max(len(k) for k, _ in lines)
+        return "\n".join(f"{k:<{width}} : {v}" for k, v in lines)
+
+    def brief(self) -> str:
+        text = f"{self.engine}, {self.chunks} chunk(s) of {self.rows_per_chunk} rows"
+        if self.masked:
+            text += f", {self.masked} masked"
+        if self.remainder:
+            text += f", local remainder of {self.remainder}"
+        return text
+
+    def _policy_text(self) -> str:
+        text = f"{self.chunks} chunks of {self.rows_per_chunk} rows"
+        if self.policy is Policy.SHARDED:
+            return "sharded over a mesh (see sharding)"
+        if self.policy is Policy.OVERLAP:
+            if self.masked:
+                text += f"; the last chunk overlaps the one before by {self.masked} rows, masked"
+            return text + "; fun traced once"
+        if self.policy is Policy.REMAINDER:
+            if self.remainder:
+                text += f", then a remainder of {self.remainder} rows (fun traced twice)"
+            return text
+        return self.policy.value
+
+
+def target_platform() -> str:
+    """The platform being compiled for: an active abstract mesh's device platform
+    (cross-platform lowering, e.g. for a GPU from a CPU machine), else the default
+    backend."""
+    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    return getattr(device, "platform", None) or jax.default_backend()
 
 
 def overlap_rows(n: int, batch_size: int) -> int:
@@ -64,245 +238,121 @@ def overlap_rows(n: int, batch_size: int) -> int:
     return -(-n // k)
 
 
-@dataclass(frozen=True)
-class Plan:
-    """How a call is executed. Returned by :func:`adv_jax_math.explain`.
-
-    Attributes
-    ----------
-    n : int or None
-        Mapped rows (None when nothing is mapped: ``batch_size=None``, no sharding).
-    batch_size : int or None
-        The user's bound on rows per chunk.
-    kind : str
-        ``"map"`` (outputs concatenated), ``"monoid"`` (a recognized reduction) or
-        ``"generic"`` (any other associative reduction).
-    monoid : MonoidReduction or None
-        The recognized reduction, for ``kind == "monoid"``.
-    policy : str
-        ``"single call"``, ``"empty input"``, ``"overlap"``, ``"remainder"`` or
-        ``"sharded"``.
-    chunks, rows : int
-        Chunks executed and rows in each.
-    masked : int
-        Rows of the last chunk (policy ``"overlap"``) that repeat rows of the
-        chunk before and are masked out.
-    remainder : int
-        Rows evaluated apart after the loop (policy ``"remainder"``).
-    backend : str
-        ``"scan"``, ``"pallas"`` or ``"interpret"``.
-    reason : str
-        Why that backend, and why any faster one was rejected.
-    error : str
-        Set when the requested backend cannot run this call; executing the plan
-        raises ``NotImplementedError`` with it.
-    platform : str
-        The platform planned for: the active abstract mesh's device platform
-        (when lowering for another platform) or ``jax.default_backend()``.
-    notes : tuple of str
-        Other facts worth knowing.
-    shard : ShardLayout or None
-        For ``shard=True``: the mesh, the rows per device and the plans each
-        device runs (``shard.local``) and the global remainder runs
-        (``shard.remainder``).
-    """
-
-    n: int | None
-    batch_size: int | None
-    kind: str
-    monoid: MonoidReduction | None
-    policy: str
-    chunks: int
-    rows: int
-    masked: int = 0
-    remainder: int = 0
-    backend: str = "scan"
-    reason: str = ""
-    error: str = ""
-    platform: str = ""
-    notes: tuple[str, ...] = field(default_factory=tuple)
-    shard: _shard.ShardLayout | None = None
-    traced: Traced | None = field(default=None, repr=False, compare=False)
-
-    def __str__(self) -> str:
-        what = {"map": "none (outputs concatenated)", "generic": "generic (not a known monoid)"}
-        lines = [
-            ("rows (n)", "not mapped" if self.n is None else str(self.n)),
-            ("batch_size", str(self.batch_size)),
-            ("reduction", what.get(self.kind) or f"{self.monoid} (monoid)"),
-            ("policy", self._policy_text()),
-            ("backend", f"{self.backend}: {self.reason}"),
-            *((("sharding", str(self.shard)),) if self.shard else ()),
-            *(("note", note) for note in self.notes),
-        ]
-        width = max(len(k) for k, _ in lines)
-        return "\n".join(f"{k:<{width}} : {v}" for k, v in lines)
-
-    def _policy_text(self) -> str:
-        if self.policy == SHARDED:
-            return "sharded over a mesh (see sharding)"
-        if self.policy == OVERLAP:
-            text = f"{self.chunks} chunks of {self.rows} rows"
-            if self.masked:
-                text += f"; the last chunk overlaps the one before by {self.masked} rows, masked"
-            return text + "; fun traced once"
-        if self.policy == REMAINDER:
-            text = f"{self.chunks} chunks of {self.rows} rows"
-            if self.remainder:
-                text += f", then a remainder of {self.remainder} rows (fun traced twice)"
-            return text
-        return self.policy
+def _rows_if_reduced(call: Call) -> int | None:
+    """Unchunked reductions are planned like chunked ones (one chunk of all rows),
+    so a recognized reduction runs the same way (e.g. leafwise on a pytree, or a
+    Monoid passed as reduction reducing the mapped axis); None if not mappable."""
+    if call.reduction is None:
+        return None
+    if isinstance(call.reduction, Monoid) and call.chunk_reduction is identity:
+        return mapped_rows(call.xs)
+    try:
+        return mapped_rows(jax.tree.map(jnp.asarray, call.xs))
+    except (ValueError, TypeError):
+        return None
 
 
-def make_plan(
-    fun: Callable,
-    fun_input: Any,
-    batch_size: int | None,
-    reduction: Callable | None,
-    chunk_reduction: Callable,
-    *,
-    shard: bool = False,
-    mesh: Any = None,
-    mapped: bool = False,
-) -> Plan:
-    """Plan a call from validated arguments (see ``_api.batch_map``).
+def _kind(call: Call, reduction: MonoidReduction | None) -> Kind:
+    if reduction is not None:
+        return Kind.MONOID
+    return Kind.MAP if call.reduction is None else Kind.GENERIC
+
+
+def _recognized(call: Call, traced: Traced) -> tuple[MonoidReduction | None, str]:
+    rec = recognize(call.reduction, call.chunk_reduction, traced.out_shape)
+    if rec.leaves is None:
+        return None, rec.how
+    return MonoidReduction(rec.leaves, rec.out_tree, rec.prologue, rec.how), rec.how
+
+
+def make_plan(call: Call, *, mapped: bool = False) -> Plan:
+    """Plan a call (everything but the engine; see ``_engines.plan``).
 
     Rows are counted when something is split (``batch_size`` or ``shard``) or when
     ``mapped`` says the input's leading axis is mapped (a device's share of rows).
+    ``fun`` is traced once here, on one chunk; engines reuse that trace.
     """
-    monoid = recognize(reduction, chunk_reduction)
-    kind = "monoid" if monoid else "map" if reduction is None else "generic"
-    n = mapped_rows(fun_input) if batch_size is not None or shard or mapped else None
-    notes: list[str] = []
-    if shard and n:
-        mesh = _shard.resolve_mesh(mesh)
-        plan_rows = lambda rows: make_plan(
-            fun, rows_aval(fun_input, rows), batch_size, reduction, chunk_reduction, mapped=True
-        )
-        lay = _shard.layout(mesh, n, plan_rows)
-        first = lay.local or lay.remainder
-        return Plan(
-            n=n,
-            batch_size=batch_size,
-            kind=kind,
-            monoid=monoid,
-            policy=SHARDED,
-            chunks=0,
-            rows=0,
-            backend=first.backend,
-            reason=first.reason,
-            error=first.error,
-            platform=first.platform,
-            shard=lay,
-        )
-
-    if n == 0:
-        policy, chunks, rows = EMPTY, 0, 0
-    elif n is None or batch_size is None or n <= batch_size:
-        policy, chunks, rows = SINGLE, 1, n or 0
-    elif kind == "generic" or (kind == "map" and chunk_reduction is not identity):
-        # Repeated rows cannot be masked out of an unknown reduction or a chunk summary.
-        policy, chunks, rows = REMAINDER, n // batch_size, batch_size
+    b = call.batch_size
+    # A Monoid passed as reduction (default chunk_reduction) reduces the mapped axis.
+    n = mapped_rows(call.xs) if b is not None or call.shard or mapped else _rows_if_reduced(call)
+    if call.shard and n:
+        return _sharded_plan(call, n)
+    if n is None:  # nothing is split: one plain call, as the user wrote it
+        kind = Kind.MAP if call.reduction is None else Kind.GENERIC
+        return Plan(n, b, kind, None, Policy.SINGLE, 1, 0, platform=target_platform())
+    if b is None or n <= b:
+        policy, chunks, rows = (Policy.EMPTY, 0, 1) if n == 0 else (Policy.SINGLE, 1, n)
     else:
-        policy, rows = OVERLAP, overlap_rows(n, batch_size)
+        policy, rows = Policy.OVERLAP, overlap_rows(n, b)
         chunks = -(-n // rows)
 
-    platform = target_platform()
-    backend, reason, error = _choose_backend(
-        fun, fun_input, monoid, n, batch_size, policy, platform
-    )
-    traced = None
-    if policy == OVERLAP and backend == "scan":
-        # Trace fun once here; the engine evaluates this jaxpr for every chunk.
-        traced = trace(fun, rows_aval(fun_input, rows))
-        rowwise = all(s.shape[:1] == (rows,) for s in jax.tree.leaves(traced.out_shape))
-        if kind == "map":
+    avals = rows_aval(call.xs, rows)
+    raw = trace(call.fun, avals)
+    reduction, how = _recognized(call, raw) if call.reduction is not None else (None, "")
+    kind = _kind(call, reduction)
+    notes: list[str] = []
+    traced = raw
+    if reduction is not None and policy is not Policy.EMPTY:
+        traced = trace(reduction.prepare(raw), avals)  # the prologue joins fun's jaxpr
+    if policy is Policy.OVERLAP:
+        if kind is Kind.MAP and call.chunk_reduction is identity:
             check_rowwise(traced.out_shape, rows, "fun(chunk)")
-        elif not rowwise and chunks * rows != n:
-            # Repeated rows can only be masked in outputs that keep the row axis.
+        elif kind is not Kind.MONOID:
+            # Repeated rows cannot be masked out of an unknown reduction or a chunk summary.
+            policy, chunks, rows = Policy.REMAINDER, n // b, b
+        elif chunks * rows != n and not all(
+            s.shape[:1] == (rows,) for s in jax.tree.leaves(traced.out_shape)
+        ):
             notes.append("fun's output has no row axis, so repeated rows cannot be masked")
-            policy, chunks, rows, traced = REMAINDER, n // batch_size, batch_size, None
-    if backend == "scan" and policy in (SINGLE, OVERLAP) and monoid and monoid.monoid is LOGSUMEXP:
-        loaded, why = _native.status()
-        notes.append(
-            f"chunk logsumexp: native CPU kernel for f32/f64 chunks of >= "
-            f"{_native.MIN_ELEMENTS} elements ({why})"
-            if loaded
-            else f"chunk logsumexp: XLA (native kernel unavailable: {why})"
-        )
+            policy, chunks, rows = Policy.REMAINDER, n // b, b
+    if policy is Policy.REMAINDER:  # the engine runs chunk_reduction(fun(chunk)) itself
+        traced = raw if rows == traced_rows(raw) else None
     return Plan(
         n=n,
-        batch_size=batch_size,
+        batch_size=b,
         kind=kind,
-        monoid=monoid,
+        reduction=reduction,
+        recognition=how,
         policy=policy,
         chunks=chunks,
-        rows=rows,
-        masked=chunks * rows - n if policy == OVERLAP else 0,
-        remainder=n - chunks * rows if policy == REMAINDER else 0,
-        backend=backend,
-        reason=reason,
-        error=error,
-        platform=platform,
+        rows_per_chunk=rows,
+        masked=chunks * rows - n if policy is Policy.OVERLAP else 0,
+        remainder=n - chunks * rows if policy is Policy.REMAINDER else 0,
+        platform=target_platform(),
         notes=tuple(notes),
         traced=traced,
     )
 
 
-def target_platform() -> str:
-    """The platform being compiled for: an active abstract mesh's device platform
-    (cross-platform lowering, e.g. for a GPU from a CPU machine), else the default
-    backend."""
-    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
-    return getattr(device, "platform", None) or jax.default_backend()
+def traced_rows(traced: Traced) -> int | None:
+    """The leading size ``traced`` was traced on."""
+    avals = traced.jaxpr.in_avals
+    return int(avals[0].shape[0]) if avals and avals[0].shape else None
 
 
-def _choose_backend(
-    fun: Callable,
-    fun_input: Any,
-    monoid: MonoidReduction | None,
-    n: int | None,
-    batch_size: int | None,
-    policy: str,
-    platform: str,
-) -> tuple[str, str, str]:
-    """Pick the engine: ``(backend, why, error)``.
-
-    Calls that no kernel exists for (maps, generic reductions, empty or unmapped
-    inputs) always run on the scan engine. For the others, a forced backend that
-    cannot run sets ``error`` instead of silently falling back.
-    """
-    requested = _config.current().backend
-    if requested == "scan":
-        return "scan", "requested (backend='scan')", ""
-    if monoid is None:
-        return "scan", "no fused kernel: the reduction is not a recognized monoid", ""
-    if policy == EMPTY:
-        return "scan", "empty input: the result is the monoid identity", ""
-    if n is None:
-        return "scan", "nothing mapped (batch_size=None): one plain call of fun", ""
-    if requested == "auto" and platform == "cpu":
-        return (
-            "scan",
-            (
-                "on CPU the fused kernel only runs in interpret mode (slow); "
-                "backend='interpret' forces it"
-            ),
-            "",
-        )
-    if requested == "pallas" and platform == "cpu":
-        problem = "Pallas has no compiled CPU lowering; use backend='interpret' on CPU"
-    else:
-        from . import _pallas
-
-        target = "cpu" if requested == "interpret" else platform
-        problem = _pallas.kernel_problem(
-            fun, fun_input, monoid, platform=target, max_rows=batch_size
-        )
-    if problem is None:
-        if requested == "interpret":
-            return "interpret", "fused Pallas kernel in interpret mode (requested)", ""
-        return "pallas", f"fused Pallas kernel compiled for {platform}", ""
-    if requested == "auto":
-        return "scan", f"fused kernel not used: {problem}", ""
-    return requested, "", f"backend={requested!r} was requested but cannot run: {problem}"
+def _sharded_plan(call: Call, n: int) -> Plan:
+    mesh = call.mesh
+    d = mesh.size
+    prefix, rest = n - n % d, n % d
+    local = lambda rows: make_plan(call.with_rows(rows_aval(call.xs, rows)), mapped=True)
+    lay = ShardLayout(
+        mesh=mesh,
+        prefix=prefix,
+        local_rows=prefix // d,
+        global_remainder=rest,
+        local=local(prefix // d) if prefix else None,
+        remainder=local(rest) if rest else None,
+    )
+    first = lay.local or lay.remainder
+    return Plan(
+        n=n,
+        batch_size=call.batch_size,
+        kind=first.kind,
+        reduction=first.reduction,
+        recognition=first.recognition,
+        policy=Policy.SHARDED,
+        chunks=0,
+        rows_per_chunk=0,
+        platform=first.platform,
+        shard=lay,
+    )

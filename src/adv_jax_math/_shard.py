@@ -16,9 +16,9 @@ Multi-host runs use the same code on a global mesh after
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -26,31 +26,9 @@ import numpy as np
 from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-if TYPE_CHECKING:
-    from ._plan import Plan
+from ._plan import Call, Kind, Plan, Policy, Rejection
 
-__all__ = ["ShardLayout", "as_global", "resolve_mesh", "run_sharded"]
-
-
-def resolve_mesh(mesh: Any) -> Mesh:
-    """``mesh`` checked to be one-dimensional and ``AxisType.Auto``; by default a
-    mesh over every device of every process."""
-    if mesh is None:
-        return jax.make_mesh((jax.device_count(),), ("devices",), axis_types=(AxisType.Auto,))
-    if not isinstance(mesh, Mesh):
-        raise TypeError(f"mesh must be a jax.sharding.Mesh or None, got {type(mesh).__name__}")
-    if len(mesh.axis_names) != 1:
-        raise ValueError(
-            f"shard=True needs a one-dimensional mesh, got axes {mesh.axis_names} with shape "
-            f"{dict(mesh.shape)}; make one with jax.make_mesh((n,), ('x',), "
-            "axis_types=(jax.sharding.AxisType.Auto,))"
-        )
-    if tuple(mesh.axis_types) != (AxisType.Auto,):
-        raise ValueError(
-            f"shard=True needs the mesh axis to be AxisType.Auto, got {mesh.axis_types}; "
-            "make the mesh with axis_types=(jax.sharding.AxisType.Auto,)"
-        )
-    return mesh
+__all__ = ["ShardEngine", "as_global"]
 
 
 def as_global(x: Any, mesh: Mesh) -> jax.Array:
@@ -62,6 +40,8 @@ def as_global(x: Any, mesh: Mesh) -> jax.Array:
     ``mesh``, so every process of a multi-host run holds the same global array.
     """
     replicated = NamedSharding(mesh, PartitionSpec())
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return x
     if not isinstance(x, jax.Array):
         return jax.device_put(np.asarray(x), replicated)
     sharding = getattr(jax.typeof(x), "sharding", None)
@@ -70,64 +50,45 @@ def as_global(x: Any, mesh: Mesh) -> jax.Array:
     return x
 
 
-@dataclass(frozen=True)
-class ShardLayout:
-    """How rows are spread over the mesh; ``local`` and ``remainder`` are the plans
-    each device runs on its rows and the one run for the global remainder."""
+class ShardEngine:
+    """``shard_map`` over the plan's mesh; each device runs its local plan.
 
-    mesh: Mesh
-    prefix: int
-    local_rows: int
-    global_remainder: int
-    local: Plan | None
-    remainder: Plan | None
+    ``run_local(call)`` plans and runs an unsharded call (the registry's own
+    entry point), so any engine can run on the devices.
+    """
 
-    @property
-    def devices(self) -> int:
-        return self.mesh.size
+    name = "shard"
 
-    def __str__(self) -> str:
-        text = f"{self.devices} devices on mesh axis {self.mesh.axis_names[0]!r}: "
-        if self.local is not None:
-            text += (
-                f"prefix of {self.prefix} rows, {self.local_rows} per device ({_brief(self.local)})"
-            )
-        else:
-            text += "no divisible prefix"
-        if self.remainder is not None:
-            text += f"; global remainder of {self.global_remainder} rows on the first device"
-            text += f" ({_brief(self.remainder)})"
-        return text
+    def __init__(self, run_local: Callable[[Call], Any]):
+        self.run_local = run_local
 
+    def accept(self, plan: Plan, call: Call) -> Plan | Rejection:
+        if plan.policy is not Policy.SHARDED:
+            return Rejection("shard=False")
+        lay = plan.shard
+        first = lay.local or lay.remainder
+        return dataclasses.replace(
+            plan,
+            engine=self.name,
+            reason=f"shard_map over {lay.devices} devices, each running {first.engine}",
+            error=first.error,
+        )
 
-def _brief(plan: Plan) -> str:
-    text = f"{plan.chunks} chunk(s) of {plan.rows} rows"
-    if plan.masked:
-        text += f", {plan.masked} masked"
-    if plan.remainder:
-        text += f", local remainder of {plan.remainder}"
-    return text
-
-
-def layout(mesh: Mesh, n: int, plan_rows: Callable[[int], Plan]) -> ShardLayout:
-    """Split ``n`` rows over ``mesh``; ``plan_rows(rows)`` plans a local call."""
-    d = mesh.size
-    prefix, rest = n - n % d, n % d
-    return ShardLayout(
-        mesh=mesh,
-        prefix=prefix,
-        local_rows=prefix // d,
-        global_remainder=rest,
-        local=plan_rows(prefix // d) if prefix else None,
-        remainder=plan_rows(rest) if rest else None,
-    )
+    def run(self, plan: Plan, call: Call) -> Any:
+        return _run_sharded(plan, lambda rows: self.run_local(call.with_rows(rows)), call)
 
 
 def _combine_across(plan: Plan, partial: Any, axis: str, reduction: Callable) -> Any:
     """Combine each device's reduced result; the output is the same on every device."""
     gathered = jax.tree.map(lambda p: lax.all_gather(p, axis), partial)
-    if plan.monoid is not None:
-        return jax.tree.map(lambda g: plan.monoid.monoid.reduce(g, axis=0), gathered)
+    if plan.reduction is not None:
+        flat = jax.tree.leaves(gathered)
+        return plan.reduction.finish(
+            [
+                leaf.monoid.reduce(g, axis=0)
+                for g, leaf in zip(flat, plan.reduction.leaves, strict=True)
+            ]
+        )
     first = jax.tree.map(lambda g: g[0], gathered)
     rest = jax.tree.map(lambda g: g[1:], gathered)
     out, _ = lax.scan(lambda acc, p: (reduction(acc, p), None), first, rest)
@@ -143,12 +104,7 @@ def _on_first_device(run: Callable[[], Any], axis: str) -> Any:
     return jax.tree.map(lambda y: lax.all_gather(y, axis)[0], out)
 
 
-def run_sharded(
-    plan: Plan,
-    execute: Callable[[Any], Any],
-    xs: Any,
-    reduction: Callable | None,
-) -> Any:
+def _run_sharded(plan: Plan, execute: Callable[[Any], Any], call: Call) -> Any:
     """Run ``plan`` (with ``plan.shard`` set) over its mesh.
 
     ``execute(rows)`` plans and runs the unsharded engine on a device's rows. It
@@ -156,11 +112,11 @@ def run_sharded(
     for explain()): ``fun`` is traced where it runs, so constants it closes over
     are captured by ``shard_map`` as usual.
     """
-    lay = plan.shard
-    mesh, axis = lay.mesh, lay.mesh.axis_names[0]
-    head = jax.tree.map(lambda x: x[: lay.prefix], xs)
-    tail = jax.tree.map(lambda x: x[lay.prefix :], xs)
-    is_map = plan.kind == "map"
+    lay, reduction = plan.shard, call.reduction
+    mesh, axis = lay.mesh, lay.axis
+    head = jax.tree.map(lambda x: x[: lay.prefix], call.xs)
+    tail = jax.tree.map(lambda x: x[lay.prefix :], call.xs)
+    is_map = plan.kind is Kind.MAP
 
     def body(head: Any, tail: Any) -> Any:
         outs = []
@@ -187,8 +143,10 @@ def run_sharded(
     if len(outs) == 1:
         return outs[0]
     if not is_map:
-        if plan.monoid is not None:
-            return plan.monoid.combine(*outs)
+        if plan.reduction is not None:
+            return plan.reduction.finish(
+                plan.reduction.combine(*(jax.tree.leaves(o) for o in outs))
+            )
         return reduction(*outs)
     joined = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), *outs)
     return jax.lax.with_sharding_constraint(joined, NamedSharding(mesh, replicated))

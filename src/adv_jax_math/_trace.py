@@ -15,7 +15,7 @@ from typing import Any
 import jax
 from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
 
-__all__ = ["Traced", "check_rowwise", "rows_aval", "trace"]
+__all__ = ["Traced", "rows_aval", "trace"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -39,14 +39,3 @@ def trace(fun: Callable, x_aval: Any) -> Traced:
 def rows_aval(xs: Any, rows: int) -> Any:
     """The avals of ``xs`` with the leading (mapped) dimension set to ``rows``."""
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct((rows, *x.shape[1:]), x.dtype), xs)
-
-
-def check_rowwise(out_shape: Any, rows: int, what: str) -> None:
-    """A map's chunk outputs must have one row per input row."""
-    for path, leaf in jax.tree_util.tree_flatten_with_path(out_shape)[0]:
-        if leaf.shape[:1] != (rows,):
-            raise ValueError(
-                f"{what}{jax.tree_util.keystr(path)} has shape {leaf.shape} for a chunk of "
-                f"{rows} rows; without a reduction, each output leaf needs one row per "
-                "input row (leading dimension == rows) so chunks can be concatenated"
-            )

@@ -1,4 +1,7 @@
-"""Argument checks shared by every public entry point."""
+"""Argument checks shared by every public entry point and every engine.
+
+Each check raises a clear error that says what was given and what to do.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +9,34 @@ import operator
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["batch_size_from"]
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh
+
+__all__ = [
+    "batch_size_from",
+    "check_callable",
+    "check_rowwise",
+    "is_int",
+    "mapped_rows",
+    "resolve_mesh",
+]
+
+
+def is_int(x: Any) -> bool:
+    """An integer (anything with ``__index__``), but not a bool."""
+    if isinstance(x, bool):
+        return False
+    try:
+        operator.index(x)
+    except TypeError:
+        return False
+    return True
+
+
+def check_callable(value: Any, name: str, what: str = "callable") -> None:
+    if not callable(value):
+        raise TypeError(f"{name} must be {what}, got {type(value).__name__}: {value!r}")
 
 
 def batch_size_from(batch_size: Any, kwargs: Mapping[str, Any]) -> int | None:
@@ -20,14 +50,12 @@ def batch_size_from(batch_size: Any, kwargs: Mapping[str, Any]) -> int | None:
             f"unexpected keyword argument(s) {', '.join(map(repr, unexpected))}; "
             "the only extra keyword accepted is 'chunk_size' (an alias of batch_size)"
         )
+    name = "batch_size"
     if batch_size is None:
-        batch_size = kwargs.get("chunk_size")
-        name = "chunk_size"
-    else:
-        name = "batch_size"
+        batch_size, name = kwargs.get("chunk_size"), "chunk_size"
     if batch_size is None:
         return None
-    if isinstance(batch_size, bool) or not _is_integer(batch_size):
+    if not is_int(batch_size):
         raise TypeError(
             f"{name}={batch_size!r} must be a positive int or None, not {type(batch_size).__name__}"
         )
@@ -37,9 +65,59 @@ def batch_size_from(batch_size: Any, kwargs: Mapping[str, Any]) -> int | None:
     return batch_size
 
 
-def _is_integer(x: Any) -> bool:
-    try:
-        operator.index(x)
-    except TypeError:
-        return False
-    return True
+def mapped_rows(xs: Any, what: str = "fun_input") -> int:
+    """The common leading size of the leaves of ``xs`` (arrays or
+    ``jax.ShapeDtypeStruct``); a clear error otherwise."""
+    paths_leaves = jax.tree_util.tree_flatten_with_path(xs)[0]
+    if not paths_leaves:
+        raise ValueError(f"{what} has no array leaves to map over; pass at least one array")
+    sizes: dict[str, int] = {}
+    for path, leaf in paths_leaves:
+        name = f"{what}{jax.tree_util.keystr(path)}"
+        shape = getattr(leaf, "shape", None)
+        shape = np.shape(leaf) if shape is None else tuple(shape)
+        if not shape:
+            raise ValueError(
+                f"{name} is 0-d (shape ()), but mapping needs a leading axis to split; "
+                "give it a leading axis, or close over it in fun instead of mapping it"
+            )
+        sizes[name] = int(shape[0])
+    if len(set(sizes.values())) > 1:
+        listing = ", ".join(f"{k}: {v}" for k, v in sizes.items())
+        raise ValueError(
+            f"the mapped leaves have different leading sizes ({listing}); "
+            "every mapped leaf must have the same number of rows"
+        )
+    return next(iter(sizes.values()))
+
+
+def check_rowwise(out_shape: Any, rows: int, what: str) -> None:
+    """A map's chunk outputs must have one row per input row."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(out_shape)[0]:
+        if tuple(leaf.shape[:1]) != (rows,):
+            raise ValueError(
+                f"{what}{jax.tree_util.keystr(path)} has shape {tuple(leaf.shape)} for a chunk "
+                f"of {rows} rows; without a reduction, each output leaf needs one row per "
+                "input row (leading dimension == rows) so chunks can be concatenated"
+            )
+
+
+def resolve_mesh(mesh: Any) -> Mesh:
+    """``mesh`` checked to be one-dimensional and ``AxisType.Auto``; by default a
+    mesh over every device of every process."""
+    if mesh is None:
+        return jax.make_mesh((jax.device_count(),), ("devices",), axis_types=(AxisType.Auto,))
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh must be a jax.sharding.Mesh or None, got {type(mesh).__name__}")
+    if len(mesh.axis_names) != 1:
+        raise ValueError(
+            f"shard=True needs a one-dimensional mesh, got axes {mesh.axis_names} with shape "
+            f"{dict(mesh.shape)}; make one with jax.make_mesh((n,), ('x',), "
+            "axis_types=(jax.sharding.AxisType.Auto,))"
+        )
+    if tuple(mesh.axis_types) != (AxisType.Auto,):
+        raise ValueError(
+            f"shard=True needs the mesh axis to be AxisType.Auto, got {mesh.axis_types}; "
+            "make the mesh with axis_types=(jax.sharding.AxisType.Auto,)"
+        )
+    return mesh

@@ -20,6 +20,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ._api import batch_vmap
 from ._validate import batch_size_from
@@ -283,17 +284,13 @@ def _check_outputs(out: Any, out_core: list[CoreDims], dim_sizes: dict, context:
 
 
 def _broadcast_shapes(shapes: Sequence[tuple[int, ...]], context: str) -> tuple[int, ...]:
-    ndim = max(map(len, shapes), default=0)
-    result = []
-    for d in range(-ndim, 0):
-        sizes = {s[d] for s in shapes if len(s) >= -d} - {1}
-        if len(sizes) > 1:
-            raise ValueError(
-                f"loop dimensions of the arguments do not broadcast: shapes {list(shapes)} "
-                f"(core dimensions excluded) {context}"
-            )
-        result.append(sizes.pop() if sizes else 1)
-    return tuple(result)
+    try:
+        return np.broadcast_shapes(*shapes)
+    except ValueError:
+        raise ValueError(
+            f"loop dimensions of the arguments do not broadcast: shapes {list(shapes)} "
+            f"(core dimensions excluded) {context}"
+        ) from None
 
 
 def _check_rank_promotion(

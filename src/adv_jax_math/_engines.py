@@ -1,0 +1,96 @@
+"""The engine registry: one ordered list of engines; the first that accepts a plan
+runs it, and every engine tried before it records why it could not.
+
+An engine has a ``name``, ``accept(plan, call)`` returning the plan completed
+with its choices (or a :class:`~._plan.Rejection`), and ``run(plan, call)``.
+Order: the shard layer (``shard=True``; each device then runs a plan of its own),
+the fused Pallas kernel compiled for the target, the kernel in interpret mode (on
+request), and the ``lax.scan`` engine, which runs everything.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Protocol
+
+from . import _config
+from ._plan import Call, Plan, Rejection, make_plan
+from ._scan import ScanEngine
+from ._shard import ShardEngine
+from ._trace import rows_aval
+from .kernels.fused_reduce.engine import FusedEngine
+
+__all__ = ["ENGINES", "Engine", "plan", "run"]
+
+
+class Engine(Protocol):
+    name: str
+
+    def accept(self, plan: Plan, call: Call) -> Plan | Rejection: ...
+
+    def run(self, plan: Plan, call: Call) -> Any: ...
+
+
+def _run_local(call: Call) -> Any:
+    return run(plan(call, mapped=True), call)
+
+
+ENGINES: tuple[Engine, ...] = (
+    ShardEngine(_run_local),
+    FusedEngine(interpret=False),
+    FusedEngine(interpret=True),
+    ScanEngine(),
+)
+_BY_NAME = {engine.name: engine for engine in ENGINES}
+
+
+def select(draft: Plan, call: Call) -> Plan:
+    """Complete ``draft`` (from ``make_plan``) with the first engine that accepts it."""
+    if draft.shard is not None:
+        lay = draft.shard
+        local = lambda p, rows: select(p, call.with_rows(rows)) if p is not None else None
+        head = rows_aval(call.xs, lay.local_rows)
+        tail = rows_aval(call.xs, lay.global_remainder)
+        draft = dataclasses.replace(
+            draft,
+            shard=dataclasses.replace(
+                lay, local=local(lay.local, head), remainder=local(lay.remainder, tail)
+            ),
+        )
+    requested = _config.current().backend
+    rejected: list[tuple[str, Rejection]] = []
+    for engine in ENGINES:
+        out = engine.accept(draft, call)
+        if isinstance(out, Plan):
+            break
+        rejected.append((engine.name, out))
+    errors = [r.reason for name, r in rejected if r.error and name == requested]
+    reason = out.reason
+    if out.engine == "scan":
+        reason = "requested (backend='scan')" if requested == "scan" else _why_not_fused(rejected)
+    return dataclasses.replace(
+        out,
+        reason=reason,
+        rejected=tuple((name, r.reason) for name, r in rejected if name != "shard"),
+        error=out.error
+        or (f"backend={requested!r} was requested but cannot run: {errors[0]}" if errors else ""),
+    )
+
+
+def _why_not_fused(rejected: list[tuple[str, Rejection]]) -> str:
+    for name, r in rejected:
+        if name == "pallas":
+            return r.reason
+    return "lax.scan over chunks"
+
+
+def plan(call: Call, *, mapped: bool = False) -> Plan:
+    """The full plan for ``call``: chunks, reduction and engine."""
+    return select(make_plan(call, mapped=mapped), call)
+
+
+def run(plan: Plan, call: Call) -> Any:
+    """Execute ``plan`` on its engine."""
+    if plan.error:
+        raise NotImplementedError(plan.error)
+    return _BY_NAME[plan.engine].run(plan, call)

@@ -1,0 +1,249 @@
+"""The fused Pallas map-reduce: a chunk's ``fun`` and its monoid reductions in one
+kernel (GPU: Triton; TPU: Mosaic; CPU: interpret mode).
+
+``fun`` (prepared: one array per result leaf, see ``MonoidReduction.prepare``) is
+traced on a block of ``Bk`` rows to a jaxpr whose constants (concrete arrays,
+integer constants, tracers of enclosing transformations) become whole-array
+kernel inputs. ``pallas_call`` has no transpose rule, so the kernel is wrapped in
+a :func:`jax.custom_jvp` whose tangent is the chunked scan of ``_tangent``.
+
+Modules: ``targets`` (platforms, defaults, devices to lower for), ``blocks``
+(block sizing), ``rules`` (what the kernel supports), ``kernel`` (the kernel
+body and ``pallas_call``), ``probe`` (cached lowering check), ``engine`` (the
+engine registry's adapter).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+
+from ..._monoid import MonoidReduction
+from ..._tangent import chunked_tangent
+from ..._validate import mapped_rows
+from .blocks import choose_block, choose_steps, row_stats
+from .kernel import Kernel, Out, forward
+from .probe import probe
+from .rules import analyze, dtype_problem, output_problem, triton_size_problem
+from .targets import KERNEL_NAME, Target, silence_triton_deprecation, target
+
+__all__ = ["KERNEL_NAME", "Check", "check", "fused_reduce"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Check:
+    """The verdict on one call: ``problem`` (None: the kernel runs) and the block."""
+
+    problem: str | None
+    rows: int = 0  # Bk, rows per kernel block
+    steps: int = 1  # blocks per kernel program
+
+
+def _trace(fun: Callable, xs: Any, rows: int) -> tuple[Any, list[Any]]:
+    """``fun`` traced on blocks of ``rows`` rows, the inputs flattened to leaves."""
+    leaves, tree = jax.tree.flatten(xs)
+    blocks = [jax.ShapeDtypeStruct((rows, *x.shape[1:]), x.dtype) for x in leaves]
+    trace = lambda *ls: fun(jax.tree.unflatten(tree, ls))
+    closed, out = jax.make_jaxpr(trace, return_shape=True)(*blocks)
+    return closed, jax.tree.leaves(out)
+
+
+def _kernel(
+    closed: Any,
+    out_shape: Sequence[Any],
+    leaves: Sequence[Any],
+    reduction: MonoidReduction,
+    *,
+    n: int,
+    rows: int,
+    steps: int,
+    max_rows: int | None,
+    target: Target,
+    interpret: bool,
+) -> Kernel:
+    outs = tuple(
+        Out(leaf.monoid, leaf.axis, tuple(y.shape[1:]), leaf.monoid.acc_dtype(y.dtype))
+        for y, leaf in zip(out_shape, reduction.leaves, strict=True)
+    )
+    grid = pl.cdiv(n, rows)
+    return Kernel(
+        jaxpr=closed.jaxpr,
+        const_avals=tuple(
+            jax.ShapeDtypeStruct(np.shape(c), jnp.result_type(c)) for c in closed.consts
+        ),
+        in_avals=tuple(jax.ShapeDtypeStruct(tuple(x.shape), x.dtype) for x in leaves),
+        outs=outs,
+        n=n,
+        rows=rows,
+        steps=steps,
+        chunk_blocks=grid if max_rows is None else max(1, min(grid, max_rows // rows)),
+        target=target,
+        interpret=interpret,
+    )
+
+
+def check(
+    fun: Callable,
+    xs: Any,
+    reduction: MonoidReduction,
+    *,
+    platform: str,
+    max_rows: int | None,
+) -> Check:
+    """Whether the fused kernel can run ``reduction`` of ``fun(xs)`` on ``platform``.
+
+    Static rules (inputs, dtypes, block sizes, array sizes) come first, from ``fun``
+    traced on a small block; then the kernel is built at the block it will run and
+    lowered for the platform (cached). Without such hardware present, GPU lowering
+    targets an abstract NVIDIA H100 and TPU lowering an abstract TPU v5 lite.
+
+    Parameters
+    ----------
+    fun : callable
+        The prepared function: a list of ``(rows, ...)`` leaves to a list of
+        ``(rows, ...)`` arrays, one per result leaf.
+    xs : pytree
+        Arrays or ``jax.ShapeDtypeStruct`` sharing a leading size ``n``.
+    reduction : MonoidReduction
+        The recognized reduction.
+    platform : str
+        ``"cpu"`` (interpret mode), ``"gpu"``/``"cuda"``/``"rocm"`` (Triton) or ``"tpu"``.
+    max_rows : int or None
+        The user's ``batch_size``: an upper bound on the kernel block.
+    """
+    try:
+        tgt = target(platform)
+        n = mapped_rows(xs, "xs")
+    except ValueError as e:
+        return Check(str(e))
+    leaves = jax.tree.leaves(xs)
+    if n < 1:
+        return Check("no rows (n == 0): the result is the identity")
+    problem = dtype_problem(tgt, [x.dtype for x in leaves], "the inputs")
+    if problem:
+        return Check(problem)
+    one_d = any(len(x.shape) == 1 for x in leaves)
+    rows = choose_block(tgt, n, max_rows, *row_stats(leaves), one_d)
+    if isinstance(rows, str):
+        return Check(rows)
+    small = rows if tgt.mosaic and rows == n else min(rows, tgt.probe_rows)
+    if tgt.mosaic and one_d and small != rows:
+        small = 128
+    try:
+        closed, out_shape = _trace(fun, xs, small)
+    except Exception as e:  # fun may not trace on other row counts; the scan engine will
+        return Check(f"fun could not be traced on a block of {small} rows: {type(e).__name__}: {e}")
+    problem = output_problem(out_shape, small)
+    if problem:
+        return Check(problem)
+    analysis = analyze(closed.jaxpr, small)
+    acc = [
+        leaf.monoid.acc_dtype(y.dtype) for y, leaf in zip(out_shape, reduction.leaves, strict=True)
+    ]
+    problem = dtype_problem(tgt, [dt for _, dt in analysis.avals] + acc, "fun")
+    if problem:
+        return Check(problem)
+    if tgt.triton:
+        problem = triton_size_problem(tgt, analysis, small)
+        if problem:
+            return Check(problem)
+    rows = choose_block(tgt, n, max_rows, analysis.row_elems, analysis.row_bytes, one_d)
+    if isinstance(rows, str):
+        return Check(rows)
+    steps = choose_steps(tgt, n, rows)
+    if rows != small:
+        closed, out_shape = _trace(fun, xs, rows)
+    k = _kernel(
+        closed,
+        out_shape,
+        leaves,
+        reduction,
+        n=n,
+        rows=rows,
+        steps=steps,
+        max_rows=max_rows,
+        target=tgt,
+        interpret=tgt.platform == "cpu",
+    )
+    return Check(probe(k), rows, steps)
+
+
+def _differentiable(k: Kernel, reduction: MonoidReduction) -> Callable:
+    monoids = [(o.monoid, o.axis) for o in k.outs]
+    block_fun = lambda consts, xb: jax.core.eval_jaxpr(k.jaxpr, consts, *xb)
+
+    @jax.custom_jvp
+    def run(consts, leaves):
+        return forward(k, consts, leaves)
+
+    def run_jvp(primals, tangents):
+        totals = run(*primals)
+        dt = chunked_tangent(
+            block_fun, monoids, k.n, k.rows, k.chunk_blocks, primals, tangents, totals
+        )
+        return totals, dt
+
+    run.defjvp(run_jvp, symbolic_zeros=True)
+    return run
+
+
+def fused_reduce(
+    fun: Callable,
+    xs: Any,
+    reduction: MonoidReduction,
+    *,
+    rows: int,
+    steps: int = 1,
+    max_rows: int | None,
+    interpret: bool,
+    platform: str | None = None,
+) -> Any:
+    """``reduction`` of ``fun(xs)`` computed by one Pallas kernel.
+
+    Parameters
+    ----------
+    fun : callable
+        The prepared function (see :func:`check`); traced once, on one block.
+    xs : pytree
+        Arrays sharing a leading size ``n >= 1`` (the mapped rows).
+    reduction : MonoidReduction
+        Per-leaf monoids and axes; the result has its structure, shapes and dtypes.
+    rows, steps : int
+        Rows per kernel block and blocks per kernel program (from :func:`check`).
+    max_rows : int or None
+        Most rows processed at once (the user's ``batch_size``): bounds the chunks
+        of the differentiation scan.
+    interpret : bool
+        Run the kernel in Pallas interpret mode (any platform, e.g. CPU).
+    platform : str, optional
+        Compiled lowering target when ``interpret`` is False; defaults to
+        ``jax.default_backend()``.
+    """
+    tgt = target("cpu" if interpret else platform or jax.default_backend())
+    if tgt.triton:
+        silence_triton_deprecation()
+    leaves = jax.tree.leaves(xs)
+    n = mapped_rows(xs, "xs")
+    closed, out_shape = _trace(fun, xs, rows)
+    problem = output_problem(out_shape, rows)
+    if problem:
+        raise ValueError(problem)
+    k = _kernel(
+        closed,
+        out_shape,
+        leaves,
+        reduction,
+        n=n,
+        rows=rows,
+        steps=steps,
+        max_rows=max_rows,
+        target=tgt,
+        interpret=interpret,
+    )
+    return reduction.finish(_differentiable(k, reduction)(list(closed.consts), list(leaves)))
