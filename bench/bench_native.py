@@ -1,37 +1,38 @@
 """Native CPU logsumexp vs ``jax.nn.logsumexp``, as ratios measured side by side.
 
 Run with ``python -m pytest bench/bench_native.py --benchmark-enable -q``. Each test
-times both functions alternately in this process (best of several repeats, after
-warm-up) and stores ``ratio`` = XLA time / native time in ``benchmark.extra_info``;
-pytest-benchmark's own statistics are for the native call.
+times both functions alternately in this process (``_timing.interleaved``: best of 7
+rounds after warm-up, each sample at least 50 ms of calls) and stores ``ratio`` = XLA
+time / native time in ``benchmark.extra_info``; pytest-benchmark's own statistics are
+for the native call. The native kernel is private (``_private``: ``native_*``).
 
 - ``test_reduction``: one jitted reduction over axis 0 of a (2^14, 2^10) array. The
   target is ratio >= 1.5 in float32.
 - ``test_chunk_threshold``: the per-chunk reduction inside ``lax.scan``, as the scan
-  engine runs it, for several chunk sizes; this is what ``_native.worth_it`` encodes.
+  engine runs it, for several chunk sizes; this is what ``native_worth_it`` encodes.
 - ``test_batch_map_end_to_end``: a ``batch_map`` logsumexp reduction with the native
   chunk reduction and with ``config(native="off")``.
 """
 
 from __future__ import annotations
 
-import time
 import warnings
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _private import NATIVE_TARGET, native_logsumexp, native_status, native_worth_it
+from _timing import interleaved
 
-from adv_jax_math import _native
+import adv_jax_math as ajm
 
 TARGET_F32 = 1.5
 
 
 @pytest.fixture(autouse=True)
 def _x64_and_native():
-    loaded, why = _native.status()
+    loaded, why = native_status()
     if not loaded:
         pytest.skip(f"native kernel unavailable: {why}")
     before = jax.config.jax_enable_x64
@@ -40,24 +41,10 @@ def _x64_and_native():
     jax.config.update("jax_enable_x64", before)
 
 
-def side_by_side(native: Callable, xla: Callable, arg, repeats: int = 7, min_time: float = 0.05):
-    """Best-of-`repeats` seconds per call of each function, timed alternately."""
-    jax.block_until_ready((native(arg), xla(arg)))
-    t0 = time.perf_counter()
-    jax.block_until_ready(xla(arg))
-    loops = max(1, int(min_time / max(time.perf_counter() - t0, 1e-6)))
-    best = {"native": float("inf"), "xla": float("inf")}
-    for _ in range(repeats):
-        for name, fn in (("native", native), ("xla", xla)):
-            t0 = time.perf_counter()
-            for _ in range(loops):
-                out = fn(arg)
-            jax.block_until_ready(out)
-            best[name] = min(best[name], (time.perf_counter() - t0) / loops)
-    return best["native"], best["xla"]
-
-
-def record(benchmark, native_s: float, xla_s: float, **info) -> float:
+def record(benchmark, native, xla, arg, **info) -> float:
+    """Time both side by side; store and print XLA time / native time."""
+    t = interleaved({"native": native, "xla": xla}, (arg,), rounds=7, warmup=2, min_sample_s=0.05)
+    native_s, xla_s = t["native"].min, t["xla"].min
     ratio = xla_s / native_s
     benchmark.extra_info.update(
         native_ms=round(native_s * 1e3, 4), xla_ms=round(xla_s * 1e3, 4), ratio=round(ratio, 3)
@@ -70,11 +57,11 @@ def record(benchmark, native_s: float, xla_s: float, **info) -> float:
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_reduction(benchmark, dtype):
     x = jnp.asarray(np.random.default_rng(0).normal(size=(1 << 14, 1 << 10)), dtype)
-    native = jax.jit(lambda v: _native.logsumexp(v, axis=0))
+    native = jax.jit(lambda v: native_logsumexp(v, axis=0))
     xla = jax.jit(lambda v: jax.nn.logsumexp(v, axis=0))
     np.testing.assert_allclose(native(x), xla(x), rtol=1e-5 if dtype == "float32" else 1e-12)
     if not benchmark.disabled:
-        ratio = record(benchmark, *side_by_side(native, xla, x), shape=x.shape, dtype=dtype)
+        ratio = record(benchmark, native, xla, x, shape=x.shape, dtype=dtype)
         if dtype == "float32" and ratio < TARGET_F32:
             warnings.warn(f"float32 ratio {ratio:.2f} < target {TARGET_F32}", stacklevel=1)
     benchmark.pedantic(lambda: jax.block_until_ready(native(x)), rounds=10, warmup_rounds=1)
@@ -96,15 +83,17 @@ def test_chunk_threshold(benchmark, chunk, columns, axis):
 
         return jax.jit(lambda v: jax.lax.scan(body, init, v.reshape(n // chunk, chunk))[0])
 
-    native = engine(lambda y, a: _native.logsumexp(y, axis=a))
+    native = engine(lambda y, a: native_logsumexp(y, axis=a))
     xla = engine(lambda y, a: jax.nn.logsumexp(y, axis=a))
     np.testing.assert_allclose(native(x), xla(x), rtol=1e-5)
     if not benchmark.disabled:
         record(
             benchmark,
-            *side_by_side(native, xla, x),
+            native,
+            xla,
+            x,
             chunk_elements=chunk * columns,
-            worth_it=_native.worth_it((chunk, columns), jnp.float32),
+            worth_it=native_worth_it((chunk, columns), jnp.float32),
             axis=axis,
         )
     benchmark.pedantic(lambda: jax.block_until_ready(native(x)), rounds=5, warmup_rounds=1)
@@ -113,16 +102,14 @@ def test_chunk_threshold(benchmark, chunk, columns, axis):
 def test_batch_map_end_to_end(benchmark):
     """The batch_map logsumexp workload (axis 0 of (2^16, 256) float32 rows, chunks of
     2^12 rows) with the native chunk reduction and without it."""
-    import adv_jax_math as ajm
-
     x = jnp.linspace(-3, 3, 1 << 24, dtype=jnp.float32).reshape(1 << 16, 256)
     chunked = lambda x: ajm.batch_map(lambda v: v * 1.5, x, 1 << 12, reduction=ajm.LOGSUMEXP)
     native = jax.jit(lambda x: chunked(x))
     with ajm.config(native="off"):  # options are read at trace time: trace it here
         xla = jax.jit(lambda x: chunked(x))
         jax.block_until_ready(xla(x))
-    assert _native.TARGET in native.lower(x).as_text()
+    assert NATIVE_TARGET in native.lower(x).as_text()
     np.testing.assert_allclose(native(x), xla(x), rtol=1e-5)
     if not benchmark.disabled:
-        record(benchmark, *side_by_side(native, xla, x), workload="batch_map logsumexp")
+        record(benchmark, native, xla, x, workload="batch_map logsumexp")
     benchmark.pedantic(lambda: jax.block_until_ready(native(x)), rounds=5, warmup_rounds=1)

@@ -1,43 +1,19 @@
 """The main job: headline workloads, chunked vs unchunked, in one table.
 
-Run with ``make demo``. For each workload: the backend adv_jax_math chose, run
-time (min of 5 after warm-up), compiled temp memory, and the largest relative
-error against the unchunked computation.
+Run with ``make demo`` (``.venv/bin/python bench/demo.py``). For each workload of
+``workloads.HEADLINE``: the backend adv_jax_math chose, run time (min of 5 after a
+warm-up call), compiled temp memory, and the largest relative error against the
+unchunked computation (the workload's oracle).
 """
 
 from __future__ import annotations
 
-import time
-
 import jax
-import jax.numpy as jnp
+from _timing import measure
 
 import adv_jax_math as ajm
 
-from workloads import HEADLINE
-
-
-def best_time(f, args, repeats=5):
-    jax.block_until_ready(f(*args))
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        times.append(time.perf_counter() - t0)
-    return min(times)
-
-
-def temp_mib(f, args):
-    stats = f.lower(*args).compile().memory_analysis()
-    return stats.temp_size_in_bytes / 2**20
-
-
-def rel_error(a, b):
-    errs = [
-        float(jnp.max(jnp.abs(x - y)) / (jnp.max(jnp.abs(y)) + 1e-30))
-        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
-    ]
-    return max(errs)
+from workloads import HEADLINE, max_rel_error
 
 
 def main():
@@ -45,26 +21,27 @@ def main():
         f"adv_jax_math {ajm.__version__} | jax {jax.__version__} | "
         f"{jax.default_backend()} ({jax.device_count()} device(s))"
     )
-    header = ("workload", "backend", "time", "plain", "temp MiB", "plain MiB", "rel err")
+    header = ("workload", "n", "B", "backend", "time", "plain", "temp MiB", "plain MiB", "rel err")
     rows = []
-    for make in HEADLINE:
-        w = make()
-        chunked, plain = jax.jit(w.chunked), jax.jit(w.plain)
-        backend = w.explain(*w.args).backend if w.explain else "scan (batch_vmap)"
+    for w in HEADLINE:
+        args = w.inputs()
+        chunked, plain = measure(w.program(), args), measure(w.oracle(), args)
         rows.append(
             (
                 w.name,
-                backend,
-                f"{best_time(chunked, w.args) * 1e3:.1f} ms",
-                f"{best_time(plain, w.args) * 1e3:.1f} ms",
-                f"{temp_mib(chunked, w.args):.1f}",
-                f"{temp_mib(plain, w.args):.1f}",
-                f"{rel_error(chunked(*w.args), plain(*w.args)):.1e}",
+                str(jax.tree.leaves(args[1])[0].shape[0]),
+                str(w.batch_size),
+                w.explain(*args).engine,
+                f"{chunked.time.min * 1e3:.1f} ms",
+                f"{plain.time.min * 1e3:.1f} ms",
+                f"{chunked.temp_bytes / 2**20:.1f}",
+                f"{plain.temp_bytes / 2**20:.1f}",
+                f"{max_rel_error(chunked.out, plain.out):.1e}",
             )
         )
-    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     for r in [header, tuple("-" * w for w in widths), *rows]:
-        print("  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)))
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)))
 
 
 if __name__ == "__main__":

@@ -1,11 +1,18 @@
-"""Measure every workload of ``bench_compare`` with every engine; write ``bench/results``.
+"""Measure every workload of ``workloads.COMPARE`` with every engine; write ``bench/results``
+and the README's performance section.
 
-Run with ``.venv/bin/python bench/report.py`` (about 5-10 minutes on 2 cores).
+Run with ``.venv/bin/python bench/report.py`` (a few minutes on 2 cores);
+``--quick`` is a smoke test (small n, few repeats; writes to ``bench/.cache/quick``,
+never to the README). The README section between ``<!-- bench:begin -->`` and
+``<!-- bench:end -->`` is rewritten only when the git tree is clean (``git status
+--porcelain`` empty, except for this script's own outputs); ``--allow-dirty``
+writes it anyway, with the numbers marked as measured at uncommitted changes.
 
 All engines of a case are measured in one process, interleaved round by round in a
 shuffled order (a call that follows a big one, like the unchunked N-body, runs ~20%
 slower: a fixed order would bias the ratios), so load from other processes hits them
-alike; ratios are reported from min times and from median times. Metrics per case and engine:
+alike; ratios are reported from min times and from median times. Metrics per case and
+engine (timed by ``_timing``):
 
 * run time: min and median of >= 15 calls after a warm-up call;
 * compile time: ``jax.jit(f).lower(*args).compile()`` of a fresh function object
@@ -17,6 +24,7 @@ alike; ratios are reported from min times and from median times. Metrics per cas
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import importlib.metadata
 import json
@@ -32,77 +40,84 @@ from pathlib import Path
 
 import jax
 import matplotlib
-import numpy as np
-from bench_compare import CASES, GRAD_NBODY, NBODY, Case, temp_bytes
+from _timing import compile_fn, interleaved
 
 import adv_jax_math as ajm
+
+from workloads import CASES, NBODY, NBODY_FORCES, Case, max_rel_error
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from matplotlib.ticker import NullLocator
 
 HERE = Path(__file__).resolve().parent
-OUT = HERE / "results"
+ROOT = HERE.parent
+README = ROOT / "README.md"
+BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 ORIG, OURS, NO_REMAT = "original 1.3", "ours", "ours remat=False"
-COMPILE_REPEATS = 5
-MIN_ROUNDS, MAX_ROUNDS, SECONDS_PER_CASE = 15, 60, 10.0
-BATCH_SIZES = (256, 512, 1024, 2048, 4096, 8192)  # time vs batch_size, N-body n = 2**15
-MEMORY_NS = (4096, 8192, 16384, 32768, 65536)  # grad memory vs n, N-body
 
 
-def call_time(f, args) -> float:
-    t0 = time.perf_counter()
-    jax.block_until_ready(f(*args))
-    return time.perf_counter() - t0
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    compile_repeats: int = 5
+    min_rounds: int = 15
+    max_rounds: int = 60
+    seconds_per_case: float = 10.0
+    batch_sizes: tuple[int, ...] = (256, 512, 1024, 2048, 4096, 8192)  # N-body time vs B
+    batch_n: int = 2**15  # N-body n for time vs batch_size
+    batch_rounds: int = 5
+    memory_ns: tuple[int, ...] = (4096, 8192, 16384, 32768, 65536)  # grad memory vs n
+    quick: bool = False
+
+    def cases(self) -> tuple[Case, ...]:
+        """Every case; in quick mode each at 4 chunks (and 4 chunks + 3 rows)."""
+        if not self.quick:
+            return CASES
+        small = {}
+        for c in CASES:
+            b = c.workload.batch_size
+            small[c.workload, 4 * b + (0 if c.divisible else 3)] = None
+        return tuple(Case(w, n) for w, n in small)
 
 
-def run_times(fs: dict, args: tuple, min_rounds=MIN_ROUNDS, max_rounds=MAX_ROUNDS) -> dict:
-    """Interleaved timings ``{engine: [seconds]}`` after one warm-up call each."""
-    round_s = sum(call_time(f, args) for f in fs.values())
-    rounds = min(max_rounds, max(min_rounds, math.ceil(SECONDS_PER_CASE / max(round_s, 1e-9))))
-    times = {e: [] for e in fs}
-    order, rng = list(fs), random.Random(0)
-    for _ in range(rounds):
-        rng.shuffle(order)
-        for e in order:
-            times[e].append(call_time(fs[e], args))
-    return times
+FULL = Settings()
+QUICK = Settings(
+    compile_repeats=1,
+    min_rounds=3,
+    max_rounds=3,
+    seconds_per_case=0.0,
+    batch_sizes=(256, 1024),
+    batch_n=4096,
+    batch_rounds=2,
+    memory_ns=(2048, 4096),
+    quick=True,
+)
 
 
-def rel_error(out, ref) -> float:
-    errs = []
-    for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(ref), strict=True):
-        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-        errs.append(np.max(np.abs(a - b)) / (np.max(np.abs(b)) + 1e-30))
-    return float(max(errs))
-
-
-def compile_once(case: Case, engine: str, args: tuple) -> tuple:
-    """Fresh function object: ``(traces of fun, compiled, total seconds, XLA compile seconds)``."""
-    calls = []
-    f = case.function(engine, lambda: calls.append(1))
-    t0 = time.perf_counter()
-    lowered = jax.jit(f).lower(*args)
-    t1 = time.perf_counter()
-    compiled = lowered.compile()
-    t2 = time.perf_counter()
-    return len(calls), compiled, t2 - t0, t2 - t1
-
-
-def measure(case: Case) -> list[dict]:
+def measure(case: Case, s: Settings) -> list[dict]:
     args = case.args()
     compile_s = {e: [] for e in case.engines}
     xla_s = {e: [] for e in case.engines}
     traces, compiled = {}, {}
     order, rng = list(case.engines), random.Random(1)
-    for _ in range(COMPILE_REPEATS):
+    for _ in range(s.compile_repeats):
         rng.shuffle(order)
         for e in order:
-            traces[e], compiled[e], total, xla = compile_once(case, e, args)
-            compile_s[e].append(total)
-            xla_s[e].append(xla)
-    ref = compiled["plain"](*args)
-    times = run_times(compiled, args)
+            calls = []
+            c = compile_fn(case.function(e, lambda calls=calls: calls.append(1)), args)
+            traces[e], compiled[e] = len(calls), c
+            compile_s[e].append(c.seconds)
+            xla_s[e].append(c.xla_seconds)
+    fs = {e: c.executable for e, c in compiled.items()}
+    ref = fs["plain"](*args)
+    times = interleaved(
+        fs,
+        args,
+        seconds=s.seconds_per_case,
+        min_rounds=s.min_rounds,
+        max_rounds=s.max_rounds,
+        shuffle=0,
+    )
     return [
         {
             "workload": case.workload.name,
@@ -111,15 +126,15 @@ def measure(case: Case) -> list[dict]:
             "divisible": case.divisible,
             "grad": case.workload.grad,
             "engine": e,
-            "time_min_s": min(times[e]),
-            "time_median_s": statistics.median(times[e]),
+            "time_min_s": times[e].min,
+            "time_median_s": times[e].median,
             "runs": len(times[e]),
             "compile_min_s": min(compile_s[e]),
             "compile_median_s": statistics.median(compile_s[e]),
             "xla_compile_min_s": min(xla_s[e]),
             "traces": traces[e],
-            "temp_bytes": temp_bytes(compiled[e]),
-            "rel_error": rel_error(compiled[e](*args), ref),
+            "temp_bytes": compiled[e].temp_bytes,
+            "rel_error": max_rel_error(fs[e](*args), ref),
         }
         for e in case.engines
     ]
@@ -149,29 +164,35 @@ def ratios(records: list[dict]) -> list[dict]:
     return out
 
 
-def time_vs_batch() -> dict:
+def time_vs_batch(s: Settings) -> dict:
     engines = (OURS, ORIG, "lax.map", "plain")
     result = {e: [] for e in engines}
-    for b in BATCH_SIZES:
-        case = Case(dataclasses.replace(NBODY, batch_size=b), 2**15)
+    for b in s.batch_sizes:
+        case = Case(NBODY.replace(batch_size=b), s.batch_n)
         args = case.args()
-        fs = {e: compile_once(case, e, args)[1] for e in engines}
-        times = run_times(fs, args, min_rounds=5, max_rounds=5)
+        fs = {e: compile_fn(case.function(e), args).executable for e in engines}
+        times = interleaved(fs, args, rounds=s.batch_rounds, shuffle=0)
         for e in engines:
-            result[e].append(min(times[e]))
-    return {"workload": NBODY.name, "n": 2**15, "batch_sizes": list(BATCH_SIZES), "min_s": result}
+            result[e].append(times[e].min)
+    return {
+        "workload": NBODY.name,
+        "n": s.batch_n,
+        "batch_sizes": list(s.batch_sizes),
+        "rounds": s.batch_rounds,
+        "min_s": result,
+    }
 
 
-def grad_memory_vs_n() -> dict:
+def grad_memory_vs_n(s: Settings) -> dict:
     engines = (OURS, NO_REMAT, ORIG, "plain")
-    cases = [Case(GRAD_NBODY, n) for n in MEMORY_NS]
+    cases = [Case(NBODY_FORCES, n) for n in s.memory_ns]
     mem = {
-        e: [temp_bytes(compile_once(case, e, case.args())[1]) for case in cases] for e in engines
+        e: [compile_fn(case.function(e), case.args()).temp_bytes for case in cases] for e in engines
     }
     return {
-        "workload": GRAD_NBODY.name,
-        "batch_size": GRAD_NBODY.batch_size,
-        "ns": list(MEMORY_NS),
+        "workload": NBODY_FORCES.name,
+        "batch_size": NBODY_FORCES.batch_size,
+        "ns": list(s.memory_ns),
         "temp_bytes": mem,
     }
 
@@ -241,7 +262,37 @@ def mib(b: float) -> str:
     return f"{b / 2**20:.2f}"
 
 
-def machine() -> dict:
+def git(*args: str) -> str:
+    return subprocess.run(
+        ["git", *args], capture_output=True, text=True, cwd=ROOT, check=True
+    ).stdout
+
+
+def without_section(text: str) -> str:
+    """``text`` with the generated section between the markers emptied."""
+    if BEGIN not in text or END not in text:
+        return text
+    head, rest = text.split(BEGIN, 1)
+    return head + BEGIN + END + rest.split(END, 1)[1]
+
+
+def tree_state() -> dict:
+    """The commit and what ``git status --porcelain`` reports, except this script's own
+    outputs: files under bench/results and the README section between the markers."""
+    changes = []
+    for line in git("status", "--porcelain").splitlines():
+        path = line[3:].split(" -> ")[-1].strip('"')
+        if path.startswith("bench/results/"):
+            continue
+        if path == "README.md" and "M" in line[:2]:
+            head = git("show", "HEAD:README.md")
+            if without_section(head) == without_section(README.read_text()):
+                continue
+        changes.append(line)
+    return {"commit": git("rev-parse", "--short", "HEAD").strip(), "changes": changes}
+
+
+def machine(tree: dict) -> dict:
     cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
     models = [line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")]
     return {
@@ -252,12 +303,8 @@ def machine() -> dict:
         "jaxlib": importlib.metadata.version("jaxlib"),
         "platform": f"{jax.default_backend()} ({jax.device_count()} device(s))",
         "adv_jax_math": ajm.__version__,
-        "commit": subprocess.run(
-            ["git", "describe", "--always", "--dirty"],
-            capture_output=True,
-            text=True,
-            cwd=HERE,
-        ).stdout.strip(),
+        "commit": tree["commit"] + ("-dirty" if tree["changes"] else ""),
+        "uncommitted": tree["changes"],
         "load_average_start": os.getloadavg(),
     }
 
@@ -324,9 +371,18 @@ def markdown(data: dict) -> str:
     mm = [
         [str(n), *(mib(v[i]) for v in mem["temp_bytes"].values())] for i, n in enumerate(mem["ns"])
     ]
+    warnings = []
+    if data["quick"]:
+        warnings.append("**Quick smoke run (`--quick`): small n, few repeats; not results.**")
+    if m["uncommitted"]:
+        warnings.append(
+            "**Uncommitted changes at the time of the run** (`git status --porcelain`): "
+            + ", ".join(f"`{c}`" for c in m["uncommitted"])
+        )
     return "\n\n".join(
         [
             "# Benchmarks: adv_jax_math vs adv-jax-math 1.3, jax.lax.map and plain XLA",
+            *warnings,
             f"Machine: {m['nproc']} cores ({m['cpu']}), {m['platform']}; Python {m['python']}, "
             f"jax {m['jax']}, jaxlib {m['jaxlib']}; adv_jax_math at commit {m['commit']}; "
             f"load average {m['load_average_start'][0]:.1f} "
@@ -334,7 +390,8 @@ def markdown(data: dict) -> str:
             f"cores). Generated by `.venv/bin/python bench/report.py` in {data['seconds']:.0f} s.",
             "`*`: n is not a multiple of batch_size. Times: min / median of interleaved runs. "
             "Compile: `jax.jit(f).lower(*args).compile()` of a fresh function object, tracing "
-            "included, min of 5 (in parentheses: its XLA compile part). Traces: Python calls of "
+            f"included, min of {data['compile_repeats']} (in parentheses: its XLA compile "
+            "part). Traces: Python calls of "
             "`fun` during that compile. Temp MiB: "
             "`memory_analysis().temp_size_in_bytes`. Rel err: max |out - plain| / max |plain|.",
             "## Goals",
@@ -354,104 +411,195 @@ def markdown(data: dict) -> str:
 
 
 def readme_section(data: dict) -> str:
-    rat, m = data["ratios"], data["machine"]
+    """The README text between the markers: every number in it comes from ``data``."""
+    rat, recs, m = data["ratios"], data["records"], data["machine"]
     mem, ns = data["grad_memory_vs_n"]["temp_bytes"], data["grad_memory_vs_n"]["ns"]
 
-    def span(key: str, keep) -> str:
-        vals = [r[key] for r in rat if keep(r)]
-        return range_text(min(vals), max(vals))
+    def span(values) -> str:
+        values = list(values)
+        return range_text(min(values), max(values))
+
+    def ratio(key: str, keep) -> str:
+        return span(r[key] for r in rat if keep(r))
 
     def vs(engine: str) -> str:  # the engine's min time over ours, every case
-        t = {(r["workload"], r["n"], r["engine"]): r["time_min_s"] for r in data["records"]}
-        vals = [t[w, n, engine] / v for (w, n, e), v in t.items() if e == OURS]
-        return range_text(min(vals), max(vals))
+        t = {(r["workload"], r["n"], r["engine"]): r["time_min_s"] for r in recs}
+        return span(t[w, n, engine] / v for (w, n, e), v in t.items() if e == OURS)
 
-    return "\n".join(
-        [
-            "## Performance",
+    commit = m["commit"].removesuffix("-dirty")
+    lines = [
+        "<!-- generated by bench/report.py (bench/results/results.json): edit report.py, "
+        "not this text -->",
+        "",
+        f"Measured by `bench/report.py` at commit `{commit}` on {m['nproc']} CPU cores "
+        f"({m['cpu']}), jax {m['jax']}, in {data['seconds']:.0f} s; "
+        "`bench/results/results.md` has every number, the machine and versions.",
+    ]
+    if m["uncommitted"]:
+        lines += [
             "",
-            "Compared with `adv-jax-math` 1.3, `jax.lax.map(f, xs, batch_size=)` and the unchunked "
-            f"computation on {m['nproc']} CPU cores ({m['cpu']}), jax {m['jax']}, in one process "
-            "with interleaved runs. Ratios are the original's min time (or memory) over ours, so "
-            "> 1 means adv_jax_math is faster (smaller); the goal table gives min- and "
-            "median-based ratios:",
-            "",
-            f"- forward run time: {span('time_min', lambda r: not r['grad'])} over "
-            f"{sum(not r['grad'] for r in rat)} cases (elementwise sum, N-body, logsumexp, "
-            "dict-pytree map; n a multiple of batch_size or not);",
-            f"- gradients: {span('time_min', lambda r: r['grad'] and r['engine'] == OURS)} "
-            "with per-chunk rematerialization (default), "
-            f"{span('time_min', lambda r: r['engine'] == NO_REMAT)} with "
-            "`config(remat=False)`;",
-            "- compile time when n is not a multiple of batch_size: "
-            f"{span('compile_min', lambda r: not r['divisible'] and r['engine'] == OURS)} "
-            "(`fun` is traced and compiled once, with no separate remainder call);",
-            f"- against `jax.lax.map` (per-row outputs stacked, then reduced): {vs('lax.map')} "
-            f"over all cases; against the unchunked computation: {vs('plain')};",
-            f"- N-body gradient temp memory at n = {ns[-1]}: {mib(mem[OURS][-1])} MiB, against "
-            f"{mib(mem[ORIG][-1])} MiB for the original and {mib(mem['plain'][-1])} MiB "
-            f"unchunked; {mib(min(mem[OURS]))}-{mib(max(mem[OURS]))} MiB for all n from {ns[0]} "
-            f"to {ns[-1]}.",
-            "",
-            goal_table(data["goals"]),
-            "",
-            "Reproduce with `.venv/bin/python bench/report.py` (tables and plots in "
-            "`bench/results/`) or `make bench` (pytest-benchmark).",
-            "",
-            "![time vs batch_size](bench/results/time_vs_batch.png)",
-            "![gradient memory vs n](bench/results/grad_memory_vs_n.png)",
-            "",
+            f"**Provisional: measured with uncommitted changes on top of `{commit}` "
+            f"({len(m['uncommitted'])} paths in `git status`); regenerate at a clean "
+            "commit.**",
         ]
+    lines += [
+        "",
+        "Compared with `adv-jax-math` 1.3, `jax.lax.map(f, xs, batch_size=)` and the unchunked "
+        "computation, in one process with interleaved runs. Ratios are the original's min "
+        "time (or memory) over ours, so > 1 means adv_jax_math is faster (smaller); the goal "
+        "table gives min- and median-based ratios:",
+        "",
+        f"- forward run time: {ratio('time_min', lambda r: not r['grad'])} over "
+        f"{sum(not r['grad'] for r in rat)} cases (elementwise sum, N-body, logsumexp, "
+        "dict-pytree map; n a multiple of batch_size or not);",
+        f"- gradients: {ratio('time_min', lambda r: r['grad'] and r['engine'] == OURS)} "
+        "with per-chunk rematerialization (default), "
+        f"{ratio('time_min', lambda r: r['engine'] == NO_REMAT)} with "
+        "`config(remat=False)`;",
+        "- compile time when n is not a multiple of batch_size: "
+        f"{ratio('compile_min', lambda r: not r['divisible'] and r['engine'] == OURS)} "
+        "(`fun` is traced and compiled once, with no separate remainder call);",
+        f"- against `jax.lax.map` (per-row outputs stacked, then reduced): {vs('lax.map')} "
+        f"over all cases; against the unchunked computation: {vs('plain')};",
+        f"- N-body gradient temp memory at n = {ns[-1]}: {mib(mem[OURS][-1])} MiB, against "
+        f"{mib(mem[ORIG][-1])} MiB for the original and {mib(mem['plain'][-1])} MiB "
+        f"unchunked; {mib(min(mem[OURS]))}-{mib(max(mem[OURS]))} MiB for all n from {ns[0]} "
+        f"to {ns[-1]}.",
+        "",
+        goal_table(data["goals"]),
+        "",
+        "Reproduce with `.venv/bin/python bench/report.py` (tables and plots in "
+        "`bench/results/`, and this section) or `make bench` (pytest-benchmark).",
+        "",
+        "![time vs batch_size](bench/results/time_vs_batch.png)",
+        "![gradient memory vs n](bench/results/grad_memory_vs_n.png)",
+    ]
+    compile_goal = next(g for g in data["goals"] if g["goal"].startswith("compile time"))
+    if compile_goal["met"] != "yes":
+        nondiv = [r for r in recs if not r["divisible"]]
+        xla_share = [
+            100 * r["xla_compile_min_s"] / r["compile_min_s"] for r in nondiv if r["engine"] == OURS
+        ]
+        orig_traces = [r["traces"] for r in nondiv if r["engine"] == ORIG]
+        fwd = ratio(
+            "compile_min", lambda r: not r["divisible"] and not r["grad"] and r["engine"] == OURS
+        )
+        grad = ratio("compile_min", lambda r: r["grad"] and r["engine"] == OURS)
+        lines += [
+            "",
+            "**Missed: compile time.** For non-divisible `n` we trace `fun` once where the "
+            f"original traces it {min(orig_traces)} to {max(orig_traces)} times, but XLA's "
+            f"compile time dominates ({min(xla_share):.0f}-{max(xla_share):.0f}% of ours) and "
+            "our program still holds two copies of `fun`: the loop body and the last, "
+            "overlapping chunk. That chunk carries the row mask outside the loop because a "
+            "mask inside the loop body made XLA's CPU backend drop its fast fused kernels. "
+            f"So the original's compile time over ours is {fwd} for forward `fun`s (non-"
+            f"divisible n), and {grad} for gradients, where `fun`'s code is large.",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def write_readme(section: str) -> None:
+    text = README.read_text()
+    if text.count(BEGIN) != 1 or text.count(END) != 1:
+        raise SystemExit(f"README.md needs exactly one {BEGIN} and one {END}")
+    head, rest = text.split(BEGIN)
+    README.write_text(head + BEGIN + "\n" + section + END + rest.split(END)[1])
+
+
+def log_log_plot(path: Path, xs: list, series: dict, *, title: str, **labels) -> None:
+    """One line per series over ``xs`` (log-log, ``xs`` as ticks); ``plain`` dashed."""
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, ys in series.items():
+        style = {"linestyle": "--"} if name == "plain" else {"marker": "o"}
+        ax.plot(xs, ys, label=name, **style)
+    ax.set(xscale="log", yscale="log", title=title, **labels)
+    ax.set_xticks(xs, [str(x) for x in xs])
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plots(data: dict, out: Path) -> None:
+    tb, gm = data["time_vs_batch"], data["grad_memory_vs_n"]
+    log_log_plot(
+        out / "time_vs_batch.png",
+        tb["batch_sizes"],
+        {e: [t * 1e3 for t in ts] for e, ts in tb["min_s"].items()},
+        title=f"{tb['workload']}, n={tb['n']}",
+        xlabel="batch_size",
+        ylabel=f"time (ms, min of {tb['rounds']})",
+    )
+    log_log_plot(
+        out / "grad_memory_vs_n.png",
+        gm["ns"],
+        {e: [b / 2**20 for b in bs] for e, bs in gm["temp_bytes"].items()},
+        title=f"{gm['workload']}, batch_size={gm['batch_size']}",
+        xlabel="n (sources)",
+        ylabel="compiled temp memory (MiB)",
     )
 
 
-def plots(data: dict) -> None:
-    tb = data["time_vs_batch"]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for e, ts in tb["min_s"].items():
-        style = {"linestyle": "--"} if e == "plain" else {"marker": "o"}
-        ax.plot(tb["batch_sizes"], [t * 1e3 for t in ts], label=e, **style)
-    ax.set(xscale="log", yscale="log", xlabel="batch_size", ylabel="time (ms, min of 5)")
-    ax.set_xticks(tb["batch_sizes"], [str(b) for b in tb["batch_sizes"]])
-    ax.xaxis.set_minor_locator(NullLocator())
-    ax.set_title(f"{tb['workload']}, n={tb['n']}")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(OUT / "time_vs_batch.png", dpi=120)
-
-    gm = data["grad_memory_vs_n"]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for e, bs in gm["temp_bytes"].items():
-        ax.plot(gm["ns"], [b / 2**20 for b in bs], marker="o", label=e)
-    ax.set(xscale="log", yscale="log", xlabel="n (sources)", ylabel="compiled temp memory (MiB)")
-    ax.set_xticks(gm["ns"], [str(n) for n in gm["ns"]])
-    ax.xaxis.set_minor_locator(NullLocator())
-    ax.set_title(f"{gm['workload']}, batch_size={gm['batch_size']}")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(OUT / "grad_memory_vs_n.png", dpi=120)
-
-
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smoke test: small n, few repeats")
+    parser.add_argument(
+        "--allow-dirty",
+        action="store_true",
+        help="rewrite the README section even with uncommitted changes (marked provisional)",
+    )
+    parser.add_argument("--out", type=Path, help="results folder (default: bench/results)")
+    args = parser.parse_args()
+    s = QUICK if args.quick else FULL
+    out = args.out or (HERE / ".cache" / "quick" if args.quick else HERE / "results")
+
     jax.config.update("jax_enable_compilation_cache", False)
     start = time.perf_counter()
-    data = {"machine": machine(), "records": []}
-    for case in CASES:
+    tree = tree_state()
+    data = {
+        "machine": machine(tree),
+        "quick": s.quick,
+        "compile_repeats": s.compile_repeats,
+        "records": [],
+    }
+    for case in s.cases():
         print(f"{case} ...", file=sys.stderr, flush=True)
-        data["records"] += measure(case)
+        data["records"] += measure(case, s)
     data["ratios"] = ratios(data["records"])
     print("time vs batch_size, grad memory vs n ...", file=sys.stderr, flush=True)
-    data["time_vs_batch"] = time_vs_batch()
-    data["grad_memory_vs_n"] = grad_memory_vs_n()
+    data["time_vs_batch"] = time_vs_batch(s)
+    data["grad_memory_vs_n"] = grad_memory_vs_n(s)
     data["goals"] = goals(data["ratios"], data["grad_memory_vs_n"])
     data["machine"]["load_average_end"] = os.getloadavg()
     data["seconds"] = time.perf_counter() - start
-    OUT.mkdir(exist_ok=True)
-    (OUT / "results.json").write_text(json.dumps(data, indent=1) + "\n")
-    (OUT / "results.md").write_text(markdown(data) + "\n")
-    (OUT / "README_section.md").write_text(readme_section(data))
-    plots(data)
+    if tree_state() != tree:  # the tree changed while measuring
+        data["machine"]["uncommitted"] = [*tree["changes"], "(the tree changed during the run)"]
+        data["machine"]["commit"] = tree["commit"] + "-dirty"
+    out.mkdir(parents=True, exist_ok=True)
+    section = readme_section(data)
+    (out / "results.json").write_text(json.dumps(data, indent=1) + "\n")
+    (out / "results.md").write_text(markdown(data) + "\n")
+    (out / "README_section.md").write_text(section)
+    plots(data, out)
     print(markdown(data))
+    uncommitted = data["machine"]["uncommitted"]
+    if s.quick:
+        print(f"\nquick run: results in {out}; README.md not touched", file=sys.stderr)
+    elif uncommitted and not args.allow_dirty:
+        print(
+            "\nREADME.md not updated: the tree has uncommitted changes:\n  "
+            + "\n  ".join(uncommitted)
+            + "\ncommit them and rerun, or pass --allow-dirty (numbers marked provisional)",
+            file=sys.stderr,
+        )
+        sys.exit(1)
+    else:
+        write_readme(section)
+        print(
+            f"\nREADME.md performance section rewritten (commit {tree['commit']})", file=sys.stderr
+        )
 
 
 if __name__ == "__main__":
