@@ -1,8 +1,10 @@
-"""Library options: which engine runs, rematerialization, native kernels.
+"""Library options: which engine runs, rematerialization, native kernels, and how
+rows that do not fill a chunk are handled.
 
 Set them for a block of code with :func:`config`, or for a process with the
-environment variables ``ADV_JAX_MATH_BACKEND``, ``ADV_JAX_MATH_REMAT`` and
-``ADV_JAX_MATH_NATIVE`` (read when no :func:`config` block is active).
+environment variables ``ADV_JAX_MATH_BACKEND``, ``ADV_JAX_MATH_REMAT``,
+``ADV_JAX_MATH_NATIVE`` and ``ADV_JAX_MATH_REMAINDER`` (read when no :func:`config`
+block is active).
 """
 
 from __future__ import annotations
@@ -13,10 +15,11 @@ import dataclasses
 import os
 from collections.abc import Iterator
 
-__all__ = ["BACKENDS", "NATIVE_MODES", "Options", "config", "current"]
+__all__ = ["BACKENDS", "NATIVE_MODES", "REMAINDER_MODES", "Options", "config", "current"]
 
 BACKENDS = ("auto", "scan", "pallas", "interpret")
 NATIVE_MODES = ("auto", "off", "require")
+REMAINDER_MODES = ("auto", "overlap", "separate")
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
@@ -33,6 +36,14 @@ class Options:
     remat : bool
         Rematerialize each chunk in the backward pass (``jax.checkpoint``) so that
         gradient memory is O(batch_size) instead of O(n).
+    remainder : str
+        When ``n`` is not a multiple of the chunk rows (maps and recognized
+        reductions): ``"overlap"`` runs equal chunks of at most ``batch_size`` rows,
+        balanced so that the last one repeats the fewest rows of the one before
+        (one copy of ``fun`` in the compiled program, a few rows computed twice);
+        ``"separate"`` runs full chunks of ``batch_size`` rows and the remainder
+        apart (no repeated rows, two copies of ``fun``); ``"auto"`` overlaps unless
+        more than 1/8 of the rows would be repeated.
     native : str
         ``"auto"`` uses native CPU kernels when they are built, ``"off"`` never,
         ``"require"`` raises if they cannot be loaded.
@@ -41,6 +52,7 @@ class Options:
     backend: str = "auto"
     remat: bool = True
     native: str = "auto"
+    remainder: str = "auto"
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -49,6 +61,8 @@ class Options:
             raise TypeError(f"remat={self.remat!r} must be a bool")
         if self.native not in NATIVE_MODES:
             raise ValueError(f"native={self.native!r} is not one of {NATIVE_MODES}")
+        if self.remainder not in REMAINDER_MODES:
+            raise ValueError(f"remainder={self.remainder!r} is not one of {REMAINDER_MODES}")
 
 
 def _env_bool(name: str, default: bool) -> bool:
@@ -67,6 +81,7 @@ def _from_env() -> Options:
         backend=os.environ.get("ADV_JAX_MATH_BACKEND", "auto").strip().lower() or "auto",
         remat=_env_bool("ADV_JAX_MATH_REMAT", True),
         native=os.environ.get("ADV_JAX_MATH_NATIVE", "auto").strip().lower() or "auto",
+        remainder=os.environ.get("ADV_JAX_MATH_REMAINDER", "auto").strip().lower() or "auto",
     )
 
 
@@ -82,7 +97,11 @@ def current() -> Options:
 
 @contextlib.contextmanager
 def config(
-    *, backend: str | None = None, remat: bool | None = None, native: str | None = None
+    *,
+    backend: str | None = None,
+    remat: bool | None = None,
+    native: str | None = None,
+    remainder: str | None = None,
 ) -> Iterator[Options]:
     """Override options for a block of code; unset ones keep their current value.
 
@@ -98,7 +117,7 @@ def config(
     scan False
     """
     base = current()
-    changes = {"backend": backend, "remat": remat, "native": native}
+    changes = {"backend": backend, "remat": remat, "native": native, "remainder": remainder}
     opts = dataclasses.replace(base, **{k: v for k, v in changes.items() if v is not None})
     token = _active.set(opts)
     try:

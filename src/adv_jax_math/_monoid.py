@@ -139,6 +139,47 @@ class Monoid:
         top = _finite_or_zero(jnp.maximum(a, b))
         return jnp.log(jnp.exp(a - top) + jnp.exp(b - top)) + top
 
+    # Accumulator: partials combined across chunks, compensated ----------------
+    # Float sums carry a Neumaier compensation term, so the error of a chunked sum
+    # does not grow with the number of chunks; logsumexp carries (max, scaled sum,
+    # compensation). Integers and max/min are exact and carry the value alone.
+
+    def _compensated(self, dtype: Any) -> bool:
+        return self in (ADD, LOGSUMEXP) and jnp.issubdtype(dtype, jnp.inexact)
+
+    def acc_init(self, shape: tuple[int, ...], dtype: Any) -> tuple[jax.Array, ...]:
+        start = jnp.full(shape, self.identity(dtype))
+        if not self._compensated(dtype):
+            return (start,)
+        zero = jnp.zeros(shape, dtype)
+        return (start, zero) if self is ADD else (start, zero, zero)
+
+    def acc_update(self, state: tuple, part: jax.Array) -> tuple:
+        if len(state) == 1:
+            return (self.combine(state[0], part),)
+        if self is ADD:  # Neumaier: c collects the low-order bits s + part loses
+            s, c = state
+            t = s + part
+            lost = jnp.where(jnp.abs(s) >= jnp.abs(part), (s - t) + part, (part - t) + s)
+            return t, c + jnp.where(jnp.isfinite(t), lost, 0)
+        m, s, c = state  # total = m + log(s + c), s + c = sum exp(partial - m)
+        top = jnp.maximum(m, part)
+        shift = _finite_or_zero(top)
+        scale, term = jnp.exp(m - shift), jnp.exp(part - shift)
+        s, c = s * scale, c * scale
+        t = s + term
+        lost = jnp.where(jnp.abs(s) >= jnp.abs(term), (s - t) + term, (term - t) + s)
+        return top, t, c + jnp.where(jnp.isfinite(t), lost, 0)
+
+    def acc_final(self, state: tuple) -> jax.Array:
+        if len(state) == 1:
+            return state[0]
+        if self is ADD:
+            s, c = state
+            return s + c
+        m, s, c = state
+        return jnp.log(s + c) + _finite_or_zero(m)
+
     # Tangent rule ------------------------------------------------------------
     # One chunk's contribution to the tangent of ``reduce(y)`` given the final
     # ``total``; contributions of chunks are merged, then finished. add: (sum dy,);
@@ -209,6 +250,13 @@ class LeafReduction:
         return f"{self.monoid.name} over {axes}{pre}"
 
 
+def _reduce(y: jax.Array, leaf: LeafReduction, reduce: Any) -> jax.Array:
+    """``leaf``'s reduction of ``y``; ``reduce(y, monoid, axis)`` may supply a faster
+    equivalent (or None to decline)."""
+    out = reduce(y, leaf.monoid, leaf.axis) if reduce is not None else None
+    return leaf.monoid.reduce(y, axis=leaf.axis) if out is None else out
+
+
 @dataclass(frozen=True, eq=False)
 class MonoidReduction:
     """A recognized reduction: one :class:`LeafReduction` per result leaf.
@@ -238,8 +286,29 @@ class MonoidReduction:
         out = []
         for y, leaf in zip(ys, self.leaves, strict=True):
             y = leaf.monoid.mask(y.astype(leaf.monoid.acc_dtype(y.dtype)), valid)
-            r = reduce(y, leaf.monoid, leaf.axis) if reduce else None
-            out.append(leaf.monoid.reduce(y, axis=leaf.axis) if r is None else r)
+            out.append(_reduce(y, leaf, reduce))
+        return out
+
+    def reduce_split(
+        self, ys: list[jax.Array], r: int, skip_head: Any, reduce: Any = None
+    ) -> list[jax.Array]:
+        """Partials of a chunk whose first ``r`` rows are left out where ``skip_head``
+        (a traced bool) is True: the two static slices are reduced apart and their
+        partials combined, or the first dropped; no row mask. Max/min are
+        idempotent: repeated rows do not change them."""
+        if not r:
+            return self.reduce_rows(ys, reduce=reduce)
+        out = []
+        for y, leaf in zip(ys, self.leaves, strict=True):
+            m = leaf.monoid
+            y = y.astype(m.acc_dtype(y.dtype))
+            if m.selects:
+                out.append(_reduce(y, leaf, reduce))
+                continue
+            head, tail = _reduce(y[:r], leaf, reduce), _reduce(y[r:], leaf, reduce)
+            if leaf.axis is None:  # the row axis is gone: both are scalars
+                head, tail = m.reduce(head), m.reduce(tail)
+            out.append(jnp.where(skip_head, tail, m.combine_stable(head, tail)))
         return out
 
     def combine(self, a: list, b: list) -> list:

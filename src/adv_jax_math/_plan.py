@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
+from . import _config
 from ._monoid import Monoid, MonoidReduction, identity
 from ._recognize import recognize
 from ._trace import Traced, rows_aval, trace
@@ -225,17 +226,19 @@ def target_platform() -> str:
     return getattr(device, "platform", None) or jax.default_backend()
 
 
-def overlap_rows(n: int, batch_size: int) -> int:
-    """Rows per chunk for the overlap policy (``n > batch_size``).
+def split_rows(n: int, batch_size: int, mode: str) -> tuple[int, str]:
+    """Rows per chunk for ``n > batch_size`` rows, and whether the last rows
+    ``"overlap"`` the chunk before or run ``"separate"`` (see ``config(remainder=)``).
 
-    Chunks of ``batch_size`` rows, as the user asked, unless the last chunk would
-    repeat more than ``n / 16`` rows; then ``k = ceil(n / batch_size)`` balanced
-    chunks of ``ceil(n / k)`` rows (fewer than ``k`` repeated rows).
+    Overlapping chunks are balanced: ``k = ceil(n / batch_size)`` chunks of
+    ``ceil(n / k)`` rows repeat fewer than ``k`` rows.
     """
     k = -(-n // batch_size)
-    if k * batch_size - n <= n // 16:
-        return batch_size
-    return -(-n // k)
+    rows = -(-n // k)
+    repeats = k * rows - n
+    if mode == "separate" or (mode == "auto" and repeats * 8 > n):
+        return batch_size, "separate"
+    return rows, "overlap"
 
 
 def _rows_if_reduced(call: Call) -> int | None:
@@ -280,17 +283,22 @@ def make_plan(call: Call, *, mapped: bool = False) -> Plan:
     if n is None:  # nothing is split: one plain call, as the user wrote it
         kind = Kind.MAP if call.reduction is None else Kind.GENERIC
         return Plan(n, b, kind, None, Policy.SINGLE, 1, 0, platform=target_platform())
+    notes: list[str] = []
     if b is None or n <= b:
         policy, chunks, rows = (Policy.EMPTY, 0, 1) if n == 0 else (Policy.SINGLE, 1, n)
     else:
-        policy, rows = Policy.OVERLAP, overlap_rows(n, b)
-        chunks = -(-n // rows)
+        mode = _config.current().remainder
+        rows, split = split_rows(n, b, mode)
+        policy, chunks = Policy.OVERLAP, -(-n // rows)
+        if split == "separate":
+            policy, chunks = Policy.REMAINDER, n // rows
+        if n % b and (call.reduction is not None or call.chunk_reduction is identity):
+            notes.append(_split_note(n, b, rows, split, mode))
 
     avals = rows_aval(call.xs, rows)
     raw = trace(call.fun, avals)
     reduction, how = _recognized(call, raw) if call.reduction is not None else (None, "")
     kind = _kind(call, reduction)
-    notes: list[str] = []
     traced = raw
     if reduction is not None and policy is not Policy.EMPTY:
         traced = trace(reduction.prepare(raw), avals)  # the prologue joins fun's jaxpr
@@ -298,15 +306,17 @@ def make_plan(call: Call, *, mapped: bool = False) -> Plan:
         if kind is Kind.MAP and call.chunk_reduction is identity:
             check_rowwise(traced.out_shape, rows, "fun(chunk)")
         elif kind is not Kind.MONOID:
-            # Repeated rows cannot be masked out of an unknown reduction or a chunk summary.
-            policy, chunks, rows = Policy.REMAINDER, n // b, b
+            # Repeated rows cannot be left out of an unknown reduction or a chunk summary:
+            # chunks of at most batch_size rows, then the remainder rows apart.
+            policy, chunks = Policy.REMAINDER, n // rows
+            notes = [note for note in notes if not note.startswith("remainder=")]
         elif chunks * rows != n and not all(
             s.shape[:1] == (rows,) for s in jax.tree.leaves(traced.out_shape)
         ):
-            notes.append("fun's output has no row axis, so repeated rows cannot be masked")
-            policy, chunks, rows = Policy.REMAINDER, n // b, b
-    if policy is Policy.REMAINDER:  # the engine runs chunk_reduction(fun(chunk)) itself
-        traced = raw if rows == traced_rows(raw) else None
+            notes.append("fun's output has no row axis, so repeated rows cannot be left out")
+            policy, chunks = Policy.REMAINDER, n // rows
+    if policy is Policy.REMAINDER and kind is not Kind.MONOID:
+        traced = raw  # the engine runs chunk_reduction(fun(chunk)) on fun's own jaxpr
     return Plan(
         n=n,
         batch_size=b,
@@ -324,10 +334,21 @@ def make_plan(call: Call, *, mapped: bool = False) -> Plan:
     )
 
 
-def traced_rows(traced: Traced) -> int | None:
-    """The leading size ``traced`` was traced on."""
-    avals = traced.jaxpr.in_avals
-    return int(avals[0].shape[0]) if avals and avals[0].shape else None
+def _split_note(n: int, b: int, rows: int, split: str, mode: str) -> str:
+    k = -(-n // b)
+    repeats = k * -(-n // k) - n
+    share = f"{repeats} of {n} rows ({repeats / n:.1%})"
+    if split == "overlap":
+        return (
+            f"remainder={mode!r}: {k} balanced chunks of {rows} rows, the last repeating "
+            f"{share}: one copy of fun, traced once"
+        )
+    if mode == "separate":
+        return f"remainder='separate': the last {n % b} rows run apart (fun compiled twice)"
+    return (
+        f"remainder='auto': overlapping chunks would repeat {share}, over 1/8, so the "
+        f"last {n % b} rows run apart (fun compiled twice)"
+    )
 
 
 def _sharded_plan(call: Call, n: int) -> Plan:

@@ -21,12 +21,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from . import _config
+from ._monoid import MonoidReduction
 from ._plan import Call, Kind, Plan, Policy, Rejection
-from ._trace import rows_aval, trace
+from ._tangent import chunked_tangent
+from ._trace import rows_aval
 from ._validate import check_rowwise
 from .kernels import native
 
@@ -42,18 +43,17 @@ class ScanEngine:
         return dataclasses.replace(plan, engine=self.name, reason="lax.scan over chunks")
 
     def run(self, plan: Plan, call: Call) -> Any:
-        if plan.policy is Policy.OVERLAP:
-            return _run_overlapped(plan, call.xs)
-        if plan.policy is Policy.REMAINDER:
-            return _run_remainder(plan, call)
         if plan.policy is Policy.EMPTY:
             return _empty_result(plan, call)
+        if plan.kind is Kind.MONOID:
+            return plan.reduction.finish(_reduce(plan, call))
+        if plan.policy is Policy.OVERLAP:
+            return _map_overlapped(plan, call.xs)
+        if plan.policy is Policy.REMAINDER:
+            return _run_remainder(plan, call)
         if plan.traced is None:  # nothing mapped: the call as written
             return call.chunk_reduction(call.fun(call.xs))
-        ys = plan.traced(call.xs)
-        if plan.kind is Kind.MONOID:
-            return plan.reduction.finish(plan.reduction.reduce_rows(ys, reduce=native.reducer))
-        return call.chunk_reduction(ys)
+        return call.chunk_reduction(plan.traced(call.xs))
 
 
 def _empty_result(plan: Plan, call: Call) -> Any:
@@ -81,38 +81,108 @@ def _map_chunks(f: Callable, stacked: Any) -> Any:
     return jax.tree.map(lambda y: y.reshape(y.shape[0] * y.shape[1], *y.shape[2:]), ys)
 
 
-def _run_overlapped(plan: Plan, xs: Any) -> Any:
-    """A map or a recognized monoid: ``n // B`` full chunks in a scan, then one last
-    chunk of the final ``B`` rows whose repeated rows are masked (or dropped).
+def _map_overlapped(plan: Plan, xs: Any) -> Any:
+    """A map: ``k`` chunks of ``B`` rows in one scan, the last one starting at
+    ``n - B`` (it overlaps the one before by ``r`` rows); the repeated rows are
+    dropped from the stacked outputs. One copy of ``fun``, no row mask."""
+    n, b, k, r = plan.n, plan.rows_per_chunk, plan.chunks, plan.masked
+    chunk = _remat(lambda i: plan.traced(_take(xs, jnp.minimum(i * b, n - b), b)))
+    _, ys = lax.scan(lambda c, i: (c, chunk(i)), (), jnp.arange(k))
+    return jax.tree.map(lambda y: _drop_repeats(y, k, b, r), ys)
 
-    Only the last chunk carries a mask: a mask inside the loop body keeps XLA's CPU
-    backend from fusing cheap ``fun``s into its fast elementwise kernels (measured 7x).
+
+def _take(xs: Any, start: Any, rows: int) -> Any:
+    return jax.tree.map(lambda x: lax.dynamic_slice_in_dim(x, start, rows), xs)
+
+
+def _reduce(plan: Plan, call: Call) -> list[jax.Array]:
+    """A recognized reduction's totals (accumulator dtypes), one per result leaf.
+
+    ``fun``'s jaxpr (traced by the planner, prologue included) is evaluated with its
+    constants passed in, so that max/min can carry the even tie rule of
+    ``Monoid.tangent_*`` in a ``custom_jvp`` (autodiff through ``jnp.maximum`` in
+    the loop would split ties by chunk); add/logsumexp are differentiated as is.
     """
-    n, b, reduction, traced = plan.n, plan.rows_per_chunk, plan.reduction, plan.traced
-    full, repeated = n // b, plan.masked
-    stacked = _stack(xs, full, b)
-    last = jax.tree.map(lambda x: x[n - b :], xs)
+    reduction, closed = plan.reduction, plan.traced.jaxpr
+    tail_closed = None
+    if plan.policy is Policy.REMAINDER and plan.remainder:
+        rest = jax.tree.map(lambda x: x[plan.n - plan.remainder :], call.xs)
+        tail_closed = jax.make_jaxpr(reduction.prepare(call.fun))(rest)
+    leaves, tree = jax.tree.flatten(call.xs)
 
-    if reduction is None:
-        chunk = _remat(traced)
-        out = _map_chunks(chunk, stacked)
-        if repeated:
-            tail = chunk(last)
-            out = jax.tree.map(lambda o, t: jnp.concatenate([o, t[repeated:]]), out, tail)
-        return out
+    def forward(consts: list, tail_consts: list, leaves: list) -> list[jax.Array]:
+        fn = lambda x: jax.core.eval_jaxpr(closed.jaxpr, consts, *jax.tree.leaves(x))
+        xs = jax.tree.unflatten(tree, leaves)
+        if plan.policy is Policy.SINGLE:
+            return reduction.reduce_rows(fn(xs), reduce=native.reducer)
+        n, b, k, r = plan.n, plan.rows_per_chunk, plan.chunks, plan.masked
+        if plan.policy is Policy.OVERLAP:  # add/logsumexp drop the last chunk's head
+            split = lambda i: reduction.reduce_split(
+                fn(_take(xs, jnp.minimum(i * b, n - b), b)), r, i == k - 1, native.reducer
+            )
+            return _accumulate(reduction, _remat(split), jnp.arange(k))
+        tail = None
+        if tail_closed is not None:
+            rest = jax.tree.leaves(jax.tree.map(lambda x: x[k * b :], xs))
+            tail = reduction.reduce_rows(
+                jax.core.eval_jaxpr(tail_closed.jaxpr, tail_consts, *rest), reduce=native.reducer
+            )
+        chunk = lambda i: reduction.reduce_rows(fn(_take(xs, i * b, b)), reduce=native.reducer)
+        return _accumulate(reduction, _remat(chunk), jnp.arange(k), tail)
 
-    chunk = _remat(lambda x, valid: reduction.reduce_rows(traced(x), valid, native.reducer))
-    acc_shape = jax.eval_shape(lambda x: chunk(x, None), jax.tree.map(lambda x: x[0], stacked))
-    start = [
-        jnp.full(s.shape, leaf.monoid.identity(s.dtype))
-        for s, leaf in zip(acc_shape, reduction.leaves, strict=True)
+    consts = list(closed.consts)
+    tail_consts = list(tail_closed.consts) if tail_closed is not None else []
+    if not any(leaf.monoid.selects for leaf in reduction.leaves):
+        return forward(consts, tail_consts, leaves)
+    return _even_ties(plan, closed, forward)(consts, tail_consts, leaves)
+
+
+def _even_ties(plan: Plan, closed: Any, forward: Callable) -> Callable:
+    """``forward`` with the tangent of ``_tangent.chunked_tangent``: every row tied
+    for a max/min shares its derivative evenly, as in ``jax.grad(jnp.max)``."""
+    rows = plan.rows_per_chunk
+    monoids = [(leaf.monoid, leaf.axis) for leaf in plan.reduction.leaves]
+    block_fun = lambda consts, xb: jax.core.eval_jaxpr(closed.jaxpr, consts, *xb)
+
+    @jax.custom_jvp
+    def run(consts, tail_consts, leaves):
+        return forward(consts, tail_consts, leaves)
+
+    def run_jvp(primals, tangents):
+        consts, tail_consts, leaves = primals
+        dconsts, _, dleaves = tangents  # the tail's constants are the same values as consts
+        totals = run(consts, tail_consts, leaves)
+        dt = chunked_tangent(
+            block_fun, monoids, plan.n, rows, 1, (consts, leaves), (dconsts, dleaves), totals
+        )
+        return totals, dt
+
+    run.defjvp(run_jvp, symbolic_zeros=True)
+    return run
+
+
+def _drop_repeats(y: jax.Array, k: int, b: int, r: int) -> jax.Array:
+    """Stacked ``(k, b, ...)`` chunk outputs to ``(n, ...)`` rows, the last chunk's
+    first ``r`` rows (repeats of the chunk before) left out."""
+    flat = y.reshape(k * b, *y.shape[2:])
+    return jnp.concatenate([flat[: (k - 1) * b], flat[(k - 1) * b + r :]]) if r else flat
+
+
+def _accumulate(
+    reduction: MonoidReduction, partials: Callable, steps: jax.Array, tail: list | None = None
+) -> list[jax.Array]:
+    """Combine ``partials(step)`` over ``steps`` in a scan, compensated per leaf, then
+    the ``tail`` partials (a remainder evaluated apart), if any."""
+    shapes = jax.eval_shape(partials, steps[0])
+    monoids = [leaf.monoid for leaf in reduction.leaves]
+    start = [m.acc_init(s.shape, s.dtype) for m, s in zip(monoids, shapes, strict=True)]
+    update = lambda state, parts: [
+        m.acc_update(a, p) for m, a, p in zip(monoids, state, parts, strict=True)
     ]
-    body = lambda acc, x: (reduction.combine(acc, chunk(x, None)), None)
-    total, _ = lax.scan(body, start, stacked)
-    if repeated:
-        unseen = jnp.asarray(np.arange(b) >= repeated)  # last-chunk rows the loop missed
-        total = reduction.combine(total, chunk(last, unseen))
-    return reduction.finish(total)
+    state, _ = lax.scan(lambda state, step: (update(state, partials(step)), None), start, steps)
+    if tail is not None:
+        state = update(state, tail)
+    return [m.acc_final(a) for m, a in zip(monoids, state, strict=True)]
 
 
 def _run_remainder(plan: Plan, call: Call) -> Any:
@@ -123,11 +193,9 @@ def _run_remainder(plan: Plan, call: Call) -> Any:
     """
     k, b, r = plan.chunks, plan.rows_per_chunk, plan.remainder
     reduction, chunk_reduction, xs = call.reduction, call.chunk_reduction, call.xs
-    fun = plan.traced or call.fun
-    step = lambda x: chunk_reduction(fun(x))
-    out_shape = trace(step, rows_aval(xs, b)).out_shape
+    step = lambda x: chunk_reduction(plan.traced(x))
     if reduction is None:
-        check_rowwise(out_shape, b, "chunk_reduction(fun(chunk))")
+        check_rowwise(jax.eval_shape(step, rows_aval(xs, b)), b, "chunk_reduction(fun(chunk))")
     step = _remat(step)
     stacked = _stack(xs, k, b)
 

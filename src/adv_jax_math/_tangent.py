@@ -26,7 +26,7 @@ __all__ = ["chunked_tangent", "nonzero"]
 
 def nonzero(t: Any) -> bool:
     """A tangent that is neither a symbolic zero nor float0."""
-    return not isinstance(t, SymbolicZero) and t.dtype != jax.dtypes.float0
+    return not isinstance(t, SymbolicZero) and getattr(t, "dtype", None) != jax.dtypes.float0
 
 
 def _pad_rows(x: Any, rows: int) -> Any:
@@ -89,7 +89,7 @@ def chunked_tangent(
 
     xs = [chunks(_pad_rows(x, padded)) for x in leaves]
     dxs = [chunks(_pad_zeros(dleaves[i], padded)) for i in x_idx]
-    dcs = [dconsts[i] for i in c_idx]
+    dcs = [jnp.asarray(dconsts[i], jnp.result_type(consts[i])) for i in c_idx]
 
     @functools.partial(jax.checkpoint, prevent_cse=False)
     def contributions(consts, x_chunk, dc, dx, totals, step):
