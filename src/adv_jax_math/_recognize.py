@@ -35,7 +35,7 @@ _INLINE = frozenset(
 )
 _KEEPDIMS = frozenset({"reshape", "broadcast_in_dim", "squeeze", "expand_dims"})
 # fmt: off
-_ELEMENTWISE = frozenset({
+ELEMENTWISE = frozenset({
     "abs", "acos", "acosh", "add", "and", "asin", "asinh", "atan", "atan2", "atanh", "cbrt",
     "ceil", "clamp", "conj", "convert_element_type", "copy", "copy_p", "cos", "cosh", "digamma",
     "div", "eq", "erf", "erf_inv", "erfc", "exp", "exp2", "expm1", "floor", "ge", "gt", "imag",
@@ -197,7 +197,7 @@ def _prologue(v: _Node) -> tuple[frozenset, set]:
         if n.k in seen or n.name == "in":
             continue
         seen.add(n.k)
-        if n.name not in _ELEMENTWISE or n.aval.shape != full:
+        if n.name not in ELEMENTWISE or n.aval.shape != full:
             raise _Generic(f"prologue op {n.name} is not elementwise (it may mix rows)")
         for a in n.args:
             if _deps(a):

@@ -27,11 +27,18 @@ from jax.experimental import pallas as pl
 from ..._monoid import MonoidReduction
 from ..._tangent import chunked_tangent
 from ..._validate import mapped_rows
-from .blocks import choose_block, choose_steps, row_stats
-from .kernel import Kernel, Out, forward
+from .blocks import choose_block, choose_steps, row_stats, tpu_block
+from .kernel import Kernel, Out, forward, kernel_const_aval
 from .probe import probe
 from .rules import analyze, dtype_problem, output_problem, triton_size_problem
-from .targets import KERNEL_NAME, Target, silence_triton_deprecation, target
+from .targets import (
+    KERNEL_NAME,
+    TPU_F32_MATH,
+    Target,
+    silence_triton_deprecation,
+    target,
+    tpu_scoped_vmem,
+)
 
 __all__ = ["KERNEL_NAME", "Check", "check", "fused_reduce"]
 
@@ -43,6 +50,8 @@ class Check:
     problem: str | None
     rows: int = 0  # Bk, rows per kernel block
     steps: int = 1  # blocks per kernel program
+    compiled: bool = False  # compiled for the target (False: lowered only, or interpret)
+    device: str = ""  # the device kind built for
 
 
 def _trace(fun: Callable, xs: Any, rows: int) -> tuple[Any, list[Any]]:
@@ -153,7 +162,25 @@ def check(
         problem = triton_size_problem(tgt, analysis, small)
         if problem:
             return Check(problem)
-    rows = choose_block(tgt, n, max_rows, analysis.row_elems, analysis.row_bytes, one_d)
+    if tgt.mosaic:
+        rows = tpu_block(
+            n,
+            max_rows,
+            inputs=leaves,
+            consts=[
+                kernel_const_aval(jax.ShapeDtypeStruct(np.shape(c), c.dtype)) for c in closed.consts
+            ],
+            partials=[
+                ((1, *(y.shape[1:] or (1,))), dt) for y, dt in zip(out_shape, acc, strict=True)
+            ],
+            body=analysis.avals,
+            traced_rows=small,
+            elementwise=analysis.elementwise,
+            limit=tpu_scoped_vmem(tgt.device_kind),
+            f32_math=tgt.device_kind in TPU_F32_MATH,
+        )
+    else:
+        rows = choose_block(tgt, n, max_rows, analysis.row_elems, analysis.row_bytes, one_d)
     if isinstance(rows, str):
         return Check(rows)
     steps = choose_steps(tgt, n, rows)
@@ -171,7 +198,8 @@ def check(
         target=tgt,
         interpret=tgt.platform == "cpu",
     )
-    return Check(probe(k), rows, steps)
+    verdict = probe(k)
+    return Check(verdict.problem, rows, steps, verdict.compiled, tgt.device_kind)
 
 
 def _differentiable(k: Kernel, reduction: MonoidReduction) -> Callable:

@@ -17,7 +17,12 @@ from jax.experimental import pallas as pl
 
 from .targets import Target
 
-__all__ = ["choose_block", "choose_steps", "is_pow2", "row_stats"]
+__all__ = ["choose_block", "choose_steps", "is_pow2", "row_stats", "tpu_block", "tpu_padded_bytes"]
+
+# Mosaic stores arrays in (sublane, 128-lane) tiles: 8 sublanes for 4-byte types,
+# 16 for 2-byte, 32 for 1-byte; 1-D arrays in tiles of 1024 elements.
+_SUBLANES = {8: 8, 4: 8, 2: 16, 1: 32}
+_TPU_MARGIN = 0.8  # of the scoped VMEM limit: the model is within ~5% of the compiler's
 
 
 def pow2_floor(x: int) -> int:
@@ -73,3 +78,86 @@ def choose_steps(target: Target, n: int, rows: int) -> int:
         return 1
     steps = pl.cdiv(blocks, target.programs)
     return 1 << (steps - 1).bit_length() if target.triton else steps  # Triton: powers of two
+
+
+def tpu_padded_bytes(shape: Sequence[int], itemsize: int) -> int:
+    """VMEM bytes of an array of ``shape`` in Mosaic's tiled layout."""
+    if not shape:
+        return 4096  # one vreg
+    if len(shape) == 1:
+        return -(-int(shape[0]) // 1024) * 1024 * itemsize
+    sub = _SUBLANES.get(itemsize, 8)
+    rows = -(-int(shape[-2]) // sub) * sub
+    lanes = -(-int(shape[-1]) // 128) * 128
+    return math.prod(int(d) for d in shape[:-2]) * rows * lanes * itemsize
+
+
+def tpu_block(
+    n: int,
+    max_rows: int | None,
+    *,
+    inputs: Sequence[Any],
+    consts: Sequence[Any],
+    partials: Sequence[tuple[tuple[int, ...], Any]],
+    body: Sequence[tuple[tuple[int, ...], Any]],
+    traced_rows: int,
+    elementwise: bool,
+    limit: int,
+    f32_math: bool,
+) -> int | str:
+    """The largest legal TPU block whose VMEM footprint fits ``limit``, or why none does.
+
+    Footprint (measured against Mosaic's own reports, bench/accel/FINDINGS.md): input
+    blocks, constants and output partials double-buffered by the pipeline, plus two
+    of ``fun``'s largest intermediates live at once (none when ``fun`` is purely
+    elementwise: Mosaic streams it through vector registers), all in padded tiles.
+    ``body`` holds the avals of ``fun`` traced on ``traced_rows`` rows; those with a
+    leading ``traced_rows`` scale with the block. Generations without a bfloat16 VPU
+    (``f32_math``) hold 16-bit intermediates as float32.
+    """
+
+    def size(dtype: Any, math_dtype: bool) -> int:
+        item = np.dtype(dtype).itemsize
+        return max(item, 4) if math_dtype and f32_math and np.dtype(dtype).kind == "f" else item
+
+    def footprint(bk: int) -> int:
+        io = sum(tpu_padded_bytes((bk, *x.shape[1:]), size(x.dtype, False)) for x in inputs)
+        io += sum(tpu_padded_bytes(tuple(c.shape), size(c.dtype, False)) for c in consts)
+        io += sum(tpu_padded_bytes(shape, size(dt, False)) for shape, dt in partials)
+        live = 0
+        if not elementwise:
+            scaled = [
+                ((bk, *shape[1:]) if shape[:1] == (traced_rows,) else shape, dt)
+                for shape, dt in body
+            ]
+            live = 2 * max((tpu_padded_bytes(sh, size(dt, True)) for sh, dt in scaled), default=0)
+        return 2 * io + live
+
+    budget = int(_TPU_MARGIN * limit)
+    cap = n if max_rows is None else min(max_rows, n)
+    if cap >= n and footprint(n) <= budget:
+        return n  # one block spanning the whole array: no alignment rule applies
+
+    def largest(unit: int) -> int:  # the largest multiple of unit <= cap that fits
+        lo, hi = 0, cap // unit
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if footprint(unit * mid) <= budget else (lo, mid - 1)
+        return unit * lo
+
+    one_d = any(len(x.shape) == 1 for x in inputs)
+    if one_d:  # a power of two >= 128, or a multiple of 1024
+        legal = [r for r in (128, 256, 512) if r <= cap]
+        best = largest(1024) or max((r for r in legal if footprint(r) <= budget), default=0)
+    else:
+        align = max(_SUBLANES.get(np.dtype(x.dtype).itemsize, 8) for x in inputs)
+        legal = [align] if align <= cap else []
+        best = largest(align)
+    if best:
+        return best
+    smallest = legal[0] if legal else (128 if one_d else 8)
+    return (
+        f"no TPU block fits: {footprint(smallest) / 2**20:.1f} MiB of VMEM at the smallest "
+        f"legal block ({smallest} rows, batch_size={max_rows}) against "
+        f"{budget / 2**20:.1f} MiB ({_TPU_MARGIN:.0%} of the {limit >> 20} MiB scoped limit)"
+    )

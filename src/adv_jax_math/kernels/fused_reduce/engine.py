@@ -51,7 +51,12 @@ class FusedEngine:
         )
         if verdict.problem:
             return Rejection(f"fused kernel not used: {verdict.problem}", forced)
-        where = "in interpret mode (requested)" if self.interpret else f"compiled for {platform}"
+        if self.interpret:
+            where = "in interpret mode (requested)"
+        elif verdict.compiled:
+            where = f"compiled for {verdict.device}"
+        else:
+            where = f"lowered for {verdict.device} (not compiled: no {platform} compiler here)"
         return dataclasses.replace(
             plan,
             engine=self.name,

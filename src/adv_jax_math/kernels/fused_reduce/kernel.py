@@ -20,6 +20,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from ..._monoid import Monoid
+from .interpreter import evaluate
 from .targets import KERNEL_NAME, Target
 
 __all__ = ["Kernel", "Out", "forward", "kernel_const_aval", "pallas_call"]
@@ -122,7 +123,7 @@ def pallas_call(k: Kernel) -> Callable[..., Any]:
                     r[(pl.ds(start, k.rows),) + (slice(None),) * (a.ndim - 1)]
                     for r, a in zip(x_refs, k.in_avals, strict=True)
                 ]
-            ys = jax.core.eval_jaxpr(k.jaxpr, consts, *xs)
+            ys = evaluate(k.jaxpr, consts, xs, upcast=k.target.triton)
             first_row = tile_start + start
             return [_block_partial(k, y, o, first_row) for y, o in zip(ys, k.outs, strict=True)]
 

@@ -1,59 +1,72 @@
-"""The dispatch probe: lower (and, where a compiler is present, compile) the kernel
-alone for its target, once per jaxpr, shapes, block and target (cached)."""
+"""The dispatch probe: compile the kernel alone, at the block it will run, for the
+device it will run on, where a compiler for it is present (a real device, or a
+compile-only topology device set with ``jax.set_mesh``); otherwise lower it for an
+abstract device of that kind. Verdicts are cached by jaxpr, shapes, block and target.
+
+Lowering checks only the Python side; compiling runs Mosaic's layout passes and
+VMEM allocation, and Triton to PTX to cubin, which report what lowering cannot
+(VMEM overflows, ops a TPU generation lacks, ops Triton cannot legalize).
+"""
 
 from __future__ import annotations
 
 import collections
-import contextlib
+import dataclasses
 import re
 from typing import Any
 
 import jax
+from jax.sharding import NamedSharding, PartitionSpec
 
 from .kernel import Kernel, kernel_const_aval, pallas_call
-from .targets import abstract_mesh, has_devices, quiet_triton
+from .targets import abstract_mesh, compile_mesh, quiet_triton
 
-__all__ = ["probe"]
+__all__ = ["Verdict", "probe"]
 
 _CACHE_SIZE = 256
-_PROBES: collections.OrderedDict[Any, str | None] = collections.OrderedDict()
+_PROBES: collections.OrderedDict[Any, Verdict] = collections.OrderedDict()
 
 
-def _lower(k: Kernel) -> None:
-    """Lower the kernel alone for ``k.target`` (an abstract device when none is
-    present); compile it too where the platform's devices are present."""
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    problem: str | None  # None: the kernel compiles (or lowers)
+    compiled: bool  # False: only lowered (no compiler for the target here)
+
+
+def _build(k: Kernel) -> bool:
+    """Compile (True) or lower (False) the kernel alone for ``k.target``."""
     args = [kernel_const_aval(a) for a in k.const_avals] + list(k.in_avals)
     call = pallas_call(k)
     platform = k.target.platform
     if platform == "cpu":
         jax.jit(call).trace(*args).lower(lowering_platforms=("cpu",))
-        return
-    present = has_devices(platform)
-    mesh = (
-        contextlib.nullcontext()
-        if present
-        else jax.sharding.use_abstract_mesh(abstract_mesh(platform))
-    )
-    with mesh, quiet_triton():
-        lowered = jax.jit(call).trace(*args).lower(lowering_platforms=(platform,))
-        if present:
-            lowered.compile()  # catches resource errors only a real compile reports
+        return False
+    mesh = compile_mesh(platform)
+    with quiet_triton():
+        if mesh is not None:
+            with jax.set_mesh(mesh):
+                sharding = NamedSharding(mesh, PartitionSpec())
+                jax.jit(call, in_shardings=sharding).lower(*args).compile()
+            return True
+        with jax.sharding.use_abstract_mesh(abstract_mesh(platform, k.target.device_kind)):
+            jax.jit(call).trace(*args).lower(lowering_platforms=(platform,))
+        return False
 
 
-def probe(k: Kernel) -> str | None:
-    """Why the kernel does not lower for its target, or None (cached)."""
+def probe(k: Kernel) -> Verdict:
+    """Whether the kernel builds for its target (cached)."""
     key = (k.target, str(k.jaxpr), k.const_avals, k.in_avals, k.outs, k.n, k.rows, k.steps)
     if key in _PROBES:
         _PROBES.move_to_end(key)
         return _PROBES[key]
     try:
-        _lower(k)
-        problem = None
-    except Exception as e:  # lowering reports unsupported ops with many exception types
+        verdict = Verdict(None, _build(k))
+    except Exception as e:  # compilers report problems with many exception types
         message = " ".join(str(e).split())
         message = re.sub(r"\s*(Please file an issue|Traceback|File \").*", "", message)[:400]
-        problem = f"the {k.target.label} lowering failed: {type(e).__name__}: {message}"
-    _PROBES[key] = problem
+        what = f"{k.target.label} for {k.target.device_kind or k.target.platform}"
+        verdict = Verdict(f"{what} failed at block {k.rows}: {type(e).__name__}: {message}", False)
+    _PROBES[key] = verdict
     while len(_PROBES) > _CACHE_SIZE:
         _PROBES.popitem(last=False)
-    return problem
+    return verdict

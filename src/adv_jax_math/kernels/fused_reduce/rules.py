@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import jaxprs_in_params
 
+from ..._recognize import ELEMENTWISE
 from .blocks import is_pow2
 from .targets import Target
 
@@ -37,11 +38,13 @@ class Analysis:
     row_bytes: int  # bytes per row of the largest row-mapped array
     fixed_elems: int  # elements of the largest array without a row axis
     avals: tuple[tuple[tuple[int, ...], np.dtype], ...]  # every (shape, dtype) in the body
+    elementwise: bool  # every operation is elementwise (nothing to keep live across ops)
 
 
 def analyze(jaxpr: Any, rows: int) -> Analysis:
     row_elems = row_bytes = fixed = 1
     avals = []
+    elementwise = all(eqn.primitive.name in ELEMENTWISE for eqn in jaxpr.eqns)
     for a in _all_avals(jaxpr):
         shape, dtype = getattr(a, "shape", None), getattr(a, "dtype", None)
         if shape is None or dtype is None:
@@ -55,7 +58,7 @@ def analyze(jaxpr: Any, rows: int) -> Analysis:
             row_bytes = max(row_bytes, per_row * np.dtype(dtype).itemsize)
         else:
             fixed = max(fixed, size)
-    return Analysis(row_elems, row_bytes, fixed, tuple(avals))
+    return Analysis(row_elems, row_bytes, fixed, tuple(avals), elementwise)
 
 
 def output_problem(out_shape: Sequence[Any], rows: int) -> str | None:

@@ -10,10 +10,22 @@ import contextlib
 import dataclasses
 import warnings
 from collections.abc import Iterator
+from typing import Any
 
 import jax
+import numpy as np
 
-__all__ = ["KERNEL_NAME", "Target", "abstract_mesh", "has_devices", "quiet_triton", "target"]
+__all__ = [
+    "KERNEL_NAME",
+    "Target",
+    "abstract_mesh",
+    "compile_mesh",
+    "device_kind",
+    "has_devices",
+    "quiet_triton",
+    "target",
+    "tpu_scoped_vmem",
+]
 
 KERNEL_NAME = "adv_jax_math_fused_reduce"
 """Name of our ``pallas_call`` and of the jitted function around it, so it shows in
@@ -24,6 +36,21 @@ jaxprs and in lowered text (``func.func private @adv_jax_math_fused_reduce``).""
 _TRITON_DEPRECATION = r"The Pallas Triton backend is deprecated"
 
 _PLATFORMS = {"cpu": "cpu", "gpu": "cuda", "cuda": "cuda", "rocm": "rocm", "tpu": "tpu"}
+
+
+# Scoped VMEM a Mosaic kernel may use by default, per TPU generation (device_kind),
+# as the compilers report it (E1001 CompileTimeScopedVmemOom; bench/accel/FINDINGS.md).
+TPU_SCOPED_VMEM = {"TPU v4": 16 << 20, "TPU v5 lite": 16 << 20, "TPU v5": 16 << 20}
+TPU_SCOPED_VMEM_DEFAULT = 16 << 20
+# Generations without a bfloat16 VPU hold 16-bit intermediates as float32.
+TPU_F32_MATH = ("TPU v4", "TPU v5 lite", "TPU v5e")
+DEFAULT_KIND = {"cuda": "NVIDIA H100 80GB HBM3", "rocm": "AMD MI300X", "tpu": "TPU v5 lite"}
+
+
+def tpu_scoped_vmem(kind: str) -> int:
+    if kind.startswith("TPU v6") or kind.startswith("TPU7"):
+        return 32 << 20
+    return TPU_SCOPED_VMEM.get(kind, TPU_SCOPED_VMEM_DEFAULT)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +69,7 @@ class Target:
     max_elems: int | None = None
     programs: int | None = None
     probe_rows: int = 8  # small block used to trace fun for the static analysis
+    device_kind: str = ""  # the device compiled for, e.g. "TPU v4", "NVIDIA H100 80GB HBM3"
 
     @property
     def triton(self) -> bool:
@@ -63,13 +91,54 @@ TARGETS = {
 
 
 def target(platform: str) -> Target:
+    """The target for ``platform``, for the device kind being compiled for."""
     try:
-        return TARGETS[_PLATFORMS[platform]]
+        base = TARGETS[_PLATFORMS[platform]]
     except (KeyError, TypeError):
         raise ValueError(
             f"platform={platform!r} is not one of {sorted(_PLATFORMS)} "
             "('cpu' runs the kernel in interpret mode)"
         ) from None
+    if base.platform == "cpu":
+        return base
+    return dataclasses.replace(base, device_kind=device_kind(base.platform))
+
+
+def _mesh_device(platform: str) -> Any:
+    """The first device of the active mesh (``jax.set_mesh``/``use_abstract_mesh``)
+    when it is of ``platform``: a real or compile-only device, or an abstract one."""
+    get_mesh = getattr(jax.sharding, "get_mesh", None)
+    for mesh in (get_mesh() if get_mesh else None, jax.sharding.get_abstract_mesh()):
+        try:
+            devices = mesh.devices  # a concrete mesh's devices; AbstractMesh raises
+        except Exception:
+            devices = None
+        if devices is not None and getattr(devices, "size", 0):
+            device = devices.flat[0]
+        else:
+            device = getattr(mesh, "abstract_device", None)
+        if device is not None and _PLATFORMS.get(getattr(device, "platform", "")) == platform:
+            return device
+    return None
+
+
+def device_kind(platform: str) -> str:
+    """The device kind compiled for: the active mesh's, a present device's, or a default."""
+    device = _mesh_device(platform)
+    if device is None and has_devices(platform):
+        device = jax.devices(platform)[0]
+    return getattr(device, "device_kind", None) or DEFAULT_KIND[platform]
+
+
+def compile_mesh(platform: str) -> jax.sharding.Mesh | None:
+    """A one-device mesh whose device can compile for ``platform`` (a real device,
+    or a compile-only topology device set with ``jax.set_mesh``); None if none."""
+    device = _mesh_device(platform)
+    if device is None or not hasattr(device, "id"):  # abstract devices do not compile
+        device = jax.devices(platform)[0] if has_devices(platform) else None
+    if device is None:
+        return None
+    return jax.sharding.Mesh(np.array([device]), ("x",))
 
 
 @contextlib.contextmanager
@@ -93,15 +162,12 @@ def has_devices(platform: str) -> bool:
         return False
 
 
-def abstract_mesh(platform: str) -> jax.sharding.AbstractMesh:
-    """A one-device abstract mesh of an NVIDIA H100 or a TPU v5 lite, to lower for
-    that platform where no such device is present."""
+def abstract_mesh(platform: str, kind: str | None = None) -> jax.sharding.AbstractMesh:
+    """A one-device abstract mesh (default: an NVIDIA H100 or a TPU v5 lite), to lower
+    for that platform where no such device is present."""
     from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
-    if platform == "tpu":
-        device = AbstractDevice(device_kind="TPU v5 lite", num_cores=1, platform="tpu")
-    else:
-        device = AbstractDevice(
-            device_kind="NVIDIA H100 80GB HBM3", num_cores=None, platform=platform
-        )
+    kind = kind or DEFAULT_KIND[platform]
+    cores = 1 if platform == "tpu" else None
+    device = AbstractDevice(device_kind=kind, num_cores=cores, platform=platform)
     return AbstractMesh((1,), ("x",), (AxisType.Auto,), abstract_device=device)

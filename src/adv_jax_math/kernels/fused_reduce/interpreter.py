@@ -1,0 +1,76 @@
+"""Evaluate ``fun``'s jaxpr inside the kernel, rewriting what a target cannot compile.
+
+Pallas Triton has libdevice versions of ``tanh``, ``log1p``, ``expm1`` (and others)
+for float32/float64 only: on bfloat16/float16 they lower, then fail to compile
+(``failed to legalize operation 'math.tanh'``). On Triton targets those operations
+run in float32 and are cast back, as XLA's own float normalization does. Calls
+(``pjit``, ``closed_call``, custom derivative wrappers) are evaluated through, so
+the rewrite reaches operations inside them; the kernel's forward pass needs no
+custom derivative rules (its tangent is computed outside, see ``_tangent``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend.core import ClosedJaxpr, Literal
+
+__all__ = ["UPCAST_ON_TRITON", "evaluate"]
+
+UPCAST_ON_TRITON = frozenset(
+    {"tanh", "log1p", "expm1", "logistic", "div", "pow", "erf", "erf_inv", "tan", "atan2"}
+)
+_CALLS = ("pjit", "jit", "closed_call", "custom_jvp_call", "custom_vjp_call")
+_BODIES = ("jaxpr", "call_jaxpr", "fun_jaxpr")  # params holding the body of a call
+
+
+def _is_half(x: Any) -> bool:
+    dtype = np.dtype(getattr(x, "dtype", np.float32))
+    return jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4
+
+
+def _body(eqn: Any) -> ClosedJaxpr | None:
+    if eqn.primitive.name not in (
+        "pjit",
+        "jit",
+        "closed_call",
+        "custom_jvp_call",
+        "custom_vjp_call",
+    ):
+        return None
+    for name in _CALLS:
+        sub = eqn.params.get(name)
+        if isinstance(sub, ClosedJaxpr):
+            return sub
+    return None
+
+
+def evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], *, upcast: bool) -> list:
+    """``jax.core.eval_jaxpr(jaxpr, consts, *args)``, with 16-bit float operands of
+    :data:`UPCAST_ON_TRITON` operations computed in float32 when ``upcast``."""
+    if not upcast:
+        return jax.core.eval_jaxpr(jaxpr, consts, *args)
+    env: dict[Any, Any] = {}
+    read = lambda v: v.val if isinstance(v, Literal) else env[v]
+    env.update(zip(jaxpr.constvars, consts, strict=True))
+    env.update(zip(jaxpr.invars, args, strict=True))
+    for eqn in jaxpr.eqns:
+        invals = [read(v) for v in eqn.invars]
+        body = _body(eqn)
+        if body is not None:
+            outs = evaluate(body.jaxpr, body.consts, invals[-len(body.jaxpr.invars) :], upcast=True)
+        elif eqn.primitive.name in UPCAST_ON_TRITON and any(map(_is_half, invals)):
+            wide = [x.astype(jnp.float32) if _is_half(x) else x for x in invals]
+            out = eqn.primitive.bind(*wide, **eqn.params)
+            outs = [out.astype(eqn.outvars[0].aval.dtype)]
+        else:
+            bound = eqn.primitive.get_bind_params(eqn.params)  # (subfuns, params) before jax 0.11
+            subfuns, params = bound if isinstance(bound, tuple) else ((), bound)
+            out = eqn.primitive.bind(*subfuns, *invals, **params)
+            outs = out if eqn.primitive.multiple_results else [out]
+        env.update(zip(eqn.outvars, outs, strict=True))
+    return [read(v) for v in jaxpr.outvars]
