@@ -10,6 +10,7 @@ from ._jacobian import batch_jacfwd, batch_jacrev
 from ._monoid import ADD, LOGSUMEXP, MAX, MIN, LeafReduction, Monoid, MonoidReduction, identity
 from ._plan import Kind, Plan, Policy
 from ._vectorize import batch_vectorize
+from .kernels.fused_reduce.targets import target_mesh
 
 # DESC's names for the same functions (desc.batching), so DESC code runs unchanged.
 vmap_chunked = batch_vmap
@@ -40,6 +41,7 @@ __all__ = [
     "identity",
     "jacfwd_chunked",
     "jacrev_chunked",
+    "target_mesh",
     "vmap_chunked",
 ]
 __version__ = "0.1.0"

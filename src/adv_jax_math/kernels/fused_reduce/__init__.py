@@ -52,6 +52,7 @@ class Check:
     steps: int = 1  # blocks per kernel program
     compiled: bool = False  # compiled for the target (False: lowered only, or interpret)
     device: str = ""  # the device kind built for
+    vmem: int = 0  # TPU: modelled VMEM footprint of one block, bytes
 
 
 def _trace(fun: Callable, xs: Any, rows: int) -> tuple[Any, list[Any]]:
@@ -162,6 +163,7 @@ def check(
         problem = triton_size_problem(tgt, analysis, small)
         if problem:
             return Check(problem)
+    vmem = 0
     if tgt.mosaic:
         rows = tpu_block(
             n,
@@ -179,6 +181,8 @@ def check(
             limit=tpu_scoped_vmem(tgt.device_kind),
             f32_math=tgt.device_kind in TPU_F32_MATH,
         )
+        if not isinstance(rows, str):
+            rows, vmem = rows
     else:
         rows = choose_block(tgt, n, max_rows, analysis.row_elems, analysis.row_bytes, one_d)
     if isinstance(rows, str):
@@ -199,7 +203,7 @@ def check(
         interpret=tgt.platform == "cpu",
     )
     verdict = probe(k)
-    return Check(verdict.problem, rows, steps, verdict.compiled, tgt.device_kind)
+    return Check(verdict.problem, rows, steps, verdict.compiled, tgt.device_kind, vmem)
 
 
 def _differentiable(k: Kernel, reduction: MonoidReduction) -> Callable:

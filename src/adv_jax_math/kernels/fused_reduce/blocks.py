@@ -104,8 +104,9 @@ def tpu_block(
     elementwise: bool,
     limit: int,
     f32_math: bool,
-) -> int | str:
-    """The largest legal TPU block whose VMEM footprint fits ``limit``, or why none does.
+) -> tuple[int, int] | str:
+    """The largest legal TPU block whose VMEM footprint fits ``limit`` and that
+    footprint in bytes, or why none does.
 
     Footprint (measured against Mosaic's own reports, bench/accel/FINDINGS.md): input
     blocks, constants and output partials double-buffered by the pipeline, plus two
@@ -136,7 +137,7 @@ def tpu_block(
     budget = int(_TPU_MARGIN * limit)
     cap = n if max_rows is None else min(max_rows, n)
     if cap >= n and footprint(n) <= budget:
-        return n  # one block spanning the whole array: no alignment rule applies
+        return n, footprint(n)  # one block spanning the whole array: no alignment rule
 
     def largest(unit: int) -> int:  # the largest multiple of unit <= cap that fits
         lo, hi = 0, cap // unit
@@ -154,7 +155,7 @@ def tpu_block(
         legal = [align] if align <= cap else []
         best = largest(align)
     if best:
-        return best
+        return best, footprint(best)
     smallest = legal[0] if legal else (128 if one_d else 8)
     return (
         f"no TPU block fits: {footprint(smallest) / 2**20:.1f} MiB of VMEM at the smallest "

@@ -60,7 +60,8 @@ class FusedEngine:
         return dataclasses.replace(
             plan,
             engine=self.name,
-            reason=f"fused Pallas kernel {where}, blocks of {verdict.rows} rows",
+            reason=f"fused Pallas kernel {where}, blocks of {verdict.rows} rows"
+            + (f" (VMEM model: {verdict.vmem / 2**20:.1f} MiB)" if verdict.vmem else ""),
             block_rows=verdict.rows,
             block_steps=verdict.steps,
         )

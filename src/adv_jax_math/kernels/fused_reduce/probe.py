@@ -44,13 +44,31 @@ def _build(k: Kernel) -> bool:
     mesh = compile_mesh(platform)
     with quiet_triton():
         if mesh is not None:
-            with jax.set_mesh(mesh):
-                sharding = NamedSharding(mesh, PartitionSpec())
-                jax.jit(call, in_shardings=sharding).lower(*args).compile()
-            return True
+            try:
+                _compile(call, args, mesh)
+                return True
+            except ValueError as e:  # another instance of the device is in context
+                if "incompatible devices" not in str(e):
+                    raise
         with jax.sharding.use_abstract_mesh(abstract_mesh(platform, k.target.device_kind)):
             jax.jit(call).trace(*args).lower(lowering_platforms=(platform,))
         return False
+
+
+def _compile(call: Any, args: list, mesh: jax.sharding.Mesh) -> None:
+    """Compile ``call`` on ``mesh``'s device: under ``jax.set_mesh`` outside ``jit``;
+    inside, where ``set_mesh`` is refused, under the mesh's abstract mesh."""
+    try:
+        context = jax.set_mesh(mesh)
+        context.__enter__()
+    except ValueError:  # "set_mesh can only be used outside of jax.jit"
+        context = jax.sharding.use_abstract_mesh(mesh.abstract_mesh)
+        context.__enter__()
+    try:
+        sharding = NamedSharding(mesh, PartitionSpec())
+        jax.jit(call, in_shardings=sharding).lower(*args).compile()
+    finally:
+        context.__exit__(None, None, None)
 
 
 def probe(k: Kernel) -> Verdict:

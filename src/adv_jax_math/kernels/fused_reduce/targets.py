@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -24,6 +25,7 @@ __all__ = [
     "has_devices",
     "quiet_triton",
     "target",
+    "target_mesh",
     "tpu_scoped_vmem",
 ]
 
@@ -106,9 +108,12 @@ def target(platform: str) -> Target:
 
 def _mesh_device(platform: str) -> Any:
     """The first device of the active mesh (``jax.set_mesh``/``use_abstract_mesh``)
-    when it is of ``platform``: a real or compile-only device, or an abstract one."""
-    get_mesh = getattr(jax.sharding, "get_mesh", None)
-    for mesh in (get_mesh() if get_mesh else None, jax.sharding.get_abstract_mesh()):
+    when it is of ``platform``: a real or compile-only device, or an abstract one.
+    Inside ``jax.jit`` only the abstract mesh is visible."""
+    meshes = [jax.sharding.get_abstract_mesh()]
+    with contextlib.suppress(Exception):  # get_mesh raises inside jit (or is missing)
+        meshes.insert(0, jax.sharding.get_mesh())
+    for mesh in meshes:
         try:
             devices = mesh.devices  # a concrete mesh's devices; AbstractMesh raises
         except Exception:
@@ -130,12 +135,94 @@ def device_kind(platform: str) -> str:
     return getattr(device, "device_kind", None) or DEFAULT_KIND[platform]
 
 
+# Compile-only devices for a device kind, from JAX's own topology descriptions
+# (jax.experimental.topologies): the GPU entries are GpuTargetConfig protos
+# (DESIGN.md §6), the TPU ones topology names libtpu knows.
+_GPU_CONFIG = (
+    "gpu_device_info {{ threads_per_block_limit: 1024 threads_per_warp: 32 "
+    "shared_memory_per_block: 49152 shared_memory_per_core: {S} threads_per_core_limit: 2048 "
+    "core_count: {C} fpus_per_core: {F} block_dim_limit_x: 2147483647 "
+    "block_dim_limit_y: 65535 block_dim_limit_z: 65535 memory_bandwidth: {BW} "
+    "l2_cache_size: {L2} clock_rate_ghz: {G} device_memory_size: {M} "
+    "shared_memory_per_block_optin: {O} cuda_compute_capability {{ major: {X} minor: {Y} }} "
+    "registers_per_core_limit: 65536 registers_per_block_limit: 65536 }} "
+    'runtime_version: {{ major: 12 minor: 8 patch: 0 }} platform_name: "CUDA" '
+    'dnn_version_info {{ major: 9 minor: 7 }} device_description_str: "{kind}"'
+)
+_H100 = dict(X=9, Y=0, C=132, F=128, S=233472, O=232448, L2=52428800, G=1.98)
+GPU_SPECS = {
+    "NVIDIA H100 80GB HBM3": dict(_H100, BW=3352320000000, M=84929347584),
+    "NVIDIA H200": dict(_H100, BW=4800000000000, M=150000000000),
+    "NVIDIA A100-SXM4-80GB": dict(
+        X=8, Y=0, C=108, F=64, S=167936, O=166912, L2=41943040, G=1.41,
+        BW=2039000000000, M=85095874560,
+    ),
+}  # fmt: skip
+TPU_TOPOLOGIES = {
+    "TPU v4": "v4:2x2x1",
+    "TPU v5 lite": "v5e:1x1",
+    "TPU v5": "v5p:2x2x1",
+    "TPU v6 lite": "v6e:1x1",
+}
+
+
+@functools.cache
+def _topology_device(platform: str, kind: str) -> Any:
+    """A compile-only device of ``kind``, or None where no compiler for it is installed."""
+    from jax.experimental import topologies
+
+    try:
+        if platform == "tpu" and kind in TPU_TOPOLOGIES:
+            desc = topologies.get_topology_desc(TPU_TOPOLOGIES[kind], platform="tpu")
+        elif platform == "cuda" and kind in GPU_SPECS:
+            config = _GPU_CONFIG.format(kind=kind, **GPU_SPECS[kind])
+            desc = topologies.get_topology_desc(
+                "aot", "cuda", target_config=config, topology="1x1x1"
+            )
+        else:
+            return None
+        return desc.devices[0]
+    except Exception:  # no plugin/libtpu installed, or an initialization error
+        return None
+
+
+def target_mesh(kind: str) -> jax.sharding.Mesh:
+    """A one-device mesh of a compile-only device of ``kind``, to plan and compile
+    calls for a GPU or TPU on a machine without one.
+
+    ``kind`` is a device kind: ``"NVIDIA H100 80GB HBM3"``, ``"NVIDIA H200"``,
+    ``"NVIDIA A100-SXM4-80GB"``, ``"TPU v4"``, ``"TPU v5 lite"`` (v5e), ``"TPU v5"``
+    (v5p) or ``"TPU v6 lite"`` (v6e). The compiler must be installed (the jax CUDA
+    plugin, or libtpu through ``jax[tpu]``); run with ``JAX_PLATFORMS=cpu``. Use it
+    with ``jax.set_mesh``: :func:`adv_jax_math.explain` then plans for that device,
+    compiling the fused kernel for it, and ``jax.jit(...).lower(...).compile()``
+    compiles the whole call.
+    """
+    platform = "tpu" if kind in TPU_TOPOLOGIES else "cuda" if kind in GPU_SPECS else None
+    if platform is None:
+        known = sorted(GPU_SPECS) + sorted(TPU_TOPOLOGIES)
+        raise ValueError(f"device kind {kind!r} is not one of {known}")
+    device = _topology_device(platform, kind)
+    if device is None:
+        need = "jax[tpu] (libtpu)" if platform == "tpu" else "jax-cuda12-plugin and -pjrt"
+        raise RuntimeError(
+            f"cannot make a compile-only {kind}: install {need} matching jax "
+            f"{jax.__version__}, and run with JAX_PLATFORMS=cpu"
+        )
+    return jax.sharding.Mesh(np.array([device]), ("x",))
+
+
 def compile_mesh(platform: str) -> jax.sharding.Mesh | None:
-    """A one-device mesh whose device can compile for ``platform`` (a real device,
-    or a compile-only topology device set with ``jax.set_mesh``); None if none."""
+    """A one-device mesh that can compile for ``platform`` and the device kind planned
+    for: a present or compile-only device set with ``jax.set_mesh``, a present device,
+    or a compile-only device from JAX's topologies where the compiler (the CUDA plugin,
+    libtpu) is installed. None when nothing here can compile for it."""
     device = _mesh_device(platform)
     if device is None or not hasattr(device, "id"):  # abstract devices do not compile
-        device = jax.devices(platform)[0] if has_devices(platform) else None
+        kind = device_kind(platform)
+        present = jax.devices(platform) if has_devices(platform) else []
+        device = next((d for d in present if d.device_kind == kind), None)
+        device = device or _topology_device(platform, kind)
     if device is None:
         return None
     return jax.sharding.Mesh(np.array([device]), ("x",))
