@@ -35,8 +35,12 @@ def _run_local(call: Call) -> Any:
     return run(plan(call, mapped=True), call)
 
 
+def _run_call(call: Call) -> Any:
+    return run(plan(call), call)
+
+
 ENGINES: tuple[Engine, ...] = (
-    ShardEngine(_run_local),
+    ShardEngine(_run_local, _run_call),
     FusedEngine(interpret=False),
     FusedEngine(interpret=True),
     ScanEngine(),

@@ -26,7 +26,9 @@ import numpy as np
 from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from ._monoid import ADD
 from ._plan import Call, Kind, Plan, Policy, Rejection
+from ._trace import rows_aval
 
 __all__ = ["ShardEngine", "as_global"]
 
@@ -59,8 +61,9 @@ class ShardEngine:
 
     name = "shard"
 
-    def __init__(self, run_local: Callable[[Call], Any]):
+    def __init__(self, run_local: Callable[[Call], Any], run_call: Callable[[Call], Any]):
         self.run_local = run_local
+        self.run_call = run_call
 
     def accept(self, plan: Plan, call: Call) -> Plan | Rejection:
         if plan.policy is not Policy.SHARDED:
@@ -75,7 +78,94 @@ class ShardEngine:
         )
 
     def run(self, plan: Plan, call: Call) -> Any:
+        leaves = plan.reduction.leaves if plan.reduction is not None else ()
+        if any(leaf.monoid.selects for leaf in leaves):
+            return self._even_ties(plan, call)
         return _run_sharded(plan, lambda rows: self.run_local(call.with_rows(rows)), call)
+
+    def _even_ties(self, plan: Plan, call: Call) -> Any:
+        """Max/min across devices with every tied row, on any device, sharing the
+        derivative evenly (as ``jax.grad(jnp.max)``): the forward pass as usual; the
+        tangent from a sharded sum whose JVP is the tangent of each leaf's monoid
+        (max/min: the tied rows' tangents over their global count; add: the sum;
+        logsumexp: the softmax-weighted sum). ``fun``'s closed-over tracers become
+        explicit arguments, so their tangents are not lost."""
+        reduction = plan.reduction
+        consts = _closed_over(call.fun, call.xs)
+
+        def with_consts(cs: Any, xs: Any) -> Call:
+            return dataclasses.replace(call, fun=_with_values(call.fun, consts, cs), xs=xs)
+
+        @jax.custom_jvp
+        def run(cs: Any, xs: Any) -> Any:
+            sub = with_consts(cs, xs)
+            return _run_sharded(plan, lambda rows: self.run_local(sub.with_rows(rows)), sub)
+
+        def run_jvp(primals: Any, tangents: Any) -> Any:
+            out = run(*primals)
+            totals = [lax.stop_gradient(t) for t in jax.tree.leaves(out)]
+
+            def terms(fun_rows: Callable) -> Callable:
+                def chunk(rows: Any) -> list:
+                    parts = []
+                    ys = reduction.prepare(fun_rows)(rows)
+                    for y, leaf, t in zip(ys, reduction.leaves, totals, strict=True):
+                        t = t.reshape(y.shape[1:] if leaf.axis == 0 else ()).astype(y.dtype)
+                        if leaf.monoid.selects:
+                            hit = y == t
+                            parts += [jnp.where(hit, y, 0), hit.astype(y.dtype)]
+                        elif leaf.monoid.name == "logsumexp":
+                            parts += [jnp.exp(y - t)]
+                        else:
+                            parts += [y]
+                    return parts
+
+                return chunk
+
+            axes = [a for leaf in reduction.leaves for a in [leaf.axis] * (1 + leaf.monoid.selects)]
+            sums = lambda parts: [jnp.sum(v, axis=a) for v, a in zip(parts, axes, strict=True)]
+
+            def surrogate(cs: Any, xs: Any) -> list:
+                sub = with_consts(cs, xs)
+                return self.run_call(
+                    dataclasses.replace(
+                        sub, fun=terms(sub.fun), reduction=ADD, chunk_reduction=sums
+                    )
+                )
+
+            parts, dparts = jax.jvp(surrogate, primals, tangents)
+            dout, i = [], 0
+            for leaf, t in zip(reduction.leaves, totals, strict=True):
+                d = (
+                    dparts[i] / lax.stop_gradient(parts[i + 1])
+                    if leaf.monoid.selects
+                    else dparts[i]
+                )
+                i += 1 + leaf.monoid.selects
+                dout.append(d.reshape(t.shape).astype(t.dtype))
+            return out, jax.tree.unflatten(jax.tree.structure(out), dout)
+
+        run.defjvp(run_jvp)
+        return run(consts, call.xs)
+
+
+def _closed_over(fun: Callable, xs: Any) -> list:
+    """The tracers ``fun`` closes over (outer transformations' values)."""
+    return list(jax.closure_convert(fun, rows_aval(xs, jax.tree.leaves(xs)[0].shape[0]))[1])
+
+
+def _with_values(fun: Callable, consts: list, values: list) -> Callable:
+    """``fun`` with the tracers it closes over (``consts``) replaced by ``values``, at
+    any number of rows (``jax.closure_convert`` is specific to one input shape)."""
+
+    def call(rows: Any) -> Any:
+        converted, hoisted = jax.closure_convert(
+            fun, rows_aval(rows, jax.tree.leaves(rows)[0].shape[0])
+        )
+        index = {id(c): i for i, c in enumerate(consts)}
+        return converted(rows, *(values[index[id(c)]] if id(c) in index else c for c in hoisted))
+
+    return call
 
 
 def _combine_across(plan: Plan, partial: Any, axis: str, reduction: Callable) -> Any:
