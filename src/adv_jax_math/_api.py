@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -78,7 +78,7 @@ def batch_map(
     fun: Callable,
     fun_input: Any,
     /,
-    batch_size: int | None = None,
+    batch_size: int | Literal["auto"] | None = None,
     *,
     reduction: Callable | None = None,
     chunk_reduction: Callable = identity,
@@ -117,9 +117,12 @@ def batch_map(
         Vectorized function.
     fun_input : pytree
         Data to split into batches to feed to ``fun``.
-    batch_size : int or None
+    batch_size : int, "auto" or None
         Size of batches. If no batching should be done or the batch size is the
-        full input then supply ``None``. ``chunk_size`` is accepted as an alias
+        full input then supply ``None``. ``"auto"`` chooses, when the call is
+        traced, the chunk size whose compiled program fits the memory budget
+        (``config(memory_budget=...)``) and runs fastest among those that fit;
+        ``explain`` shows the candidates. ``chunk_size`` is accepted as an alias
         when ``batch_size`` is ``None``.
     {common}
     strip_dim0 : bool
@@ -186,7 +189,7 @@ def explain(
     fun: Callable,
     fun_input: Any,
     /,
-    batch_size: int | None = None,
+    batch_size: int | Literal["auto"] | None = None,
     *,
     reduction: Callable | None = None,
     chunk_reduction: Callable = identity,
@@ -255,7 +258,7 @@ def batch_vmap(
     /,
     in_axes: int | Sequence[Any] | None = 0,
     *,
-    batch_size: int | None = None,
+    batch_size: int | Literal["auto"] | None = None,
     reduction: Callable | None = None,
     chunk_reduction: Callable = identity,
     shard: bool = False,
@@ -278,9 +281,10 @@ def batch_vmap(
         gives one entry (an int, ``None`` or a pytree prefix of the argument) per
         positional argument; ``None`` broadcasts; negative axes count from the end.
         Keyword arguments of the returned function are mapped over axis 0.
-    batch_size : int or None
-        Rows per chunk; ``None`` evaluates everything at once. ``chunk_size`` is
-        accepted as an alias when ``batch_size`` is ``None``.
+    batch_size : int, "auto" or None
+        Rows per chunk; ``None`` evaluates everything at once; ``"auto"``: the
+        fastest chunk size that fits the memory budget (as in :func:`batch_map`).
+        ``chunk_size`` is accepted as an alias when ``batch_size`` is ``None``.
     {common}
 
     Returns

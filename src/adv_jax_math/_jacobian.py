@@ -14,14 +14,14 @@ from __future__ import annotations
 import functools
 import operator
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from ._api import batch_vmap
-from ._validate import batch_size_from, check_callable, is_int
+from ._validate import batch_size_from, check_callable, fits_one_chunk, is_int
 
 __all__ = ["batch_jacfwd", "batch_jacrev"]
 
@@ -32,7 +32,7 @@ def batch_jacfwd(
     has_aux: bool = False,
     holomorphic: bool = False,
     *,
-    batch_size: int | None = None,
+    batch_size: int | Literal["auto"] | None = None,
     **kwargs: Any,
 ) -> Callable:
     """Jacobian of ``fun`` by forward mode, pushing ``batch_size`` columns at a time.
@@ -53,10 +53,11 @@ def batch_jacfwd(
         Whether ``fun`` returns a pair ``(output, aux)``; ``aux`` is returned as is.
     holomorphic : bool
         Whether ``fun`` is promised to be holomorphic (complex inputs and outputs).
-    batch_size : int or None
+    batch_size : int, "auto" or None
         Number of basis directions pushed forward per chunk. None pushes all of
-        them at once, like :func:`jax.jacfwd`. ``chunk_size`` is accepted as an
-        alias when ``batch_size`` is None.
+        them at once, like :func:`jax.jacfwd`; ``"auto"`` chooses the fastest
+        chunk size that fits the memory budget (see :func:`batch_map`).
+        ``chunk_size`` is accepted as an alias when ``batch_size`` is None.
 
     Returns
     -------
@@ -84,7 +85,7 @@ def batch_jacfwd(
         for x in in_leaves:
             _check_jacfwd_input(x, holomorphic)
         layout = _Layout.of(in_leaves)
-        if batch_size is None or batch_size >= layout.total:
+        if fits_one_chunk(batch_size, layout.total):
             # Everything fits in one chunk: a single vmap of jvp, no linearization.
             def push(i: jax.Array) -> Any:
                 return jax.jvp(f_leaves, in_leaves, layout.one_hot(i), has_aux=has_aux)
@@ -135,7 +136,7 @@ def batch_jacrev(
     holomorphic: bool = False,
     allow_int: bool = False,
     *,
-    batch_size: int | None = None,
+    batch_size: int | Literal["auto"] | None = None,
     **kwargs: Any,
 ) -> Callable:
     """Jacobian of ``fun`` by reverse mode, pulling back ``batch_size`` rows at a time.
@@ -159,10 +160,11 @@ def batch_jacrev(
     allow_int : bool
         Whether integer or bool inputs are allowed; their Jacobian blocks are zeros
         of the input's dtype, as in :func:`jax.jacrev`.
-    batch_size : int or None
+    batch_size : int, "auto" or None
         Number of output basis vectors pulled back per chunk. None pulls back all of
-        them at once, like :func:`jax.jacrev`. ``chunk_size`` is accepted as an
-        alias when ``batch_size`` is None.
+        them at once, like :func:`jax.jacrev`; ``"auto"`` chooses the fastest
+        chunk size that fits the memory budget (see :func:`batch_map`).
+        ``chunk_size`` is accepted as an alias when ``batch_size`` is None.
 
     Returns
     -------
@@ -206,7 +208,7 @@ def batch_jacrev(
         directions = jnp.arange(out_layout.total)
         if not any(keep):
             kept = []
-        elif batch_size is None or batch_size >= out_layout.total:
+        elif fits_one_chunk(batch_size, out_layout.total):
             kept = jax.vmap(pull)(directions)
         else:
             kept = batch_vmap(pull, batch_size=batch_size)(directions)

@@ -8,6 +8,7 @@ plans. :func:`adv_jax_math.explain` returns one.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -17,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from . import _config
+from . import _autotune, _config
 from ._monoid import Monoid, MonoidReduction, identity
 from ._recognize import recognize
 from ._trace import Traced, rows_aval, trace
@@ -68,15 +69,23 @@ class Call:
 
     fun: Callable
     xs: Any
-    batch_size: int | None
+    batch_size: int | str | None  # an int, "auto" or None
     reduction: Callable | None
     chunk_reduction: Callable
     shard: bool = False
     mesh: Mesh | None = None
+    # batch_size="auto": which leaves of xs are differentiated, when xs are
+    # placeholders (a device's share of rows); None: look at xs themselves.
+    grad_rows: tuple[bool, ...] | None = None
 
     def with_rows(self, xs: Any) -> Call:
         """The same call on other rows (a device's share), not sharded again."""
-        return Call(self.fun, xs, self.batch_size, self.reduction, self.chunk_reduction)
+        grad_rows = self.grad_rows
+        if grad_rows is None and self.batch_size == "auto":
+            grad_rows = _autotune.autodiff_leaves(self.xs)
+        return Call(
+            self.fun, xs, self.batch_size, self.reduction, self.chunk_reduction, grad_rows=grad_rows
+        )
 
 
 @dataclass(frozen=True)
@@ -120,8 +129,9 @@ class Plan:
     ----------
     n : int or None
         Mapped rows (None when nothing is mapped: ``batch_size=None``, no sharding).
-    batch_size : int or None
-        The user's bound on rows per chunk.
+    batch_size : int, "auto" or None
+        The user's bound on rows per chunk; with ``batch_size="auto"``, the size
+        chosen (``"auto"`` on a sharded plan: each device's plan chooses its own).
     kind : Kind
         ``MAP`` (outputs concatenated), ``MONOID`` (a recognized reduction) or
         ``GENERIC`` (any other associative reduction).
@@ -156,10 +166,13 @@ class Plan:
     shard : ShardLayout or None
         For ``shard=True``: the mesh, the rows per device and the plans each
         device runs (``shard.local``) and the global remainder runs.
+    autotune : Decision or None
+        For ``batch_size="auto"``: the memory model (fixed and per-row bytes), the
+        candidate sizes with their bytes and times, and why the chosen one won.
     """
 
     n: int | None
-    batch_size: int | None
+    batch_size: int | str | None
     kind: Kind
     reduction: MonoidReduction | None
     policy: Policy
@@ -177,6 +190,7 @@ class Plan:
     platform: str = ""
     notes: tuple[str, ...] = ()
     shard: ShardLayout | None = None
+    autotune: _autotune.Decision | None = None
     traced: Traced | None = field(default=None, repr=False, compare=False)
 
     def __str__(self) -> str:
@@ -184,6 +198,8 @@ class Plan:
         lines = [
             ("rows (n)", "not mapped" if self.n is None else str(self.n)),
             ("batch_size", str(self.batch_size)),
+            *((("autotune", self.autotune.brief()),) if self.autotune else ()),
+            *(self.autotune.lines() if self.autotune else ()),
             ("reduction", what.get(self.kind) or f"{self.reduction} (monoid)"),
             *((("recognized", self.recognition),) if self.recognition else ()),
             ("policy", self._policy_text()),
@@ -276,6 +292,15 @@ def make_plan(call: Call, *, mapped: bool = False) -> Plan:
     ``fun`` is traced once here, on one chunk; engines reuse that trace.
     """
     b = call.batch_size
+    decision = None
+    if b == "auto":
+        n = mapped_rows(call.xs)
+        if call.shard and n:
+            return _sharded_plan(call, n)  # each device's plan chooses for its rows
+        if n:
+            decision = _autotune.choose(call, n, target_platform())
+        b = decision.batch_size if decision else None
+        call = dataclasses.replace(call, batch_size=b)
     # A Monoid passed as reduction (default chunk_reduction) reduces the mapped axis.
     n = mapped_rows(call.xs) if b is not None or call.shard or mapped else _rows_if_reduced(call)
     if call.shard and n:
@@ -330,6 +355,7 @@ def make_plan(call: Call, *, mapped: bool = False) -> Plan:
         remainder=n - chunks * rows if policy is Policy.REMAINDER else 0,
         platform=target_platform(),
         notes=tuple(notes),
+        autotune=decision,
         traced=traced,
     )
 

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from . import _config
+from . import _config, _progress
 from ._monoid import MonoidReduction
 from ._plan import Call, Kind, Plan, Policy, Rejection
 from ._tangent import chunked_tangent
@@ -77,7 +77,8 @@ def _stack(xs: Any, chunks: int, rows: int) -> Any:
 
 def _map_chunks(f: Callable, stacked: Any) -> Any:
     """``f`` on every chunk of ``stacked`` in a scan; outputs concatenated by rows."""
-    _, ys = lax.scan(lambda carry, x: (carry, f(x)), (), stacked)
+    rows = jax.tree.leaves(stacked)[0].shape[1]
+    _, ys = _progress.scan(lambda carry, x: (carry, f(x)), (), stacked, rows=rows)
     return jax.tree.map(lambda y: y.reshape(y.shape[0] * y.shape[1], *y.shape[2:]), ys)
 
 
@@ -87,7 +88,7 @@ def _map_overlapped(plan: Plan, xs: Any) -> Any:
     dropped from the stacked outputs. One copy of ``fun``, no row mask."""
     n, b, k, r = plan.n, plan.rows_per_chunk, plan.chunks, plan.masked
     chunk = _remat(lambda i: plan.traced(_take(xs, jnp.minimum(i * b, n - b), b)))
-    _, ys = lax.scan(lambda c, i: (c, chunk(i)), (), jnp.arange(k))
+    _, ys = _progress.scan(lambda c, i: (c, chunk(i)), (), jnp.arange(k), rows=b)
     return jax.tree.map(lambda y: _drop_repeats(y, k, b, r), ys)
 
 
@@ -120,7 +121,7 @@ def _reduce(plan: Plan, call: Call) -> list[jax.Array]:
             split = lambda i: reduction.reduce_split(
                 fn(_take(xs, jnp.minimum(i * b, n - b), b)), r, i == k - 1, native.reducer
             )
-            return _accumulate(reduction, _remat(split), jnp.arange(k))
+            return _accumulate(reduction, _remat(split), jnp.arange(k), rows=b)
         tail = None
         if tail_closed is not None:
             rest = jax.tree.leaves(jax.tree.map(lambda x: x[k * b :], xs))
@@ -128,7 +129,7 @@ def _reduce(plan: Plan, call: Call) -> list[jax.Array]:
                 jax.core.eval_jaxpr(tail_closed.jaxpr, tail_consts, *rest), reduce=native.reducer
             )
         chunk = lambda i: reduction.reduce_rows(fn(_take(xs, i * b, b)), reduce=native.reducer)
-        return _accumulate(reduction, _remat(chunk), jnp.arange(k), tail)
+        return _accumulate(reduction, _remat(chunk), jnp.arange(k), tail, rows=b)
 
     consts = list(closed.consts)
     tail_consts = list(tail_closed.consts) if tail_closed is not None else []
@@ -169,7 +170,12 @@ def _drop_repeats(y: jax.Array, k: int, b: int, r: int) -> jax.Array:
 
 
 def _accumulate(
-    reduction: MonoidReduction, partials: Callable, steps: jax.Array, tail: list | None = None
+    reduction: MonoidReduction,
+    partials: Callable,
+    steps: jax.Array,
+    tail: list | None = None,
+    *,
+    rows: int = 1,
 ) -> list[jax.Array]:
     """Combine ``partials(step)`` over ``steps`` in a scan, compensated per leaf, then
     the ``tail`` partials (a remainder evaluated apart), if any."""
@@ -179,7 +185,8 @@ def _accumulate(
     update = lambda state, parts: [
         m.acc_update(a, p) for m, a, p in zip(monoids, state, parts, strict=True)
     ]
-    state, _ = lax.scan(lambda state, step: (update(state, partials(step)), None), start, steps)
+    body = lambda state, step: (update(state, partials(step)), None)
+    state, _ = _progress.scan(body, start, steps, rows=rows)
     if tail is not None:
         state = update(state, tail)
     return [m.acc_final(a) for m, a in zip(monoids, state, strict=True)]
@@ -205,7 +212,8 @@ def _run_remainder(plan: Plan, call: Call) -> Any:
         out = step(jax.tree.map(lambda x: x[0], stacked))
         if k > 1:
             body = lambda acc, x: (reduction(acc, step(x)), None)
-            out, _ = lax.scan(body, out, jax.tree.map(lambda x: x[1:], stacked))
+            rest = jax.tree.map(lambda x: x[1:], stacked)
+            out, _ = _progress.scan(body, out, rest, rows=b)
     if not r:
         return out
     rest = chunk_reduction(call.fun(jax.tree.map(lambda x: x[k * b :], xs)))

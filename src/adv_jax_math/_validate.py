@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import numpy as np
@@ -17,6 +17,7 @@ __all__ = [
     "batch_size_from",
     "check_callable",
     "check_rowwise",
+    "fits_one_chunk",
     "is_int",
     "mapped_rows",
     "resolve_mesh",
@@ -39,10 +40,12 @@ def check_callable(value: Any, name: str, what: str = "callable") -> None:
         raise TypeError(f"{name} must be {what}, got {type(value).__name__}: {value!r}")
 
 
-def batch_size_from(batch_size: Any, kwargs: Mapping[str, Any]) -> int | None:
+def batch_size_from(batch_size: Any, kwargs: Mapping[str, Any]) -> int | Literal["auto"] | None:
     """Validate ``batch_size`` and the ``chunk_size`` alias; reject other kwargs.
 
     ``chunk_size`` is used only when ``batch_size`` is None (``batch_size`` wins).
+    ``"auto"`` (any case) is returned as ``"auto"``: the planner chooses the chunk
+    size (see ``_autotune``).
     """
     unexpected = sorted(set(kwargs) - {"chunk_size"})
     if unexpected:
@@ -55,14 +58,23 @@ def batch_size_from(batch_size: Any, kwargs: Mapping[str, Any]) -> int | None:
         batch_size, name = kwargs.get("chunk_size"), "chunk_size"
     if batch_size is None:
         return None
+    if isinstance(batch_size, str) and batch_size.strip().lower() == "auto":
+        return "auto"
     if not is_int(batch_size):
         raise TypeError(
-            f"{name}={batch_size!r} must be a positive int or None, not {type(batch_size).__name__}"
+            f"{name}={batch_size!r} must be a positive int, 'auto' or None, "
+            f"not {type(batch_size).__name__}"
         )
     batch_size = operator.index(batch_size)
     if batch_size < 1:
-        raise ValueError(f"{name}={batch_size} must be a positive int or None")
+        raise ValueError(f"{name}={batch_size} must be a positive int, 'auto' or None")
     return batch_size
+
+
+def fits_one_chunk(batch_size: int | str | None, n: int) -> bool:
+    """Whether ``n`` rows run as one call: no ``batch_size``, or an int ``>= n``
+    (``"auto"`` is decided later, by the planner)."""
+    return batch_size is None or (batch_size != "auto" and batch_size >= n)
 
 
 def mapped_rows(xs: Any, what: str = "fun_input") -> int:

@@ -16,14 +16,14 @@ import math
 import re
 import warnings
 from collections.abc import Callable, Collection, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from ._api import batch_vmap
-from ._validate import batch_size_from
+from ._validate import batch_size_from, fits_one_chunk
 
 __all__ = ["batch_vectorize"]
 
@@ -35,7 +35,7 @@ def batch_vectorize(
     *,
     excluded: Collection[int | str] = frozenset(),
     signature: str | None = None,
-    batch_size: int | None = None,
+    batch_size: int | Literal["auto"] | None = None,
     **kwargs: Any,
 ) -> Callable:
     """Vectorize ``pyfunc`` with broadcasting, like :func:`jax.numpy.vectorize`, in chunks.
@@ -57,9 +57,11 @@ def batch_vectorize(
         dimensions of each non-excluded argument and of each output. Outputs must
         match it (a tuple when there are several). None means scalar cores for
         every input and outputs of any shape or pytree structure.
-    batch_size : int or None
-        Number of loop elements evaluated per chunk. None evaluates all at once.
-        ``chunk_size`` is accepted as an alias when ``batch_size`` is None.
+    batch_size : int, "auto" or None
+        Number of loop elements evaluated per chunk. None evaluates all at once;
+        ``"auto"`` chooses the fastest chunk size that fits the memory budget (see
+        :func:`batch_map`). ``chunk_size`` is accepted as an alias when
+        ``batch_size`` is None.
 
     Returns
     -------
@@ -157,7 +159,7 @@ def _loop(
     values: list[jax.Array],
     loop_shapes: list[tuple[int, ...]],
     loop: tuple[int, ...],
-    batch_size: int | None,
+    batch_size: int | Literal["auto"] | None,
 ) -> Any:
     """Evaluate ``call`` over the flattened loop shape ``loop``."""
     n = math.prod(loop)
@@ -192,7 +194,7 @@ def _loop(
             core_values.append(op)
         return call(*core_values)
 
-    if batch_size is None or batch_size >= n:
+    if fits_one_chunk(batch_size, n):
         mapped = jax.vmap(element, in_axes=(0, *in_axes))
     else:
         mapped = batch_vmap(element, in_axes=(0, *in_axes), batch_size=batch_size)

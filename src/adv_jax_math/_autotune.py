@@ -1,0 +1,314 @@
+"""``batch_size="auto"``: the fastest chunk size whose compiled program fits a budget.
+
+When a call with ``batch_size="auto"`` is planned (at trace time), one chunk's
+program -- ``chunk_reduction(fun(rows))``, and its VJP when the call is being
+differentiated -- is compiled with ``jax.jit(...).lower(avals).compile()`` at a few
+candidate sizes (powers of two). ``memory_analysis()`` gives its bytes
+(temporaries, outputs and the chunk's rows), fitted as ``a + b * rows``; rows the
+whole call holds regardless of the chunk size (a map's outputs, the cotangent of a
+differentiated input) are added to ``a``. Candidates the model puts under the
+budget are timed on synthetic inputs of the right shapes and dtypes (real
+compiled runs, a few repetitions each): the whole call's time is estimated as
+``chunks * seconds per chunk``, and a local search over the sizes that fit keeps
+the fastest. The chosen size has always been compiled and measured itself.
+
+Rule for "differentiated" (``config(autotune_grad="auto")``): a mapped input leaf
+or a value ``fun`` closes over is a float tracer of an autodiff transformation
+(``jax.grad``, ``jax.vjp``, ``jax.jvp``, ``jax.linearize``), looked for through
+``vmap`` layers. The chunk's VJP is then measured with respect to exactly those
+values, with one chunk rematerialized as the scan engine does (``remat=True``).
+``jax.grad`` of a ``jax.jit``-compiled function differentiates a jaxpr traced
+before the gradient exists: use ``config(autotune_grad="always")`` there.
+
+Closed-over tracers never leak: the chunk is traced to a jaxpr whose constants are
+passed to the measured program as arguments (placeholders of the same avals), and
+concrete constants are reused for the timing runs. Decisions are cached in memory
+by (chunk jaxpr, avals, what is differentiated, budget, platform, options), and on
+disk with ``config(autotune_cache=path)``, so a second trace costs nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import re
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import jax
+
+from . import _config
+from ._autotune_measure import ChunkProgram, autodiff_leaves, default_budget, fmt_bytes
+
+if TYPE_CHECKING:
+    from ._plan import Call
+
+__all__ = ["BudgetError", "Candidate", "Decision", "autodiff_leaves", "choose", "clear_cache"]
+
+SMALLEST = 16  # first candidate (smaller ones only when 16 rows do not fit)
+SECOND_PROBE = 256  # second point of the memory model
+MAX_COMPILES = 4  # chunk programs compiled per decision, at most
+HEADROOM = 0.05  # estimated bytes plus 5% must fit the budget
+
+
+class BudgetError(MemoryError):
+    """Even one row of the chunk program does not fit the memory budget."""
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One chunk size considered: whole-call bytes (measured or modelled) and the
+    estimated whole-call seconds (None when not timed)."""
+
+    rows: int
+    bytes: int
+    measured: bool
+    fits: bool
+    seconds: float | None = None
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What ``batch_size="auto"`` chose, and why (shown by ``explain``)."""
+
+    batch_size: int
+    n: int
+    budget: int
+    budget_source: str
+    fixed_bytes: int
+    row_bytes: float
+    candidates: tuple[Candidate, ...]
+    grad: str
+    reason: str
+    seconds: float = 0.0
+    cache: str = "computed"
+
+    def brief(self) -> str:
+        return (
+            f"auto: {self.batch_size} rows per chunk, budget {fmt_bytes(self.budget)} "
+            f"({self.budget_source}); {self.cache}, {self.seconds * 1e3:.0f} ms planning"
+        )
+
+    def lines(self) -> list[tuple[str, str]]:
+        """``(label, text)`` rows for ``Plan.__str__``."""
+        model = (
+            f"bytes = {fmt_bytes(self.fixed_bytes)} + {fmt_bytes(self.row_bytes)} x rows "
+            f"({self.grad})"
+        )
+        rows = [("memory model", model)]
+        for c in self.candidates:
+            t = "not timed" if c.seconds is None else f"{c.seconds * 1e3:9.2f} ms"
+            how = "measured" if c.measured else "model   "
+            mark = "fits" if c.fits else "over budget"
+            rows.append(
+                ("candidate", f"{c.rows:>7} rows: {fmt_bytes(c.bytes):>10} {how} {mark:<11} {t}")
+            )
+        rows.append(("chosen", self.reason))
+        return rows
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> Decision:
+        cands = tuple(Candidate(**c) for c in data.pop("candidates"))
+        return cls(candidates=cands, **data)
+
+
+_MEMORY: dict[str, Decision] = {}
+
+
+def clear_cache() -> None:
+    """Forget the decisions cached in memory (the disk cache is left alone)."""
+    _MEMORY.clear()
+
+
+def choose(call: Call, n: int, platform: str) -> Decision:
+    """The chunk size for ``call`` over ``n`` rows on ``platform`` (see module doc)."""
+    start = time.perf_counter()
+    opts = _config.current()
+    budget, source = (
+        (opts.memory_budget, "config") if opts.memory_budget else default_budget(platform)
+    )
+    grad_rows = getattr(call, "grad_rows", None)
+    prog = ChunkProgram(call, n, opts, grad_rows)
+    sizes = _sizes(n, allow_single=not (prog.differentiated and opts.remat))
+    key = prog.key(budget, platform, _key_text)
+    hit = _lookup(key, opts.autotune_cache)
+    if hit is not None:
+        return dataclasses.replace(hit, seconds=time.perf_counter() - start)
+    if platform != jax.default_backend():
+        decision = _unmeasured(n, budget, source, prog, platform)
+    else:
+        decision = _search(prog, n, sizes, budget, source)
+    decision = dataclasses.replace(decision, seconds=time.perf_counter() - start)
+    _store(key, decision, opts.autotune_cache)
+    return decision
+
+
+def _sizes(n: int, allow_single: bool) -> list[int]:
+    """Powers of two from 16 (or 1 for small ``n``) below ``n``, then ``n`` itself
+    when one unchunked call has the measured program's memory."""
+    low = SMALLEST if n > SMALLEST else 1
+    sizes = [2**k for k in range(int(math.log2(low)), 63) if 2**k < n]
+    if allow_single or not sizes:
+        sizes.append(n)
+    return sizes
+
+
+def _search(prog: ChunkProgram, n: int, sizes: list[int], budget: int, source: str) -> Decision:
+    """At most ``MAX_COMPILES`` chunk programs: the smallest size, a second probe
+    (the memory model's second point), then a search on the log scale towards the
+    faster side, among the sizes the model fits under the budget."""
+    mem: dict[int, int] = {}
+    secs: dict[int, float] = {}
+
+    def measure(rows: int) -> int:
+        if rows not in mem:
+            mem[rows] = prog.bytes(rows)
+        return mem[rows]
+
+    def fits_measured(rows: int) -> bool:
+        return measure(rows) * (1 + HEADROOM) <= budget
+
+    if not fits_measured(sizes[0]):
+        small = [2**k for k in range(int(math.log2(sizes[0]))) if 2**k < n]
+        if not small or not fits_measured(1):
+            one = measure(1) if small else mem[sizes[0]]
+            raise BudgetError(
+                f"batch_size='auto': one row needs {fmt_bytes(one)} of compiled temporary "
+                f"memory ({prog.grad_text()}); the memory budget is {fmt_bytes(budget)} "
+                f"({source}), of which {1 - 1 / (1 + HEADROOM):.0%} is kept as headroom. "
+                "Raise it with adv_jax_math.config(memory_budget=...) or "
+                "ADV_JAX_MATH_MEMORY_BUDGET"
+            )
+        sizes = small
+    lo = sizes[0]
+    # Second probe: proportional memory (over-estimating the per-row cost) says which
+    # sizes surely fit; take the largest of them, at most 16 times the first size.
+    reach = min(lo * budget / (measure(lo) * (1 + HEADROOM)), lo * SECOND_PROBE // SMALLEST)
+    probe = [s for s in sizes if lo < s <= reach] or sizes[1:2]
+    if probe:
+        measure(probe[-1])
+    fixed, per_row = _fit(mem)
+
+    def estimate(rows: int) -> int:
+        return mem.get(rows, int(fixed + per_row * rows))
+
+    def fits(rows: int) -> bool:
+        return estimate(rows) * (1 + HEADROOM) <= budget
+
+    def timed(rows: int) -> float | None:
+        """Whole-call seconds at ``rows`` (compiled and checked first); None if over."""
+        if rows not in secs:
+            if not fits_measured(rows):
+                return None
+            chunks = 1 if rows >= n else -(-n // rows)
+            secs[rows] = chunks * prog.seconds(rows)
+        return secs[rows]
+
+    for rows in sorted(mem):
+        if rows in sizes:
+            timed(rows)
+    while len(mem) < MAX_COMPILES:
+        nxt = _next_size([s for s in sizes if fits(s)], secs)
+        if nxt is None:
+            break
+        if timed(nxt) is None:  # the model was optimistic: refit through the largest sizes
+            fixed, per_row = _fit(mem, upper=True)
+    best = min(secs, key=lambda r: secs[r])
+    cands = tuple(Candidate(s, estimate(s), s in mem, fits(s), secs.get(s)) for s in sizes)
+    ranked = sorted(secs, key=lambda r: secs[r])
+    why = f"{best} rows: the fastest of {len(secs)} timed sizes that fit"
+    if len(ranked) > 1:
+        r = ranked[1]
+        why += f" ({secs[best] * 1e3:.2f} ms per call vs {secs[r] * 1e3:.2f} ms at {r} rows)"
+    above = [s for s in sizes if s > best]
+    if above and not fits(above[0]):
+        why += f"; {above[0]} rows would exceed the budget"
+    return Decision(
+        best, n, budget, source, int(fixed), float(per_row), cands, prog.grad_text(), why
+    )
+
+
+def _next_size(ok: list[int], secs: dict[int, float]) -> int | None:
+    """The next size to time: the log-scale middle of the untimed sizes between the
+    fastest timed size and its timed neighbour (or the end) on one side; the side
+    whose neighbour is faster first, an unexplored end counting as fast."""
+    timed = [s for s in ok if s in secs]
+    if not timed:
+        return ok[0] if ok else None
+    best = min(timed, key=lambda s: secs[s])
+    i = ok.index(best)
+    options = []
+    for step in (-1, 1):
+        gap, j = [], i + step
+        while 0 <= j < len(ok) and ok[j] not in secs:
+            gap.append(ok[j])
+            j += step
+        if gap:
+            bound = secs[ok[j]] if 0 <= j < len(ok) else secs[best]
+            options.append((bound, -step, sorted(gap)[len(gap) // 2]))
+    return min(options)[2] if options else None
+
+
+def _fit(mem: dict[int, int], upper: bool = False) -> tuple[float, float]:
+    """``bytes = a + b * rows`` through the two smallest measured sizes (the two
+    largest with ``upper``); a constant for one point."""
+    pts = sorted(mem.items())
+    if len(pts) < 2:
+        return float(pts[0][1]), 0.0
+    (r0, m0), (r1, m1) = pts[-2:] if upper else pts[:2]
+    b = max((m1 - m0) / (r1 - r0), 0.0)
+    return max(m0 - b * r0, 0.0), b
+
+
+def _unmeasured(n: int, budget: int, source: str, prog: ChunkProgram, platform: str) -> Decision:
+    """Lowering for another platform (an abstract mesh): nothing can be run here."""
+    rows = min(n, 1024)
+    why = (
+        f"{rows} rows: the call is lowered for {platform!r} from a {jax.default_backend()!r} "
+        "process, where chunk programs cannot be compiled and timed; a fixed default"
+    )
+    return Decision(rows, n, budget, source, 0, 0.0, (), prog.grad_text(), why)
+
+
+def _key_text(parts: list[Any]) -> str:
+    text = re.sub(r"0x[0-9a-fA-F]+", "", repr(parts))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _lookup(key: str, path: str | None) -> Decision | None:
+    if key in _MEMORY:
+        return dataclasses.replace(_MEMORY[key], cache="memory cache hit")
+    if path and os.path.exists(path):
+        try:
+            with open(path) as f:
+                data = json.load(f).get(key)
+        except (OSError, ValueError):
+            data = None
+        if data is not None:
+            decision = dataclasses.replace(Decision.from_json(data), cache="disk cache hit")
+            _MEMORY[key] = decision
+            return decision
+    return None
+
+
+def _store(key: str, decision: Decision, path: str | None) -> None:
+    _MEMORY[key] = decision
+    if not path:
+        return
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        data = {}
+    data[key] = decision.to_json()
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1)
+    os.replace(tmp, path)

@@ -1,0 +1,264 @@
+"""What ``batch_size="auto"`` measures: one chunk's compiled program.
+
+:class:`ChunkProgram` traces ``chunk_reduction(fun(rows))`` at a chunk size, turns
+the values it closes over into arguments (placeholders of their avals, so tracers
+of an outer ``jit``/``grad``/``vmap`` never leak into the measured program), adds
+the VJP with respect to the values being differentiated, compiles it, reports its
+bytes and times it on synthetic inputs. Also: the default memory budget.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ._trace import rows_aval
+
+if TYPE_CHECKING:
+    from ._config import Options
+    from ._plan import Call
+
+__all__ = [
+    "BUDGET_FRACTION",
+    "ChunkProgram",
+    "autodiff_leaves",
+    "default_budget",
+    "fmt_bytes",
+    "outer_batch",
+]
+
+BUDGET_FRACTION = 0.5  # of the memory free on the target device, by default
+_AUTODIFF_TRACERS = ("JVPTracer", "LinearizeTracer")
+_TIMING_SECONDS = 0.03  # per candidate, after one warm-up run (at least 2 runs)
+
+
+def fmt_bytes(n: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+def default_budget(platform: str) -> tuple[int, str]:
+    """``BUDGET_FRACTION`` of the memory free on the target device, and how it was found."""
+    free, where = None, platform
+    if platform != "cpu":
+        try:
+            stats = jax.local_devices(backend=platform)[0].memory_stats() or {}
+            if "bytes_limit" in stats:
+                free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+                where = f"{platform} device memory_stats()"
+        except (RuntimeError, ValueError, IndexError):
+            free = None
+    if free is None:
+        free, where = _host_available(), "available system memory"
+    return int(BUDGET_FRACTION * free), f"{BUDGET_FRACTION:.0%} of {fmt_bytes(free)} free ({where})"
+
+
+def _host_available() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 4 * 2**30
+
+
+def _layers(x: Any) -> list[Any]:
+    """``x`` and the tracers it wraps (``JVPTracer.primal``, ``BatchTracer.val``, ...)."""
+    out = []
+    while isinstance(x, jax.core.Tracer) and len(out) < 64:
+        out.append(x)
+        inner = getattr(x, "primal", None)
+        x = inner if inner is not None else getattr(x, "val", None)
+    return out
+
+
+def _inexact(dtype: Any) -> bool:
+    return bool(jnp.issubdtype(dtype, jnp.inexact))
+
+
+def is_autodiff(x: Any) -> bool:
+    """A float tracer of an autodiff transformation, possibly under ``vmap`` layers."""
+    layers = _layers(x)
+    return (
+        bool(layers)
+        and _inexact(x.dtype)
+        and any(type(t).__name__ in _AUTODIFF_TRACERS for t in layers)
+    )
+
+
+def autodiff_leaves(xs: Any) -> tuple[bool, ...]:
+    """Which leaves of ``xs`` are being differentiated (see :func:`is_autodiff`)."""
+    return tuple(is_autodiff(x) for x in jax.tree.leaves(xs))
+
+
+def outer_batch(x: Any) -> int:
+    """The product of the sizes of the ``vmap`` axes ``x`` is traced under."""
+    size = 1
+    for t in _layers(x):
+        dim, val = getattr(t, "batch_dim", None), getattr(t, "val", None)
+        if isinstance(dim, int) and val is not None and 0 <= dim < np.ndim(val):
+            size *= int(np.shape(val)[dim])
+    return size
+
+
+def _synthetic(shape: tuple, dtype: Any, rng: np.random.Generator) -> np.ndarray:
+    if _inexact(dtype):
+        return rng.uniform(0.5, 1.5, shape).astype(dtype)
+    return np.zeros(shape, dtype)
+
+
+class ChunkProgram:
+    """One chunk of ``call`` (``chunk_reduction(fun(rows))``, and its VJP when the
+    call is being differentiated) at any number of rows: compiled, sized, timed."""
+
+    def __init__(self, call: Call, n: int, opts: Options, grad_rows: tuple[bool, ...] | None):
+        self.call, self.n, self.opts = call, n, opts
+        leaves = jax.tree.leaves(call.xs)
+        self._traces: dict[int, tuple[Any, Any]] = {}
+        self.probe_rows = 16 if n > 16 else 1
+        consts = self._trace(self.probe_rows)[0].consts
+        self.factor = max(outer_batch(v) for v in [*leaves, *consts, 1])
+        grad_rows = autodiff_leaves(call.xs) if grad_rows is None else grad_rows
+        self.xdiff = tuple(
+            _inexact(x.dtype) and self._wanted(g) for x, g in zip(leaves, grad_rows, strict=True)
+        )
+        self.differentiated = any(self.xdiff) or any(self._const_diff(consts))
+        self._compiled: dict[int, Any] = {}
+
+    def _wanted(self, seen: bool) -> bool:
+        mode = self.opts.autotune_grad
+        return mode == "always" or (mode == "auto" and seen)
+
+    def _const_diff(self, consts: list) -> list[bool]:
+        return [_inexact(jnp.result_type(c)) and self._wanted(is_autodiff(c)) for c in consts]
+
+    def _trace(self, rows: int) -> tuple[Any, Any]:
+        if rows not in self._traces:
+            fun, chunk_reduction = self.call.fun, self.call.chunk_reduction
+            self._traces[rows] = jax.make_jaxpr(
+                lambda x: chunk_reduction(fun(x)), return_shape=True
+            )(rows_aval(self.call.xs, rows))
+        return self._traces[rows]
+
+    def grad_text(self) -> str:
+        if not self.differentiated:
+            return "forward only"
+        how = "one chunk rematerialized" if self.opts.remat else "remat=False"
+        return f"forward and backward, {how}"
+
+    def key(self, budget: int, platform: str, hasher: Any) -> str:
+        closed, _ = self._trace(self.probe_rows)
+        avals = lambda vs: [(tuple(jnp.shape(v)), str(jnp.result_type(v))) for v in vs]
+        return hasher(
+            [
+                str(closed.jaxpr),
+                avals(closed.consts),
+                self._const_diff(closed.consts),
+                avals(jax.tree.leaves(self.call.xs)),
+                str(jax.tree.structure(self.call.xs)),
+                self.xdiff,
+                self.n,
+                self.factor,
+                budget,
+                platform,
+                self.opts.remat,
+                self.opts.autotune_grad,
+                self.call.reduction is None,
+                jax.__version__,
+            ]
+        )
+
+    def _build(self, rows: int) -> tuple[Any, list, list]:
+        closed, out_shape = self._trace(rows)
+        jaxpr, consts = closed.jaxpr, list(closed.consts)
+        cdiff, xdiff = self._const_diff(consts), list(self.xdiff)
+        remat = self.opts.remat
+
+        def pick(values: list, mask: list) -> list:
+            return [v for v, m in zip(values, mask, strict=True) if m]
+
+        def merge(values: list, new: list, mask: list) -> list:
+            it = iter(new)
+            return [next(it) if m else v for v, m in zip(values, mask, strict=True)]
+
+        def program(cargs: list, xleaves: list) -> Any:
+            def f(dc: list, dx: list) -> list:
+                return jax.core.eval_jaxpr(
+                    jaxpr, merge(cargs, dc, cdiff), *merge(xleaves, dx, xdiff)
+                )
+
+            dc, dx = pick(cargs, cdiff), pick(xleaves, xdiff)
+            if not dc and not dx:
+                return f([], [])
+            out, pull = jax.vjp(jax.checkpoint(f) if remat else f, dc, dx)
+            ct = [
+                jnp.ones_like(o) if _inexact(o.dtype) else np.zeros(o.shape, jax.dtypes.float0)
+                for o in out
+            ]
+            return out, pull(ct)
+
+        const_avals = [jax.ShapeDtypeStruct(jnp.shape(c), jnp.result_type(c)) for c in consts]
+        x_avals = jax.tree.leaves(rows_aval(self.call.xs, rows))
+        with jax.ensure_compile_time_eval():
+            compiled = jax.jit(program).lower(const_avals, x_avals).compile()
+        return compiled, consts, [out_shape, x_avals]
+
+    def compiled(self, rows: int) -> tuple[Any, list, list]:
+        if rows not in self._compiled:
+            self._compiled[rows] = self._build(rows)
+        return self._compiled[rows]
+
+    def bytes(self, rows: int) -> int:
+        """Whole-call bytes at ``rows`` per chunk: the chunk program's temporaries,
+        outputs and rows, plus what the call holds for all ``n`` rows (a map's
+        outputs, stacked then concatenated; a differentiated input's cotangent)."""
+        compiled, _, (out_shape, x_avals) = self.compiled(rows)
+        ma = compiled.memory_analysis()
+        chunk = ma.temp_size_in_bytes + ma.output_size_in_bytes
+        chunk += sum(a.size * a.dtype.itemsize for a in x_avals)
+        per_row = 0.0
+        if self.call.reduction is None:
+            per_row += 2 * sum(
+                s.size * s.dtype.itemsize / rows
+                for s in jax.tree.leaves(out_shape)
+                if s.shape[:1] == (rows,)
+            )
+        per_row += sum(
+            a.size * a.dtype.itemsize / rows for a, d in zip(x_avals, self.xdiff, strict=True) if d
+        )
+        return int(self.factor * (chunk + per_row * self.n))
+
+    def seconds(self, rows: int) -> float:
+        """Seconds per chunk: the compiled chunk program run on synthetic inputs
+        (concrete closed-over values reused), minimum over a few runs."""
+        compiled, consts, (_, x_avals) = self.compiled(rows)
+        rng = np.random.default_rng(0)
+        with jax.ensure_compile_time_eval():
+            cargs = [
+                c
+                if not isinstance(c, jax.core.Tracer)
+                else _synthetic(tuple(c.shape), c.dtype, rng)
+                for c in consts
+            ]
+            xargs = [_synthetic(a.shape, a.dtype, rng) for a in x_avals]
+            cargs, xargs = jax.device_put((cargs, xargs))
+            jax.block_until_ready(compiled(cargs, xargs))
+            best, spent, runs = float("inf"), 0.0, 0
+            while runs < 2 or (spent < _TIMING_SECONDS and runs < 50):
+                t0 = time.perf_counter()
+                jax.block_until_ready(compiled(cargs, xargs))
+                dt = time.perf_counter() - t0
+                best, spent, runs = min(best, dt), spent + dt, runs + 1
+        return best

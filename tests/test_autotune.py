@@ -1,0 +1,244 @@
+"""batch_size="auto": the chunk size that fits a memory budget and runs fastest."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import assert_tree_close
+
+import adv_jax_math as ajm
+from adv_jax_math import _autotune
+from adv_jax_math._config import parse_bytes
+from adv_jax_math._validate import batch_size_from
+
+KIB, MIB = 2**10, 2**20
+N = 4096
+
+
+@pytest.fixture(autouse=True)
+def fresh_cache():
+    _autotune.clear_cache()
+    yield
+    _autotune.clear_cache()
+
+
+W1 = jnp.cos(jnp.arange(8 * 2048.0).reshape(8, 2048))
+W2 = jnp.sin(jnp.arange(2048 * 16.0).reshape(2048, 16)) / 64
+
+
+def wide(x):
+    """(B, 8) rows -> a (B, 2048) intermediate (matmul operands are materialized:
+    8 KiB per row) -> one positive number per row."""
+    return jnp.sum(jnp.tanh(jnp.tanh(x @ W1) @ W2) ** 2, axis=1)
+
+
+def xs(n=N):
+    return jnp.linspace(-1.0, 1.0, n * 8, dtype=jnp.float32).reshape(n, 8)
+
+
+def temp_bytes(f, *args):
+    return jax.jit(f).lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+
+# -- arguments and options ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", ["auto", "AUTO", " Auto "])
+def test_batch_size_auto_accepted(value):
+    assert batch_size_from(value, {}) == "auto"
+    assert batch_size_from(None, {"chunk_size": value}) == "auto"
+
+
+@pytest.mark.parametrize("value", ["fast", "", 2.0])
+def test_other_strings_rejected(value):
+    with pytest.raises(TypeError, match="'auto'"):
+        batch_size_from(value, {})
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (512, 512),
+        ("512MiB", 512 * MIB),
+        ("2GB", 2 * 10**9),
+        ("1.5 GiB", int(1.5 * 2**30)),
+        ("64kib", 64 * KIB),
+        (None, None),
+    ],
+)
+def test_parse_bytes(text, expected):
+    assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("text", ["lots", "12 parsecs", "-3MiB", 0])
+def test_parse_bytes_rejects(text):
+    with pytest.raises(ValueError):
+        parse_bytes(text)
+
+
+def test_budget_from_env(monkeypatch):
+    monkeypatch.setenv("ADV_JAX_MATH_MEMORY_BUDGET", "3MiB")
+    assert ajm.config().__enter__().memory_budget == 3 * MIB
+    plan = ajm.explain(wide, xs(), "auto", reduction=jnp.add, chunk_reduction=jnp.sum)
+    assert plan.autotune.budget == 3 * MIB and "config" in plan.autotune.budget_source
+
+
+def test_default_budget_is_a_fraction_of_free_memory():
+    plan = ajm.explain(wide, xs(), "auto", reduction=jnp.add, chunk_reduction=jnp.sum)
+    assert "free" in plan.autotune.budget_source
+    assert plan.autotune.budget > 0
+
+
+# -- choices -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("budget", [256 * KIB, 1 * MIB])
+def test_small_budget_forces_chunks_and_is_respected(budget):
+    x = xs()
+    with ajm.config(memory_budget=budget):
+        plan = ajm.explain(wide, x, "auto", reduction=jnp.add, chunk_reduction=jnp.sum)
+        assert plan.chunks > 1 and plan.batch_size < N
+        f = lambda x: ajm.batch_map(wide, x, "auto", reduction=jnp.add, chunk_reduction=jnp.sum)
+        assert temp_bytes(f, x) <= budget
+        assert_tree_close(jax.jit(f)(x), jnp.sum(wide(x)), rtol=1e-4)
+
+
+def test_budget_too_small_for_one_row():
+    with ajm.config(memory_budget=1 * KIB), pytest.raises(MemoryError) as info:
+        ajm.batch_map(wide, xs(), "auto", reduction=jnp.add, chunk_reduction=jnp.sum)
+    text = str(info.value)
+    assert "1.0 KiB" in text and "one row needs" in text and "memory_budget" in text
+
+
+def test_explain_shows_model_candidates_and_reason():
+    with ajm.config(memory_budget=1 * MIB):
+        plan = ajm.explain(wide, xs(), "auto", reduction=jnp.add, chunk_reduction=jnp.sum)
+    text = str(plan)
+    assert "memory model" in text and "x rows" in text
+    assert text.count("candidate") >= 5 and "measured" in text and "over budget" in text
+    assert "chosen" in text and "fastest" in text
+    d = plan.autotune
+    assert d.batch_size == plan.batch_size
+    chosen = next(c for c in d.candidates if c.rows == d.batch_size)
+    assert chosen.measured and chosen.fits and chosen.seconds is not None
+    timed = [c for c in d.candidates if c.seconds is not None]
+    assert chosen.seconds == min(c.seconds for c in timed)
+    assert all(c.bytes <= d.budget for c in timed)
+
+
+def test_second_trace_is_a_cache_hit(tmp_path):
+    cache = tmp_path / "autotune.json"
+    with ajm.config(memory_budget=1 * MIB, autotune_cache=str(cache)):
+        first = ajm.explain(wide, xs(), "auto", reduction=jnp.add, chunk_reduction=jnp.sum)
+        again = ajm.explain(wide, xs(), "auto", reduction=jnp.add, chunk_reduction=jnp.sum)
+        assert first.autotune.cache == "computed" and again.autotune.cache == "memory cache hit"
+        assert again.batch_size == first.batch_size
+        _autotune.clear_cache()
+        disk = ajm.explain(wide, xs(), "auto", reduction=jnp.add, chunk_reduction=jnp.sum)
+        assert disk.autotune.cache == "disk cache hit" and disk.batch_size == first.batch_size
+    with ajm.config(memory_budget=2 * MIB):  # another budget: another decision
+        other = ajm.explain(wide, xs(), "auto", reduction=jnp.add, chunk_reduction=jnp.sum)
+        assert other.autotune.cache == "computed"
+
+
+def test_map_and_remainder():
+    x = xs(3001)
+    with ajm.config(memory_budget=512 * KIB):
+        out = ajm.batch_map(wide, x, "auto")
+        plan = ajm.explain(wide, x, "auto")
+    assert plan.chunks > 1
+    assert_tree_close(out, wide(x), rtol=1e-4, atol=1e-3)
+
+
+# -- transformations -------------------------------------------------------------------------
+
+
+def energy(w, x, batch_size):
+    fun = lambda rows: jnp.sum(jnp.tanh(rows @ w) ** 2, axis=1) * wide(rows)
+    return ajm.batch_map(fun, x, batch_size, reduction=jnp.add, chunk_reduction=jnp.sum)
+
+
+def test_grad_measures_the_backward_pass_and_fits():
+    w, x = jnp.ones((8, 16)) / 8, xs()
+    budget = 1 * MIB
+    with ajm.config(memory_budget=budget):
+        g = jax.grad(lambda w: energy(w, x, "auto"))
+        assert temp_bytes(jax.value_and_grad(lambda w: energy(w, x, "auto")), w) <= budget
+        got = jax.jit(g)(w)
+        decisions = list(_autotune._MEMORY.values())
+    assert any("backward" in d.grad for d in decisions)
+    assert_tree_close(got, jax.grad(lambda w: energy(w, x, None))(w), rtol=1e-3, atol=1e-3)
+
+
+def test_forward_only_under_jit_measures_forward():
+    w, x = jnp.ones((8, 16)) / 8, xs()
+    with ajm.config(memory_budget=1 * MIB):
+        jax.jit(lambda w: energy(w, x, "auto"))(w)
+    assert all(d.grad == "forward only" for d in _autotune._MEMORY.values())
+
+
+def test_grad_of_jit_with_autotune_grad_always():
+    w, x = jnp.ones((8, 16)) / 8, xs()
+    with ajm.config(memory_budget=1 * MIB, autotune_grad="always"):
+        got = jax.grad(jax.jit(lambda w: energy(w, x, "auto")))(w)
+    assert all("backward" in d.grad for d in _autotune._MEMORY.values())
+    assert_tree_close(got, jax.grad(lambda w: energy(w, x, None))(w), rtol=1e-3, atol=1e-3)
+
+
+def test_vmap_over_the_call():
+    ws = jnp.stack([jnp.ones((8, 16)) / 8, jnp.ones((8, 16)) / 4])
+    x = xs(1024)
+    with ajm.config(memory_budget=1 * MIB):
+        got = jax.vmap(lambda w: energy(w, x, "auto"))(ws)
+    want = jnp.stack([energy(w, x, None) for w in ws])
+    assert_tree_close(got, want, rtol=1e-4)
+
+
+def test_shard_budget_per_device():
+    x = xs()
+    with ajm.config(memory_budget=512 * KIB):
+        plan = ajm.explain(wide, x, "auto", reduction=jnp.add, chunk_reduction=jnp.sum, shard=True)
+        local = plan.shard.local or plan.shard.remainder
+        assert local.autotune is not None and local.chunks > 1
+        out = ajm.batch_map(wide, x, "auto", reduction=jnp.add, chunk_reduction=jnp.sum, shard=True)
+    assert_tree_close(out, jnp.sum(wide(x)), rtol=1e-4)
+
+
+def test_batch_vmap_auto():
+    w = jnp.ones((8, 16)) / 8
+    per_example = lambda w, r: jnp.sum(jnp.tanh(r @ w) ** 2) * jnp.sum(jnp.sin(r * 3.0))
+    with ajm.config(memory_budget=1 * MIB):
+        got = ajm.batch_vmap(jax.grad(per_example), in_axes=(None, 0), batch_size="auto")(
+            w, xs(512)
+        )
+    assert_tree_close(got, jax.vmap(jax.grad(per_example), (None, 0))(w, xs(512)), rtol=1e-4)
+
+
+def test_jacobians_and_vectorize_auto():
+    f = lambda v: jnp.tanh(jnp.outer(v, v)).sum(axis=0) * v
+    v = jnp.linspace(0.1, 1.0, 64)
+    with ajm.config(memory_budget=1 * MIB):
+        assert_tree_close(ajm.batch_jacfwd(f, batch_size="auto")(v), jax.jacfwd(f)(v), rtol=1e-4)
+        assert_tree_close(ajm.batch_jacrev(f, batch_size="auto")(v), jax.jacrev(f)(v), rtol=1e-4)
+        h = ajm.batch_vectorize(
+            lambda a, b: jnp.dot(a, b), signature="(n),(n)->()", batch_size="auto"
+        )
+        a, b = xs(300), xs(300) + 1
+    assert_tree_close(h(a, b), jnp.sum(a * b, axis=1), rtol=1e-4)
+
+
+def test_closed_over_tracers_do_not_leak():
+    x = xs(512)
+
+    @jax.jit
+    def f(scale):
+        fun = lambda r: wide(r * scale)
+        return ajm.batch_map(fun, x, "auto", reduction=jnp.add, chunk_reduction=jnp.sum)
+
+    with ajm.config(memory_budget=512 * KIB):
+        got = f(jnp.float32(0.5))
+        got_grad = jax.grad(f)(jnp.float32(0.5))
+    assert np.isfinite(got) and np.isfinite(got_grad)
+    assert_tree_close(got, jnp.sum(wide(x * 0.5)), rtol=1e-4)
