@@ -208,16 +208,21 @@ def explain(
     --------
     >>> import jax.numpy as jnp
     >>> import adv_jax_math as ajm
-    >>> plan = ajm.explain(jnp.exp, jnp.ones(1000), 64,
-    ...                    reduction=jnp.add, chunk_reduction=jnp.sum)
-    >>> (plan.chunks, plan.rows, plan.masked, plan.backend)
-    (16, 64, 24, 'scan')
-    >>> print(plan)  # doctest: +ELLIPSIS
+    >>> x = jnp.ones((1000, 3))
+    >>> plan = ajm.explain(jnp.exp, x, 64, reduction=jnp.add, chunk_reduction=lambda y: y.sum())
+    >>> (plan.chunks, plan.rows_per_chunk, plan.masked, plan.kind)
+    (16, 63, 8, <Kind.MONOID: 'monoid'>)
+    >>> with ajm.config(backend="scan"):  # on GPU/TPU, "auto" picks the fused kernel
+    ...     print(ajm.explain(jnp.exp, x, 64, reduction=jnp.add, chunk_reduction=jnp.sum))
+    ... # doctest: +ELLIPSIS
     rows (n)   : 1000
     batch_size : 64
     reduction  : add over all axes (monoid)
-    policy     : 16 chunks of 64 rows; the last chunk overlaps the one before by 24 rows, ...
-    backend    : scan: on CPU the fused kernel only runs in interpret mode ...
+    recognized : traced: reduce_sum over all axes + add
+    policy     : 16 chunks of 63 rows; the last chunk overlaps the one before by 8 rows, ...
+    engine     : scan: requested (backend='scan')
+    rejected   : pallas: not requested (backend='scan')
+    ...
     """
     if strip_dim0 and batch_size_from(batch_size, kwargs) == 1:
         fun = jax.vmap(fun)
@@ -327,6 +332,7 @@ def batch_vmap(
         moved = []
         for i in mapped:
             leaf, axis = jnp.asarray(leaves[i]), axes[i]
+            assert axis is not None  # mapped: the leaves with an axis
             if not -leaf.ndim <= axis < leaf.ndim:
                 raise ValueError(
                     f"in_axes entry {axis} is out of range for an argument of shape "
@@ -358,5 +364,7 @@ def batch_vmap(
     return vectorized
 
 
+# Docstrings are None only under python -OO (where this fails either way).
+assert batch_map.__doc__ is not None and batch_vmap.__doc__ is not None
 batch_map.__doc__ = batch_map.__doc__.format(common=_COMMON_PARAMS)
 batch_vmap.__doc__ = batch_vmap.__doc__.format(common=_COMMON_PARAMS)

@@ -76,7 +76,7 @@ def _host_available() -> int:
 
 def _layers(x: Any) -> list[Any]:
     """``x`` and the tracers it wraps (``JVPTracer.primal``, ``BatchTracer.val``, ...)."""
-    out = []
+    out: list[Any] = []
     while isinstance(x, jax.core.Tracer) and len(out) < 64:
         out.append(x)
         inner = getattr(x, "primal", None)

@@ -17,6 +17,7 @@ import dataclasses
 import os
 import re
 from collections.abc import Iterator
+from typing import Any
 
 __all__ = [
     "AUTOTUNE_GRAD_MODES",
@@ -57,6 +58,7 @@ def parse_bytes(value: int | str | None, name: str = "memory_budget") -> int | N
         return None
     if isinstance(value, bool):
         raise TypeError(f"{name}={value!r} must be a number of bytes or a string like '512MiB'")
+    number: float
     if isinstance(value, int | float):
         number = value
     elif isinstance(value, str):
@@ -216,7 +218,7 @@ def config(
     scan False
     """
     base = current()
-    changes = {
+    changes: dict[str, Any] = {
         "backend": backend,
         "remat": remat,
         "native": native,

@@ -68,10 +68,13 @@ def select(draft: Plan, call: Call) -> Plan:
         if isinstance(out, Plan):
             break
         rejected.append((engine.name, out))
+    assert isinstance(out, Plan)  # the last engine, scan, accepts every plan
     errors = [r.reason for name, r in rejected if r.error and name == requested]
     reason = out.reason
     if out.engine == "scan":
-        reason = "requested (backend='scan')" if requested == "scan" else _why_not_fused(rejected)
+        reason = (
+            "requested (backend='scan')" if requested == "scan" else _why_not(rejected, requested)
+        )
     return dataclasses.replace(
         out,
         reason=reason,
@@ -81,11 +84,12 @@ def select(draft: Plan, call: Call) -> Plan:
     )
 
 
-def _why_not_fused(rejected: list[tuple[str, Rejection]]) -> str:
-    for name, r in rejected:
-        if name == "pallas":
-            return r.reason
-    return "lax.scan over chunks"
+def _why_not(rejected: list[tuple[str, Rejection]], requested: str) -> str:
+    """Why the scan engine runs: the requested kernel's rejection, else the compiled one's."""
+    if requested == "scan":
+        return "requested (backend='scan')"
+    wanted = requested if requested in ("pallas", "interpret") else "pallas"
+    return next((r.reason for name, r in rejected if name == wanted), "lax.scan over chunks")
 
 
 def plan(call: Call, *, mapped: bool = False) -> Plan:

@@ -97,7 +97,11 @@ def batch_jacfwd(
                 _check_jacfwd_output(leaf, holomorphic)
             cols = [_skip_float0(t) for t in jax.tree.leaves(tangents)]
         else:
-            y, f_jvp, *aux = jax.linearize(f_leaves, *in_leaves, has_aux=has_aux)
+            # has_aux as a literal: jax.linearize's overloads return 2 or 3 values.
+            if has_aux:
+                y, f_jvp, *aux = jax.linearize(f_leaves, *in_leaves, has_aux=True)
+            else:
+                y, f_jvp, *aux = jax.linearize(f_leaves, *in_leaves, has_aux=False)
             y_leaves, out_tree = jax.tree.flatten(y)
             for leaf in y_leaves:
                 _check_jacfwd_output(leaf, holomorphic)
@@ -193,7 +197,11 @@ def batch_jacrev(
         f_leaves, in_leaves, in_tree = _flat_problem(fun, argnums_tuple, single, args, fun_kwargs)
         for x in in_leaves:
             _check_jacrev_input(x, holomorphic, allow_int)
-        y, pullback, *aux = jax.vjp(f_leaves, *in_leaves, has_aux=has_aux)
+        # has_aux as a literal: jax.vjp's overloads return 2 or 3 values.
+        if has_aux:
+            y, pullback, *aux = jax.vjp(f_leaves, *in_leaves, has_aux=True)
+        else:
+            y, pullback, *aux = jax.vjp(f_leaves, *in_leaves, has_aux=False)
         y_leaves, out_tree = jax.tree.flatten(y)
         for leaf in y_leaves:
             _check_jacrev_output(leaf, holomorphic)
@@ -206,13 +214,14 @@ def batch_jacrev(
             return [c for c, k in zip(cts, keep, strict=True) if k]
 
         directions = jnp.arange(out_layout.total)
+        pulled: list[jax.Array]
         if not any(keep):
-            kept = []
+            pulled = []
         elif fits_one_chunk(batch_size, out_layout.total):
-            kept = jax.vmap(pull)(directions)
+            pulled = jax.vmap(pull)(directions)
         else:
-            kept = batch_vmap(pull, batch_size=batch_size)(directions)
-        kept = iter(kept)
+            pulled = batch_vmap(pull, batch_size=batch_size)(directions)
+        kept = iter(pulled)
 
         # per input leaf: (output directions, *in.shape) -> one block per output leaf
         by_input = []

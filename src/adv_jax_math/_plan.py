@@ -192,6 +192,7 @@ class Plan:
     shard: ShardLayout | None = None
     autotune: _autotune.Decision | None = None
     traced: Traced | None = field(default=None, repr=False, compare=False)
+    block_traced: Any = field(default=None, repr=False, compare=False)  # fused engine's jaxpr
 
     def __str__(self) -> str:
         what = {Kind.MAP: "none (outputs concatenated)", Kind.GENERIC: "generic (not a monoid)"}
@@ -225,7 +226,7 @@ class Plan:
             return "sharded over a mesh (see sharding)"
         if self.policy is Policy.OVERLAP:
             if self.masked:
-                text += f"; the last chunk overlaps the one before by {self.masked} rows, masked"
+                text += f"; the last chunk overlaps the one before by {self.masked} rows, left out"
             return text + "; fun traced once"
         if self.policy is Policy.REMAINDER:
             if self.remainder:
@@ -294,13 +295,14 @@ def make_plan(call: Call, *, mapped: bool = False) -> Plan:
     b = call.batch_size
     decision = None
     if b == "auto":
-        n = mapped_rows(call.xs)
+        n: int | None = mapped_rows(call.xs)
         if call.shard and n:
             return _sharded_plan(call, n)  # each device's plan chooses for its rows
         if n:
             decision = _autotune.choose(call, n, target_platform())
         b = decision.batch_size if decision else None
         call = dataclasses.replace(call, batch_size=b)
+    assert not isinstance(b, str)  # "auto", the only str batch_size, was resolved above
     # A Monoid passed as reduction (default chunk_reduction) reduces the mapped axis.
     n = mapped_rows(call.xs) if b is not None or call.shard or mapped else _rows_if_reduced(call)
     if call.shard and n:
@@ -379,6 +381,7 @@ def _split_note(n: int, b: int, rows: int, split: str, mode: str) -> str:
 
 def _sharded_plan(call: Call, n: int) -> Plan:
     mesh = call.mesh
+    assert mesh is not None  # shard=True calls get a mesh (_api._prepare)
     d = mesh.size
     prefix, rest = n - n % d, n % d
     local = lambda rows: make_plan(call.with_rows(rows_aval(call.xs, rows)), mapped=True)
@@ -391,6 +394,7 @@ def _sharded_plan(call: Call, n: int) -> Plan:
         remainder=local(rest) if rest else None,
     )
     first = lay.local or lay.remainder
+    assert first is not None  # n > 0 rows: a divisible prefix, a remainder or both
     return Plan(
         n=n,
         batch_size=call.batch_size,

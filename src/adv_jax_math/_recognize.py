@@ -380,7 +380,9 @@ class Recognition:
     leaves: tuple[LeafReduction, ...] | None
     out_tree: Any
     how: str
-    _prologues: tuple = field(default=(), compare=False, repr=False)
+    _prologues: tuple[tuple[_Node, frozenset] | None, ...] = field(
+        default=(), compare=False, repr=False
+    )
 
     @property
     def prologue_captures_arrays(self) -> bool:
@@ -440,6 +442,11 @@ def _evaluate(root: _Node, bcasts: frozenset, y: jax.Array) -> jax.Array:
     return ev(root)
 
 
+def _generic(e: Exception) -> Recognition:
+    why = str(e) if isinstance(e, _Generic) else f"not recognized ({type(e).__name__}: {e})"
+    return Recognition(None, None, why.splitlines()[0][:300])
+
+
 def _leafwise(reduction: Callable) -> Callable:
     def each(a: Any, b: Any) -> Any:
         try:
@@ -468,10 +475,6 @@ def _recognize(reduction: Any, chunk_reduction: Callable, out_shape: Any) -> tup
         return Recognition(None, None, "chunk_reduction is the identity: no reduction"), False
     try:
         rec, tree, descr, prologues, tracers = _analyze_chunk(chunk_reduction, out_shape)
-        if isinstance(reduction, Monoid):
-            names = [reduction.name] * len(rec)
-        else:
-            names = _analyze_reduction(reduction, rec, tree)
     except Exception as e:  # _Generic, or anything unexpected: run generically
         if not jax.tree_util.treedef_is_leaf(tree) and isinstance(e.__cause__ or e, TypeError):
             # jnp.sum(dict) raises: a known reduction applied to each leaf of a pytree
@@ -482,8 +485,15 @@ def _recognize(reduction: Any, chunk_reduction: Callable, out_shape: Any) -> tup
             if rec_each.leaves is not None:
                 how = rec_each.how + " (chunk_reduction applied to each leaf)"
                 return dataclasses.replace(rec_each, how=how), tracers
-        why = str(e) if isinstance(e, _Generic) else f"not recognized ({type(e).__name__}: {e})"
-        return Recognition(None, None, why.splitlines()[0][:300]), False
+        return _generic(e), False
+    try:
+        names = (
+            [reduction.name] * len(rec)
+            if isinstance(reduction, Monoid)
+            else (_analyze_reduction(reduction, rec, tree))
+        )
+    except Exception as e:
+        return _generic(e), False
     for leaf in rec if isinstance(reduction, Monoid) else ():
         if leaf.monoid is not reduction:
             raise ValueError(

@@ -27,7 +27,7 @@ from . import _config, _progress
 from ._monoid import MonoidReduction
 from ._plan import Call, Kind, Plan, Policy, Rejection
 from ._tangent import chunked_tangent
-from ._trace import rows_aval
+from ._trace import rows_aval, size
 from ._validate import check_rowwise
 from .kernels import native
 
@@ -46,6 +46,7 @@ class ScanEngine:
         if plan.policy is Policy.EMPTY:
             return _empty_result(plan, call)
         if plan.kind is Kind.MONOID:
+            assert plan.reduction is not None
             return plan.reduction.finish(_reduce(plan, call))
         if plan.policy is Policy.OVERLAP:
             return _map_overlapped(plan, call.xs)
@@ -59,9 +60,11 @@ class ScanEngine:
 def _empty_result(plan: Plan, call: Call) -> Any:
     """``n == 0``: a map gives empty outputs, a monoid its identity."""
     if plan.kind is Kind.MONOID:
+        assert plan.reduction is not None
         return plan.reduction.identity_result()
     if plan.kind is Kind.GENERIC:
         return call.chunk_reduction(call.fun(call.xs))
+    assert plan.traced is not None  # a map with n == 0 rows was traced on 1 row
     one_row = jax.eval_shape(call.chunk_reduction, plan.traced.out_shape)
     return jax.tree.map(lambda s: jnp.zeros((0, *s.shape[1:]), s.dtype), one_row)
 
@@ -87,7 +90,9 @@ def _map_overlapped(plan: Plan, xs: Any) -> Any:
     ``n - B`` (it overlaps the one before by ``r`` rows); the repeated rows are
     dropped from the stacked outputs. One copy of ``fun``, no row mask."""
     n, b, k, r = plan.n, plan.rows_per_chunk, plan.chunks, plan.masked
-    chunk = _remat(lambda i: plan.traced(_take(xs, jnp.minimum(i * b, n - b), b)))
+    traced = plan.traced
+    assert n is not None and traced is not None  # an OVERLAP plan is mapped and traced
+    chunk = _remat(lambda i: traced(_take(xs, jnp.minimum(i * b, n - b), b)))
     _, ys = _progress.scan(lambda c, i: (c, chunk(i)), (), jnp.arange(k), rows=b)
     return jax.tree.map(lambda y: _drop_repeats(y, k, b, r), ys)
 
@@ -104,19 +109,28 @@ def _reduce(plan: Plan, call: Call) -> list[jax.Array]:
     ``Monoid.tangent_*`` in a ``custom_jvp`` (autodiff through ``jnp.maximum`` in
     the loop would split ties by chunk); add/logsumexp are differentiated as is.
     """
-    reduction, closed = plan.reduction, plan.traced.jaxpr
+    reduction, traced, n = plan.reduction, plan.traced, plan.n
+    # Kind.MONOID plans are mapped (n rows) and traced by the planner.
+    assert reduction is not None and traced is not None and n is not None
+    closed = traced.jaxpr
+    # A large fun's chunk output is materialized before it is reduced: XLA would fuse
+    # fun into every reduction reading it (logsumexp's max and sum, two slices) and
+    # compile and run it 2-4 times (360 equations: compile 15 s -> 0.5 s, run
+    # 1400 -> 22 ms). Cheap funs stay fused: materializing cost 9x on XLA:CPU.
+    large = size(closed.jaxpr) >= LARGE_FUN
+    barrier: Callable = lax.optimization_barrier if large else (lambda y: y)
     tail_closed = None
     if plan.policy is Policy.REMAINDER and plan.remainder:
-        rest = jax.tree.map(lambda x: x[plan.n - plan.remainder :], call.xs)
+        rest = jax.tree.map(lambda x: x[n - plan.remainder :], call.xs)
         tail_closed = jax.make_jaxpr(reduction.prepare(call.fun))(rest)
     leaves, tree = jax.tree.flatten(call.xs)
 
     def forward(consts: list, tail_consts: list, leaves: list) -> list[jax.Array]:
-        fn = lambda x: jax.core.eval_jaxpr(closed.jaxpr, consts, *jax.tree.leaves(x))
+        fn = lambda x: barrier(jax.core.eval_jaxpr(closed.jaxpr, consts, *jax.tree.leaves(x)))
         xs = jax.tree.unflatten(tree, leaves)
         if plan.policy is Policy.SINGLE:
             return reduction.reduce_rows(fn(xs), reduce=native.reducer)
-        n, b, k, r = plan.n, plan.rows_per_chunk, plan.chunks, plan.masked
+        b, k, r = plan.rows_per_chunk, plan.chunks, plan.masked
         if plan.policy is Policy.OVERLAP:  # add/logsumexp drop the last chunk's head
             split = lambda i: reduction.reduce_split(
                 fn(_take(xs, jnp.minimum(i * b, n - b), b)), r, i == k - 1, native.reducer
@@ -138,10 +152,14 @@ def _reduce(plan: Plan, call: Call) -> list[jax.Array]:
     return _even_ties(plan, closed, forward)(consts, tail_consts, leaves)
 
 
+LARGE_FUN = 100  # equations (sub-jaxprs included): a fun this large is materialized
+
+
 def _even_ties(plan: Plan, closed: Any, forward: Callable) -> Callable:
     """``forward`` with the tangent of ``_tangent.chunked_tangent``: every row tied
     for a max/min shares its derivative evenly, as in ``jax.grad(jnp.max)``."""
     rows = plan.rows_per_chunk
+    assert plan.reduction is not None
     monoids = [(leaf.monoid, leaf.axis) for leaf in plan.reduction.leaves]
     block_fun = lambda consts, xb: jax.core.eval_jaxpr(closed.jaxpr, consts, *xb)
 
@@ -200,7 +218,9 @@ def _run_remainder(plan: Plan, call: Call) -> Any:
     """
     k, b, r = plan.chunks, plan.rows_per_chunk, plan.remainder
     reduction, chunk_reduction, xs = call.reduction, call.chunk_reduction, call.xs
-    step = lambda x: chunk_reduction(plan.traced(x))
+    traced = plan.traced
+    assert traced is not None  # a REMAINDER plan is traced (fun's own jaxpr)
+    step = lambda x: chunk_reduction(traced(x))
     if reduction is None:
         check_rowwise(jax.eval_shape(step, rows_aval(xs, b)), b, "chunk_reduction(fun(chunk))")
     step = _remat(step)

@@ -33,7 +33,7 @@ from ._trace import rows_aval
 __all__ = ["ShardEngine", "as_global"]
 
 
-def as_global(x: Any, mesh: Mesh) -> jax.Array:
+def as_global(x: Any, mesh: Mesh) -> jax.Array | jax.ShapeDtypeStruct:
     """An array ``shard_map`` over ``mesh`` accepts.
 
     Arrays (and tracers) on ``Auto`` axes pass through; ``shard_map`` moves them.
@@ -69,7 +69,9 @@ class ShardEngine:
         if plan.policy is not Policy.SHARDED:
             return Rejection("shard=False")
         lay = plan.shard
+        assert lay is not None  # a SHARDED plan carries its layout
         first = lay.local or lay.remainder
+        assert first is not None  # n > 0 rows: a divisible prefix, a remainder or both
         return dataclasses.replace(
             plan,
             engine=self.name,
@@ -91,6 +93,7 @@ class ShardEngine:
         logsumexp: the softmax-weighted sum). ``fun``'s closed-over tracers become
         explicit arguments, so their tangents are not lost."""
         reduction = plan.reduction
+        assert reduction is not None  # run() found max/min leaves in it
         consts = _closed_over(call.fun, call.xs)
 
         def with_consts(cs: Any, xs: Any) -> Call:
@@ -168,7 +171,7 @@ def _with_values(fun: Callable, consts: list, values: list) -> Callable:
     return call
 
 
-def _combine_across(plan: Plan, partial: Any, axis: str, reduction: Callable) -> Any:
+def _combine_across(plan: Plan, partial: Any, axis: str, reduction: Callable | None) -> Any:
     """Combine each device's reduced result; the output is the same on every device."""
     gathered = jax.tree.map(lambda p: lax.all_gather(p, axis), partial)
     if plan.reduction is not None:
@@ -179,6 +182,7 @@ def _combine_across(plan: Plan, partial: Any, axis: str, reduction: Callable) ->
                 for g, leaf in zip(flat, plan.reduction.leaves, strict=True)
             ]
         )
+    assert reduction is not None  # Kind.GENERIC: the user's reduction
     first = jax.tree.map(lambda g: g[0], gathered)
     rest = jax.tree.map(lambda g: g[1:], gathered)
     out, _ = lax.scan(lambda acc, p: (reduction(acc, p), None), first, rest)
@@ -203,6 +207,7 @@ def _run_sharded(plan: Plan, execute: Callable[[Any], Any], call: Call) -> Any:
     are captured by ``shard_map`` as usual.
     """
     lay, reduction = plan.shard, call.reduction
+    assert lay is not None
     mesh, axis = lay.mesh, lay.axis
     head = jax.tree.map(lambda x: x[: lay.prefix], call.xs)
     tail = jax.tree.map(lambda x: x[lay.prefix :], call.xs)
@@ -237,6 +242,7 @@ def _run_sharded(plan: Plan, execute: Callable[[Any], Any], call: Call) -> Any:
             return plan.reduction.finish(
                 plan.reduction.combine(*(jax.tree.leaves(o) for o in outs))
             )
+        assert reduction is not None  # Kind.GENERIC: the user's reduction
         return reduction(*outs)
     joined = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), *outs)
     return jax.lax.with_sharding_constraint(joined, NamedSharding(mesh, replicated))

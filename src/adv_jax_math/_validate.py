@@ -74,7 +74,7 @@ def batch_size_from(batch_size: Any, kwargs: Mapping[str, Any]) -> int | Literal
 def fits_one_chunk(batch_size: int | str | None, n: int) -> bool:
     """Whether ``n`` rows run as one call: no ``batch_size``, or an int ``>= n``
     (``"auto"`` is decided later, by the planner)."""
-    return batch_size is None or (batch_size != "auto" and batch_size >= n)
+    return batch_size is None or (not isinstance(batch_size, str) and batch_size >= n)
 
 
 def mapped_rows(xs: Any, what: str = "fun_input") -> int:

@@ -109,7 +109,8 @@ def batch_vectorize(
 
     @functools.wraps(pyfunc)
     def vectorized(*args: Any, **kw: Any) -> Any:
-        slots = [("pos", i) for i in range(len(args)) if i not in excluded]
+        # ("pos", index into args) or ("kw", name in kw)
+        slots: list[tuple[str, Any]] = [("pos", i) for i in range(len(args)) if i not in excluded]
         slots += [("kw", name) for name in kw if name not in excluded]
         values = [args[i] if kind == "pos" else kw[i] for kind, i in slots]
         if parsed is None:
@@ -163,7 +164,9 @@ def _loop(
 ) -> Any:
     """Evaluate ``call`` over the flattened loop shape ``loop``."""
     n = math.prod(loop)
-    ops, in_axes, kinds = [], [], []
+    ops: list[jax.Array] = []
+    in_axes: list[int | None] = []
+    kinds: list[tuple[str, tuple[int, ...]]] = []
     for v, shape in zip(values, loop_shapes, strict=True):
         padded = (1,) * (len(loop) - len(shape)) + shape
         core_shape = v.shape[len(shape) :]

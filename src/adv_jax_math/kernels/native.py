@@ -175,6 +175,7 @@ def worth_it(shape: Sequence[int], dtype: Any) -> bool:
 def _ffi_logsumexp(x: jax.Array, axis: int | None) -> jax.Array:
     # The kernel sees x as (*batch, *reduced, *rest) -> (*batch, *rest): no reshape, so
     # XLA keeps the producer's natural shape, and vmap's leading dims are more batch.
+    out_shape: tuple[int, ...]
     if axis is None:
         reduced, rest, out_shape = x.ndim, 0, ()
     else:

@@ -37,7 +37,7 @@ from .targets import (
     Target,
     silence_triton_deprecation,
     target,
-    tpu_scoped_vmem,
+    tpu_vmem_limit,
 )
 
 __all__ = ["KERNEL_NAME", "Check", "check", "fused_reduce"]
@@ -53,6 +53,14 @@ class Check:
     compiled: bool = False  # compiled for the target (False: lowered only, or interpret)
     device: str = ""  # the device kind built for
     vmem: int = 0  # TPU: modelled VMEM footprint of one block, bytes
+    traced: Any = dataclasses.field(default=None, compare=False, repr=False)  # fun at `rows`
+
+
+def _traced_at(fun: Callable, xs: Any, rows: int, known: dict) -> tuple[Any, list[Any]]:
+    """``fun`` traced on blocks of ``rows`` rows, once per block shape."""
+    if rows not in known:
+        known[rows] = _trace(fun, xs, rows)
+    return known[rows]
 
 
 def _trace(fun: Callable, xs: Any, rows: int) -> tuple[Any, list[Any]]:
@@ -105,6 +113,7 @@ def check(
     *,
     platform: str,
     max_rows: int | None,
+    traced: Any = None,
 ) -> Check:
     """Whether the fused kernel can run ``reduction`` of ``fun(xs)`` on ``platform``.
 
@@ -126,7 +135,13 @@ def check(
         ``"cpu"`` (interpret mode), ``"gpu"``/``"cuda"``/``"rocm"`` (Triton) or ``"tpu"``.
     max_rows : int or None
         The user's ``batch_size``: an upper bound on the kernel block.
+    traced : Traced, optional
+        ``fun`` already traced on some number of rows (the planner's chunk): reused
+        when a block has that many rows, so no shape is traced twice.
     """
+    known: dict[int, tuple[Any, list[Any]]] = {}
+    if traced is not None:
+        known[traced.jaxpr.in_avals[0].shape[0]] = (traced.jaxpr, jax.tree.leaves(traced.out_shape))
     try:
         tgt = target(platform)
         n = mapped_rows(xs, "xs")
@@ -146,7 +161,7 @@ def check(
     if tgt.mosaic and one_d and small != rows:
         small = 128
     try:
-        closed, out_shape = _trace(fun, xs, small)
+        closed, out_shape = _traced_at(fun, xs, small, known)
     except Exception as e:  # fun may not trace on other row counts; the scan engine will
         return Check(f"fun could not be traced on a block of {small} rows: {type(e).__name__}: {e}")
     problem = output_problem(out_shape, small)
@@ -165,7 +180,7 @@ def check(
             return Check(problem)
     vmem = 0
     if tgt.mosaic:
-        rows = tpu_block(
+        block = tpu_block(
             n,
             max_rows,
             inputs=leaves,
@@ -178,18 +193,19 @@ def check(
             body=analysis.avals,
             traced_rows=small,
             elementwise=analysis.elementwise,
-            limit=tpu_scoped_vmem(tgt.device_kind),
+            limit=tpu_vmem_limit(tgt.device_kind),
+            v4=tgt.device_kind == "TPU v4",
             f32_math=tgt.device_kind in TPU_F32_MATH,
         )
-        if not isinstance(rows, str):
-            rows, vmem = rows
+        if isinstance(block, str):
+            return Check(block)
+        rows, vmem = block
     else:
         rows = choose_block(tgt, n, max_rows, analysis.row_elems, analysis.row_bytes, one_d)
     if isinstance(rows, str):
         return Check(rows)
     steps = choose_steps(tgt, n, rows)
-    if rows != small:
-        closed, out_shape = _trace(fun, xs, rows)
+    closed, out_shape = _traced_at(fun, xs, rows, known)
     k = _kernel(
         closed,
         out_shape,
@@ -203,7 +219,10 @@ def check(
         interpret=tgt.platform == "cpu",
     )
     verdict = probe(k)
-    return Check(verdict.problem, rows, steps, verdict.compiled, tgt.device_kind, vmem)
+    traced_block = (closed, out_shape)
+    return Check(
+        verdict.problem, rows, steps, verdict.compiled, tgt.device_kind, vmem, traced_block
+    )
 
 
 def _differentiable(k: Kernel, reduction: MonoidReduction) -> Callable:
@@ -235,6 +254,7 @@ def fused_reduce(
     max_rows: int | None,
     interpret: bool,
     platform: str | None = None,
+    traced: tuple[Any, list[Any]] | None = None,
 ) -> Any:
     """``reduction`` of ``fun(xs)`` computed by one Pallas kernel.
 
@@ -256,13 +276,15 @@ def fused_reduce(
     platform : str, optional
         Compiled lowering target when ``interpret`` is False; defaults to
         ``jax.default_backend()``.
+    traced : (ClosedJaxpr, list of ShapeDtypeStruct), optional
+        ``fun`` already traced on a block (:attr:`Check.traced`), not traced again.
     """
     tgt = target("cpu" if interpret else platform or jax.default_backend())
     if tgt.triton:
         silence_triton_deprecation()
     leaves = jax.tree.leaves(xs)
     n = mapped_rows(xs, "xs")
-    closed, out_shape = _trace(fun, xs, rows)
+    closed, out_shape = traced or _trace(fun, xs, rows)
     problem = output_problem(out_shape, rows)
     if problem:
         raise ValueError(problem)

@@ -5,7 +5,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import jax
+
 from ... import _config
+from ..._monoid import MonoidReduction
 from ..._plan import Call, Kind, Plan, Policy, Rejection
 from . import check, fused_reduce
 
@@ -25,6 +28,11 @@ class FusedEngine:
             return Rejection(f"not requested (backend={requested!r})")
         if self.interpret and requested != "interpret":
             return Rejection("only on request (backend='interpret'): slow, for testing")
+        if jax.__version_info__ < (0, 10, 0):
+            return Rejection(
+                f"the fused kernel needs jax >= 0.10.0 (this is {jax.__version__}): older jax "
+                "fails to differentiate a custom_jvp whose tangent is a scan"
+            )
         if plan.kind is not Kind.MONOID:
             return Rejection("no fused kernel: the reduction is not a recognized monoid")
         if plan.policy is Policy.EMPTY:
@@ -42,12 +50,14 @@ class FusedEngine:
                 "backend='interpret' forces it"
             )
         platform = "cpu" if self.interpret else plan.platform
+        reduction, max_rows = _monoid(plan)
         verdict = check(
-            plan.reduction.prepare(call.fun),
+            reduction.prepare(call.fun),
             call.xs,
-            plan.reduction,
+            reduction,
             platform=platform,
-            max_rows=plan.batch_size,
+            max_rows=max_rows,
+            traced=plan.traced,
         )
         if verdict.problem:
             return Rejection(f"fused kernel not used: {verdict.problem}", forced)
@@ -64,16 +74,26 @@ class FusedEngine:
             + (f" (VMEM model: {verdict.vmem / 2**20:.1f} MiB)" if verdict.vmem else ""),
             block_rows=verdict.rows,
             block_steps=verdict.steps,
+            block_traced=verdict.traced,
         )
 
     def run(self, plan: Plan, call: Call) -> Any:
+        reduction, max_rows = _monoid(plan)
         return fused_reduce(
-            plan.reduction.prepare(call.fun),
+            reduction.prepare(call.fun),
             call.xs,
-            plan.reduction,
+            reduction,
             rows=plan.block_rows,
             steps=plan.block_steps,
-            max_rows=plan.batch_size,
+            max_rows=max_rows,
             interpret=self.interpret,
             platform=plan.platform,
+            traced=plan.block_traced,
         )
+
+
+def _monoid(plan: Plan) -> tuple[MonoidReduction, int | None]:
+    """A Kind.MONOID plan's reduction and batch_size. Only sharded plans (run by the
+    shard engine) keep batch_size="auto"; every other plan has an int or None."""
+    assert plan.reduction is not None and not isinstance(plan.batch_size, str)
+    return plan.reduction, plan.batch_size

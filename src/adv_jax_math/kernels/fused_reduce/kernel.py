@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +21,7 @@ from jax.experimental import pallas as pl
 
 from ..._monoid import Monoid
 from .interpreter import evaluate
-from .targets import KERNEL_NAME, Target
+from .targets import KERNEL_NAME, Target, tpu_vmem_limit
 
 __all__ = ["Kernel", "Out", "forward", "kernel_const_aval", "pallas_call"]
 
@@ -97,8 +97,14 @@ def _partial_shape(out: Out) -> tuple[int, ...]:
 
 
 def _compiler_params(k: Kernel) -> Any:
-    if k.interpret or not k.target.triton:
+    if k.interpret or k.target.platform == "cpu":
         return None
+    if k.target.mosaic:
+        from jax.experimental.pallas import tpu as pltpu
+
+        # TPUCompilerParams: older jax (not in this jax's stubs)
+        params = getattr(pltpu, "CompilerParams", None) or cast(Any, pltpu).TPUCompilerParams
+        return params(vmem_limit_bytes=tpu_vmem_limit(k.target.device_kind))
     from jax.experimental.pallas import triton as pltriton
 
     biggest = k.rows * max(1, *(math.prod(o.trailing) for o in k.outs))

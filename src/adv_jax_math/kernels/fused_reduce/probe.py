@@ -11,6 +11,7 @@ VMEM allocation, and Triton to PTX to cubin, which report what lowering cannot
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import re
 from typing import Any
@@ -58,6 +59,7 @@ def _build(k: Kernel) -> bool:
 def _compile(call: Any, args: list, mesh: jax.sharding.Mesh) -> None:
     """Compile ``call`` on ``mesh``'s device: under ``jax.set_mesh`` outside ``jit``;
     inside, where ``set_mesh`` is refused, under the mesh's abstract mesh."""
+    context: contextlib.AbstractContextManager[Any]
     try:
         context = jax.set_mesh(mesh)
         context.__enter__()

@@ -10,9 +10,9 @@ from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
-from jax.extend.core import jaxprs_in_params
 
 from ..._recognize import ELEMENTWISE
+from ..._trace import sub_jaxprs
 from .blocks import is_pow2
 from .targets import Target
 
@@ -26,7 +26,7 @@ def _all_avals(jaxpr: Any) -> Iterator[Any]:
     for eqn in jaxpr.eqns:
         for v in eqn.outvars:
             yield v.aval
-        for sub in jaxprs_in_params(eqn.params):
+        for sub in sub_jaxprs(eqn.params):
             yield from _all_avals(sub)
 
 
@@ -98,6 +98,7 @@ def triton_size_problem(target: Target, analysis: Analysis, rows: int) -> str | 
                 f"makes {_fmt_shape(shape, dtype, rows)} for a block of Bk rows; pad trailing "
                 "axes to a power of two (e.g. (N, 3) -> (N, 4)) or split them into separate leaves"
             )
+    assert target.max_elems is not None  # set on the Triton targets
     if max(analysis.fixed_elems, analysis.row_elems) > target.max_elems:
         big = max(analysis.fixed_elems, analysis.row_elems)
         return (

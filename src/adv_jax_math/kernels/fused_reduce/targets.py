@@ -26,7 +26,7 @@ __all__ = [
     "quiet_triton",
     "target",
     "target_mesh",
-    "tpu_scoped_vmem",
+    "tpu_vmem_limit",
 ]
 
 KERNEL_NAME = "adv_jax_math_fused_reduce"
@@ -40,19 +40,21 @@ _TRITON_DEPRECATION = r"The Pallas Triton backend is deprecated"
 _PLATFORMS = {"cpu": "cpu", "gpu": "cuda", "cuda": "cuda", "rocm": "rocm", "tpu": "tpu"}
 
 
-# Scoped VMEM a Mosaic kernel may use by default, per TPU generation (device_kind),
-# as the compilers report it (E1001 CompileTimeScopedVmemOom; bench/accel/FINDINGS.md).
-TPU_SCOPED_VMEM = {"TPU v4": 16 << 20, "TPU v5 lite": 16 << 20, "TPU v5": 16 << 20}
-TPU_SCOPED_VMEM_DEFAULT = 16 << 20
+# VMEM a Mosaic kernel may use, per TPU generation (device_kind). The default scoped
+# limit is 16 MiB (32 MiB on v6e); v5e/v6e have 128 MiB of VMEM and v5p 64 MiB, so
+# the kernel asks for 3/4 of it (vmem_limit_bytes); v4's 16 MiB is all there is
+# (compiler reports: bench/accel/FINDINGS.md).
+_TPU_VMEM = {"TPU v4": 16 << 20, "TPU v5 lite": 96 << 20, "TPU v5": 48 << 20}
 # Generations without a bfloat16 VPU hold 16-bit intermediates as float32.
 TPU_F32_MATH = ("TPU v4", "TPU v5 lite", "TPU v5e")
 DEFAULT_KIND = {"cuda": "NVIDIA H100 80GB HBM3", "rocm": "AMD MI300X", "tpu": "TPU v5 lite"}
 
 
-def tpu_scoped_vmem(kind: str) -> int:
-    if kind.startswith("TPU v6") or kind.startswith("TPU7"):
-        return 32 << 20
-    return TPU_SCOPED_VMEM.get(kind, TPU_SCOPED_VMEM_DEFAULT)
+def tpu_vmem_limit(kind: str) -> int:
+    """Bytes of VMEM the kernel asks for on a TPU of ``kind``."""
+    if kind.startswith("TPU v6"):
+        return 96 << 20
+    return _TPU_VMEM.get(kind, 16 << 20)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,7 +84,9 @@ class Target:
         return self.platform == "tpu"
 
 
-_TRITON = dict(block_elems=1 << 13, block_bytes=1 << 62, max_elems=1 << 20, programs=2048)
+_TRITON: dict[str, Any] = dict(
+    block_elems=1 << 13, block_bytes=1 << 62, max_elems=1 << 20, programs=2048
+)
 TARGETS = {
     "cpu": Target("cpu", "Pallas interpret mode", 1 << 20, 1 << 62),
     "cuda": Target("cuda", "Pallas Triton", probe_rows=16, **_TRITON),
@@ -110,7 +114,7 @@ def _mesh_device(platform: str) -> Any:
     """The first device of the active mesh (``jax.set_mesh``/``use_abstract_mesh``)
     when it is of ``platform``: a real or compile-only device, or an abstract one.
     Inside ``jax.jit`` only the abstract mesh is visible."""
-    meshes = [jax.sharding.get_abstract_mesh()]
+    meshes: list[jax.sharding.Mesh | jax.sharding.AbstractMesh] = [jax.sharding.get_abstract_mesh()]
     with contextlib.suppress(Exception):  # get_mesh raises inside jit (or is missing)
         meshes.insert(0, jax.sharding.get_mesh())
     for mesh in meshes:
@@ -118,7 +122,7 @@ def _mesh_device(platform: str) -> Any:
             devices = mesh.devices  # a concrete mesh's devices; AbstractMesh raises
         except Exception:
             devices = None
-        if devices is not None and getattr(devices, "size", 0):
+        if devices is not None and bool(getattr(devices, "size", 0)):
             device = devices.flat[0]
         else:
             device = getattr(mesh, "abstract_device", None)
@@ -166,9 +170,14 @@ TPU_TOPOLOGIES = {
 }
 
 
-@functools.cache
 def _topology_device(platform: str, kind: str) -> Any:
     """A compile-only device of ``kind``, or None where no compiler for it is installed."""
+    return _topology(platform, kind)[0]
+
+
+@functools.cache
+def _topology(platform: str, kind: str) -> tuple[Any, str]:
+    """``(compile-only device of kind, "")`` or ``(None, why not)``."""
     from jax.experimental import topologies
 
     try:
@@ -180,10 +189,10 @@ def _topology_device(platform: str, kind: str) -> Any:
                 "aot", "cuda", target_config=config, topology="1x1x1"
             )
         else:
-            return None
-        return desc.devices[0]
-    except Exception:  # no plugin/libtpu installed, or an initialization error
-        return None
+            return None, f"no compile-only topology known for {kind!r}"
+        return desc.devices[0], ""
+    except Exception as e:  # no plugin/libtpu installed, or an initialization error
+        return None, f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
 
 
 def target_mesh(kind: str) -> jax.sharding.Mesh:
@@ -202,11 +211,11 @@ def target_mesh(kind: str) -> jax.sharding.Mesh:
     if platform is None:
         known = sorted(GPU_SPECS) + sorted(TPU_TOPOLOGIES)
         raise ValueError(f"device kind {kind!r} is not one of {known}")
-    device = _topology_device(platform, kind)
+    device, why = _topology(platform, kind)
     if device is None:
         need = "jax[tpu] (libtpu)" if platform == "tpu" else "jax-cuda12-plugin and -pjrt"
         raise RuntimeError(
-            f"cannot make a compile-only {kind}: install {need} matching jax "
+            f"cannot make a compile-only {kind} ({why}): install {need} matching jax "
             f"{jax.__version__}, and run with JAX_PLATFORMS=cpu"
         )
     return jax.sharding.Mesh(np.array([device]), ("x",))
@@ -256,5 +265,11 @@ def abstract_mesh(platform: str, kind: str | None = None) -> jax.sharding.Abstra
 
     kind = kind or DEFAULT_KIND[platform]
     cores = 1 if platform == "tpu" else None
-    device = AbstractDevice(device_kind=kind, num_cores=cores, platform=platform)
+    try:
+        device = AbstractDevice(device_kind=kind, num_cores=cores, platform=platform)
+    except TypeError:  # AbstractDevice has a platform from jax 0.10.1 on
+        raise RuntimeError(
+            f"lowering for an absent {platform} device needs jax >= 0.10.1 "
+            f"(this is jax {jax.__version__})"
+        ) from None
     return AbstractMesh((1,), ("x",), (AxisType.Auto,), abstract_device=device)
