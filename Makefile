@@ -1,6 +1,6 @@
 # Everything the tests, the demo and the benchmarks need is installed here.
 # The primary environment prefers Python 3.12 (jax 0.12); `test-compat` runs
-# Python 3.11 with the oldest supported jax (0.10.2).
+# Python 3.11 with the oldest supported jax (0.9.2).
 SHELL := /bin/bash
 PYTHON ?= $(shell for c in python3.12 "$$(pyenv root 2>/dev/null)"/versions/3.12*/bin/python3.12 python3; do \
   "$$c" -c 'import sys; assert sys.version_info >= (3, 11)' 2>/dev/null && { echo "$$c"; break; }; done)
@@ -11,7 +11,7 @@ VENV_COMPAT ?= .venv-compat
 PIP_FLAGS ?= --quiet --disable-pip-version-check
 PYTEST_FLAGS ?=
 
-.PHONY: all demo test test-compat test-asan lint bench clean
+.PHONY: all demo test test-compat test-asan test-accel lint bench clean
 
 all: test
 
@@ -26,7 +26,7 @@ $(VENV_COMPAT)/.installed: pyproject.toml CMakeLists.txt $(wildcard kernels/cpu/
 	@test -n "$(PYTHON_COMPAT)" || { echo "need python3.11 for test-compat"; exit 1; }
 	$(PYTHON_COMPAT) -m venv $(VENV_COMPAT)
 	$(VENV_COMPAT)/bin/pip install $(PIP_FLAGS) --upgrade pip
-	$(VENV_COMPAT)/bin/pip install $(PIP_FLAGS) -e '.[test]' 'jax==0.10.2' 'jaxlib==0.10.2'
+	$(VENV_COMPAT)/bin/pip install $(PIP_FLAGS) -e '.[test]' 'jax==0.9.2' 'jaxlib==0.9.2'
 	touch $@
 
 demo: $(VENV)/.installed
@@ -35,9 +35,10 @@ demo: $(VENV)/.installed
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check src tests bench
 	$(VENV)/bin/ruff format --check src tests bench
+	$(VENV)/bin/mypy
 
 test: lint
-	$(VENV)/bin/python -m pytest $(PYTEST_FLAGS)
+	$(VENV)/bin/python -m pytest --durations=15 $(PYTEST_FLAGS)
 
 # COMPAT_TESTS selects a subset (CI runs a smoke subset; default: everything).
 COMPAT_TESTS ?=
@@ -48,8 +49,28 @@ test-compat: $(VENV_COMPAT)/.installed
 test-asan: $(VENV)/.installed
 	PYTHON=$(VENV)/bin/python bash .ci/asan.sh
 
+# Deviceless compiles of the fused kernels for real GPUs and TPUs (bench/accel/):
+# two compile-only venvs (CUDA plugin, libtpu) pinned to .venv's jax, every case
+# compiled through the public batch_map per target and checked, and the README's
+# compile table regenerated. ACCEL_FLAGS=--quick compiles the quick subset.
+ACCEL_TARGETS ?= h100 h200 a100 v5e v6e v5p v4
+ACCEL_FLAGS ?=
+ACCEL_OUT ?= bench/results/accel
+test-accel: $(VENV)/.installed
+	bash bench/accel/setup_venvs.sh
+	mkdir -p $(ACCEL_OUT)
+	status=0; for t in $(ACCEL_TARGETS); do \
+	  case $$t in v*) venv=.venv-accel-tpu;; *) venv=.venv-accel-gpu;; esac; \
+	  JAX_PLATFORMS=cpu PYTHONPATH=src $$venv/bin/python \
+	    bench/accel/compile_targets.py --target $$t --check --json $(ACCEL_OUT)/$$t.json \
+	    $(ACCEL_FLAGS) > $(ACCEL_OUT)/$$t.log 2>&1 || { status=1; tail -n 30 $(ACCEL_OUT)/$$t.log; }; \
+	  grep -a -E "^(# target|CHECK FAILED)" $(ACCEL_OUT)/$$t.log; \
+	done; \
+	$(VENV)/bin/python bench/accel/table.py $(ACCEL_OUT) --readme README.md > /dev/null; \
+	exit $$status
+
 bench: $(VENV)/.installed
 	$(VENV)/bin/python -m pytest bench --benchmark-enable -p no:cacheprovider $(PYTEST_FLAGS)
 
 clean:
-	rm -rf $(VENV) $(VENV_COMPAT) build .pytest_cache
+	rm -rf $(VENV) $(VENV_COMPAT) .venv-accel-gpu .venv-accel-tpu build .pytest_cache

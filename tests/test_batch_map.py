@@ -6,34 +6,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import assert_tree_close, oracle
 
 import adv_jax_math as ajm
 
-from conftest import assert_tree_close
-
-# (reduction, chunk_reduction, oracle applied to the unchunked fun output)
+# name: (reduction, chunk_reduction, oracle of the unchunked fun output)
 REDUCTIONS = {
-    "map": (None, ajm.identity, lambda y: y),
-    "sum": (jnp.add, jnp.sum, lambda y: jax.tree.map(jnp.sum, y)),
-    "add.reduce": (jnp.add, jnp.add.reduce, lambda y: jax.tree.map(lambda v: v.sum(0), y)),
-    "max": (jnp.maximum, jnp.max, lambda y: jax.tree.map(jnp.max, y)),
-    "maximum.reduce": (
-        jnp.maximum,
-        jnp.maximum.reduce,
-        lambda y: jax.tree.map(lambda v: v.max(0), y),
-    ),
-    "min": (jnp.minimum, jnp.min, lambda y: jax.tree.map(jnp.min, y)),
-    "logsumexp": (jnp.logaddexp, jax.nn.logsumexp, lambda y: jax.tree.map(jax.nn.logsumexp, y)),
-    "LOGSUMEXP object": (
-        ajm.LOGSUMEXP,
-        ajm.identity,
-        lambda y: jax.tree.map(lambda v: jax.nn.logsumexp(v, axis=0), y),
-    ),
-    "partial(sum, axis=0)": (
-        jnp.add,
-        functools.partial(jnp.sum, axis=0),
-        lambda y: jax.tree.map(lambda v: v.sum(0), y),
-    ),
+    "map": (None, ajm.identity, oracle("map")),
+    "sum": (jnp.add, jnp.sum, oracle("add")),
+    "add.reduce": (jnp.add, jnp.add.reduce, oracle("add", 0)),
+    "max": (jnp.maximum, jnp.max, oracle("max")),
+    "maximum.reduce": (jnp.maximum, jnp.maximum.reduce, oracle("max", 0)),
+    "min": (jnp.minimum, jnp.min, oracle("min")),
+    "logsumexp": (jnp.logaddexp, jax.nn.logsumexp, oracle("logsumexp")),
+    "LOGSUMEXP object": (ajm.LOGSUMEXP, ajm.identity, oracle("logsumexp", 0)),
+    "partial(sum, axis=0)": (jnp.add, functools.partial(jnp.sum, axis=0), oracle("add", 0)),
 }
 
 
@@ -41,51 +28,21 @@ def fun_vec(x):
     return jnp.sin(x) * 2 + x
 
 
-def fun_tree(d):
-    a, (b, c) = d["a"], d["bc"]
-    return {"u": a * b[:, :1], "v": (jnp.cos(c), a[:, 0] - 1.0)}
+# Every batch_size edge (None, 1, divisor, non-divisor, n - 1, n, n + 1, > n) for a
+# divisible and a non-divisible n, each with another reduction (the engine matrix in
+# test_engines.py covers reductions x dtypes x transforms).
+EDGES = [(n, bs) for n in (16, 17) for bs in (None, 1, 4, 5, 15, 16, 17, 40)]
+VECTOR_CASES = [(name, *edge) for name, edge in zip(list(REDUCTIONS) * 2, EDGES, strict=False)]
 
 
-def input_tree(n, dtype=jnp.float32):
-    k = jax.random.split(jax.random.key(n), 3)
-    return {
-        "a": jax.random.normal(k[0], (n, 3), dtype),
-        "bc": (jax.random.normal(k[1], (n, 2), dtype), jax.random.normal(k[2], (n,), dtype)),
-    }
-
-
-@pytest.mark.parametrize("name", list(REDUCTIONS))
-@pytest.mark.parametrize("n", [16, 17])
-@pytest.mark.parametrize("batch_size", [None, 1, 4, 5, 15, 16, 17, 40])
-def test_vector_input(name, n, batch_size):
-    reduction, chunk_reduction, oracle = REDUCTIONS[name]
+@pytest.mark.parametrize("name, n, batch_size", VECTOR_CASES)
+def test_batch_size_edges(name, n, batch_size):
+    reduction, chunk_reduction, expect = REDUCTIONS[name]
     x = jnp.linspace(-3, 3, n * 3).reshape(n, 3)
     out = ajm.batch_map(
         fun_vec, x, batch_size, reduction=reduction, chunk_reduction=chunk_reduction
     )
-    assert_tree_close(out, oracle(fun_vec(x)))
-
-
-@pytest.mark.parametrize("name", ["map", "sum", "add.reduce", "max", "min", "logsumexp"])
-@pytest.mark.parametrize("n, batch_size", [(12, 4), (13, 4), (13, 12), (7, 1), (9, None)])
-def test_pytree_input_and_output(name, n, batch_size):
-    reduction, chunk_reduction, oracle = REDUCTIONS[name]
-    x = input_tree(n)
-    out = ajm.batch_map(
-        fun_tree, x, batch_size, reduction=reduction, chunk_reduction=chunk_reduction
-    )
-    assert_tree_close(out, oracle(fun_tree(x)))
-
-
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64, jnp.bfloat16, jnp.int32])
-@pytest.mark.parametrize("name", ["map", "sum", "max", "min", "logsumexp"])
-@pytest.mark.parametrize("n", [24, 29])
-def test_dtypes(x64, dtype, name, n):
-    reduction, chunk_reduction, oracle = REDUCTIONS[name]
-    x = (jnp.arange(n * 4).reshape(n, 4) % 11 - 5).astype(dtype)
-    f = lambda x: x * 3 - 1
-    out = ajm.batch_map(f, x, 8, reduction=reduction, chunk_reduction=chunk_reduction)
-    assert_tree_close(out, oracle(f(x)))
+    assert_tree_close(out, expect(fun_vec(x)))
 
 
 def test_generic_sum_and_count_pytree_reduction():
@@ -115,10 +72,10 @@ def test_product_of_negatives_is_not_seeded_with_zero(batch_size):
 
 @pytest.mark.parametrize("name", ["map", "sum", "max", "logsumexp"])
 def test_trailing_dims_and_all_axes_semantics(name):
-    reduction, chunk_reduction, oracle = REDUCTIONS[name]
+    reduction, chunk_reduction, expect = REDUCTIONS[name]
     x = jnp.linspace(0, 1, 11 * 12).reshape(11, 3, 4)
     out = ajm.batch_map(jnp.tanh, x, 4, reduction=reduction, chunk_reduction=chunk_reduction)
-    assert_tree_close(out, oracle(jnp.tanh(x)))
+    assert_tree_close(out, expect(jnp.tanh(x)))
     if name != "map":
         assert out.shape == ()  # jnp.sum-style reductions reduce every axis
 
@@ -148,10 +105,14 @@ class TestTransforms:
     def model(w, x):
         return jnp.tanh(x @ w) + jnp.sum(x**2, axis=1) * w[0]
 
-    @pytest.mark.parametrize("name", ["map", "sum", "max", "logsumexp", "add.reduce"])
-    @pytest.mark.parametrize("batch_size", [1, 4, 7, 21])
+    # batch_size 1 (a chunk per row) and n (one chunk) with others; test_engines.py
+    # has the rest of reductions x transforms.
+    @pytest.mark.parametrize(
+        "name, batch_size",
+        [("map", 1), ("sum", 21), ("max", 7), ("logsumexp", 1), ("add.reduce", 4)],
+    )
     def test_jit_and_grads(self, name, batch_size):
-        reduction, chunk_reduction, oracle = REDUCTIONS[name]
+        reduction, chunk_reduction, expect = REDUCTIONS[name]
 
         def chunked(w, x):
             out = ajm.batch_map(
@@ -164,35 +125,16 @@ class TestTransforms:
             return jnp.sum(out**2)
 
         def plain(w, x):
-            return jnp.sum(oracle(self.model(w, x)) ** 2)
+            return jnp.sum(expect(self.model(w, x)) ** 2)
 
         assert_tree_close(jax.jit(chunked)(self.w, self.x), plain(self.w, self.x))
         g = jax.jit(jax.grad(chunked, argnums=(0, 1)))(self.w, self.x)
         assert_tree_close(g, jax.grad(plain, argnums=(0, 1))(self.w, self.x), rtol=1e-4, atol=1e-5)
 
-    @pytest.mark.parametrize("name", ["map", "sum", "logsumexp", "max"])
-    def test_jvp(self, name):
-        reduction, chunk_reduction, oracle = REDUCTIONS[name]
-        f = lambda x: ajm.batch_map(
-            jnp.sin, x, 5, reduction=reduction, chunk_reduction=chunk_reduction
-        )
-        t = jnp.ones_like(self.x)
-        out, tan = jax.jvp(f, (self.x,), (t,))
-        eout, etan = jax.jvp(lambda x: oracle(jnp.sin(x)), (self.x,), (t,))
-        assert_tree_close((out, tan), (eout, etan))
-
-    @pytest.mark.parametrize("name", ["map", "sum", "logsumexp", "generic"])
-    def test_vmap_of_batch_map(self, name):
-        if name == "generic":
-            reduction, chunk_reduction = jnp.multiply, jnp.prod
-            oracle = jnp.prod
-        else:
-            reduction, chunk_reduction, oracle = REDUCTIONS[name]
+    def test_vmap_of_generic_reduction(self):
         xs = jnp.linspace(0.1, 1, 3 * 21).reshape(3, 21)
-        f = lambda x: ajm.batch_map(
-            jnp.cos, x, 4, reduction=reduction, chunk_reduction=chunk_reduction
-        )
-        assert_tree_close(jax.vmap(f)(xs), jax.vmap(lambda x: oracle(jnp.cos(x)))(xs))
+        f = lambda x: ajm.batch_map(jnp.cos, x, 4, reduction=jnp.multiply, chunk_reduction=jnp.prod)
+        assert_tree_close(jax.vmap(f)(xs), jax.vmap(lambda x: jnp.prod(jnp.cos(x)))(xs))
 
     def test_grad_wrt_closed_over_parameter_generic(self):
         def chunked(w):
@@ -229,11 +171,11 @@ def test_batch_vmap_matches_vmap_with_reductions(batch_size):
     xs = jnp.arange(15.0).reshape(5, 3)
     f = lambda x: jnp.outer(x, x)
     for name in ["map", "sum", "add.reduce", "logsumexp"]:
-        reduction, chunk_reduction, oracle = REDUCTIONS[name]
+        reduction, chunk_reduction, expect = REDUCTIONS[name]
         out = ajm.batch_vmap(
             f, batch_size=batch_size, reduction=reduction, chunk_reduction=chunk_reduction
         )(xs)
-        assert_tree_close(out, oracle(jax.vmap(f)(xs)), rtol=1e-5, atol=1e-4)
+        assert_tree_close(out, expect(jax.vmap(f)(xs)), rtol=1e-5, atol=1e-4)
 
 
 def test_numpy_and_list_inputs():

@@ -6,10 +6,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import assert_tree_close
 
 import adv_jax_math as ajm
-
-from conftest import assert_tree_close
 
 SUM = dict(reduction=jnp.add, chunk_reduction=jnp.sum)
 
@@ -17,7 +16,7 @@ SUM = dict(reduction=jnp.add, chunk_reduction=jnp.sum)
 def test_chunk_size_alias_used_when_batch_size_is_none():
     x = jnp.arange(10.0)
     plan = ajm.explain(jnp.sin, x, chunk_size=3)
-    assert plan.batch_size == 3 and plan.chunks == 4
+    assert plan.batch_size == 3 and plan.chunks * plan.rows_per_chunk + plan.remainder == 10
     assert_tree_close(ajm.batch_map(jnp.sin, x, chunk_size=3), jnp.sin(x))
 
 
@@ -254,9 +253,10 @@ class TestBatchVmapInAxes:
 @pytest.mark.parametrize(
     "n, batch_size, rows, masked",
     [
-        (1000, 64, 64, 24),  # repeats <= n / 16: chunks of batch_size
-        (30001, 1024, 1024, 719),
-        (100, 32, 25, 0),  # 28 repeats would be > n / 16: balanced chunks
+        # k = ceil(n / batch_size) balanced chunks of ceil(n / k) rows: < k repeats
+        (1000, 64, 63, 8),
+        (30001, 1024, 1001, 29),
+        (100, 32, 25, 0),
         (33, 32, 17, 1),
         (64, 16, 16, 0),
     ],
@@ -267,3 +267,24 @@ def test_overlap_chunking(n, batch_size, rows, masked):
     assert (
         plan.chunks * plan.rows_per_chunk - plan.masked == n and plan.rows_per_chunk <= batch_size
     )
+
+
+@pytest.mark.parametrize(
+    "mode, n, batch_size, policy",
+    [
+        ("auto", 10, 3, ajm.Policy.REMAINDER),  # overlap would repeat 2 of 10 rows (> 1/8)
+        ("auto", 1000, 64, ajm.Policy.OVERLAP),  # 8 of 1000
+        ("overlap", 10, 3, ajm.Policy.OVERLAP),
+        ("separate", 1000, 64, ajm.Policy.REMAINDER),
+    ],
+)
+def test_remainder_policy(mode, n, batch_size, policy):
+    kw = dict(reduction=jnp.add, chunk_reduction=jnp.sum)
+    x = jnp.arange(float(n))
+    with ajm.config(remainder=mode):
+        plan = ajm.explain(jnp.sin, x, batch_size, **kw)
+        out = ajm.batch_map(jnp.sin, x, batch_size, **kw)
+    assert plan.policy is policy and any(
+        note.startswith(f"remainder={mode!r}") for note in plan.notes
+    )
+    assert_tree_close(out, jnp.sum(jnp.sin(x)))

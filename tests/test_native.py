@@ -15,22 +15,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import assert_tree_close
 
+import adv_jax_math as ajm
 from adv_jax_math import _config
 from adv_jax_math.kernels import native as _native
 
 NEG_INF, POS_INF, NAN = -np.inf, np.inf, np.nan
-
-
-@pytest.fixture
-def x64() -> Iterator[None]:
-    """Enable float64 for one test, restoring the previous setting."""
-    before = jax.config.jax_enable_x64
-    jax.config.update("jax_enable_x64", True)
-    try:
-        yield
-    finally:
-        jax.config.update("jax_enable_x64", before)
 
 
 @pytest.fixture
@@ -315,6 +306,35 @@ def test_registration_happens_once(monkeypatch):
         _native._load.cache_clear()
         assert _native.status()[0]
     assert calls == []  # already registered by the first load in this process
+
+
+# --- batch_map takes the native kernel for large enough chunks ------------------
+
+_loaded, _why = _native.status()
+
+
+@pytest.mark.skipif(not _loaded, reason=f"native logsumexp not loaded: {_why}")
+@pytest.mark.parametrize(
+    "reduction, chunk_reduction, axis",
+    [(jnp.logaddexp, jax.nn.logsumexp, None), (ajm.LOGSUMEXP, ajm.identity, 0)],
+    ids=["all axes", "axis 0"],
+)
+def test_batch_map_uses_native_for_large_chunks(reduction, chunk_reduction, axis):
+    # 2100 rows in chunks of 512 rows x 4 = 2048 >= MIN_ELEMENTS elements: the loop's
+    # chunks and the masked last chunk all reduce natively; chunks of 64 rows do not.
+    x = random_input((2100, 4), np.float32, seed=8)
+    kw = dict(reduction=reduction, chunk_reduction=chunk_reduction)
+    with _config.config(native="auto"):
+        for batch_size, native in [(512, True), (64, False)]:
+            assert _native.worth_it((batch_size, 4), np.float32) == native
+            f = lambda x, bs=batch_size: ajm.batch_map(jnp.sin, x, bs, **kw)
+            assert uses_native(f, x) == native, batch_size
+            assert_tree_close(jax.jit(f)(x), jax.nn.logsumexp(jnp.sin(x), axis=axis))
+        loss = lambda w, run: jnp.sum(run(lambda v: jnp.sin(v * w), x, 512, **kw))
+        plain = lambda f, x, bs, **_: jax.nn.logsumexp(f(x), axis=axis)
+        assert uses_native(lambda w: jax.value_and_grad(loss)(w, ajm.batch_map), 0.5)
+        got = jax.jit(jax.value_and_grad(loss), static_argnums=1)(0.5, ajm.batch_map)
+        assert_tree_close(got, jax.value_and_grad(loss)(0.5, plain), rtol=1e-5, atol=1e-4)
 
 
 def test_worth_it():

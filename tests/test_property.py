@@ -3,12 +3,12 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
+from helpers import assert_tree_close
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import adv_jax_math as ajm
-
-from conftest import assert_tree_close
 
 PAIRS = {
     "map": (None, ajm.identity, lambda v: v),
@@ -45,6 +45,7 @@ def fun(tree):
     return jax.tree.map(lambda v: jnp.tanh(v) * 3 + v**2, tree)
 
 
+@pytest.mark.slow
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     n=st.integers(1, 40),

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import jax.scipy.special as jss
 import numpy as np
 import pytest
+from helpers import assert_tree_close
 from jax import lax
 
 from adv_jax_math._monoid import ADD, LOGSUMEXP, MAX, MIN, identity
@@ -237,16 +238,6 @@ def reference(reduction, chunk_reduction, ys):
     )
 
 
-def assert_close(actual, expected):
-    assert jax.tree.structure(actual) == jax.tree.structure(expected)
-    for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
-        assert a.shape == e.shape and a.dtype == e.dtype, (a.shape, e.shape, a.dtype, e.dtype)
-        tol = 3e-2 if e.dtype == BF16 else 1e-5
-        np.testing.assert_allclose(
-            np.asarray(a, np.float64), np.asarray(e, np.float64), rtol=tol, atol=tol
-        )
-
-
 @pytest.mark.parametrize(
     "out_shape, reduction, chunk_reduction, expected",
     [case[1:] for case in RECOGNIZED],
@@ -265,10 +256,10 @@ def test_recognized(out_shape, reduction, chunk_reduction, expected):
     for rows, seed in ((ROWS, 0), (OTHER_ROWS, 1), (1, 2)):  # also at other row counts
         ys = random_chunk(out_shape, rows, seed)
         want = reference(reduction, chunk_reduction, ys)
-        assert_close(from_recognition(rec, ys), want)
+        assert_tree_close(from_recognition(rec, ys), want)
     ys = random_chunk(out_shape, OTHER_ROWS + 4, 3)  # and traced, inside jit
     got = jax.jit(lambda ys: from_recognition(rec, ys))(ys)
-    assert_close(got, reference(reduction, chunk_reduction, ys))
+    assert_tree_close(got, reference(reduction, chunk_reduction, ys))
 
 
 def test_table_is_large_enough():

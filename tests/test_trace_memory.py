@@ -6,19 +6,11 @@ import re
 import jax
 import jax.numpy as jnp
 import pytest
+from helpers import TraceCounter
 
 import adv_jax_math as ajm
 
 SRC = pathlib.Path(ajm.__file__).parent
-
-
-class Counter:
-    def __init__(self, fun):
-        self.fun, self.calls = fun, 0
-
-    def __call__(self, x):
-        self.calls += 1
-        return self.fun(x)
 
 
 @pytest.mark.parametrize(
@@ -33,7 +25,7 @@ class Counter:
 )
 @pytest.mark.parametrize("n", [100, 101, 97])
 def test_fun_traced_once_for_non_divisible_n(reduction, chunk_reduction, n):
-    fun = Counter(lambda x: jnp.sin(x) * 2)
+    fun = TraceCounter(lambda x: jnp.sin(x) * 2)
     jax.jit(
         lambda x: ajm.batch_map(fun, x, 8, reduction=reduction, chunk_reduction=chunk_reduction)
     )(jnp.ones((n, 3)))
@@ -41,13 +33,13 @@ def test_fun_traced_once_for_non_divisible_n(reduction, chunk_reduction, n):
 
 
 def test_batch_vmap_traces_f_once():
-    f = Counter(lambda x: x @ x)
+    f = TraceCounter(lambda x: x @ x)
     ajm.batch_vmap(f, batch_size=4, reduction=jnp.add, chunk_reduction=jnp.sum)(jnp.ones((9, 3)))
     assert f.calls == 1
 
 
 def test_generic_reduction_traces_chunk_and_remainder():
-    fun = Counter(jnp.exp)
+    fun = TraceCounter(jnp.exp)
     ajm.batch_map(fun, jnp.ones(10), 4, reduction=jnp.multiply, chunk_reduction=jnp.prod)
     assert fun.calls == 2  # full chunks once, the 2-row remainder once
 

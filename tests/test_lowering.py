@@ -1,0 +1,152 @@
+"""Lowering for accelerators that are not present: an abstract NVIDIA H100 (Pallas
+Triton) and an abstract TPU v5 lite (Pallas Mosaic), through ``batch_map`` and
+``explain`` under ``jax.sharding.use_abstract_mesh``. The kernel's custom call is
+in the lowered program exactly when ``explain(...).engine == "pallas"``; otherwise
+the plan says why, and the scan engine's program is lowered instead."""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import TraceCounter, contains_kernel, enable_x64, on_abstract_device
+
+import adv_jax_math as ajm
+
+S = jax.ShapeDtypeStruct
+W4 = np.array([0.5, -1.0, 2.0, 0.25], np.float32)
+_TG = np.linspace(-1, 1, 128 * 4, dtype=np.float32).reshape(128, 4)
+TARGETS = [pytest.param("cuda", id="H100-triton"), pytest.param("tpu", id="TPUv5e-mosaic")]
+OTHER = {"cuda": "tpu", "tpu": "cuda"}
+
+LSE = dict(reduction=jnp.logaddexp, chunk_reduction=jax.nn.logsumexp)
+SUM0 = dict(reduction=jnp.add, chunk_reduction=lambda t: t.sum(axis=0))  # DESC's spelling
+MAX_ALL = dict(reduction=jnp.maximum, chunk_reduction=jnp.max)
+MAX0 = dict(reduction=ajm.MAX)
+SUM_ALL = dict(reduction=jnp.add, chunk_reduction=jnp.sum)
+
+
+def nbody(src):
+    """Field of sources (positions padded to 4 coordinates, masses) at 128 targets."""
+    d = _TG[None, :, :] - src["pos"][:, None, :]
+    r2 = jnp.sum(d * d, axis=-1, keepdims=True) + 1e-3
+    return d * (src["m"][:, None, None] / (r2 * jnp.sqrt(r2)))
+
+
+# name: (fun, xs, reduction keywords, batch_size, x64, GPU reason, TPU reason); None: kernel
+CASES = {
+    "(N,)": (jnp.sin, S((4096,), jnp.float32), LSE, 4096, False, None, None),
+    "2^25 rows: blocks looped in-kernel": (
+        lambda x: x + 1.0,
+        S((1 << 25,), jnp.float32),
+        LSE,
+        1 << 25,
+        False,
+        None,
+        None,
+    ),
+    "closure (N,4)": (lambda x: x * W4, S((1000, 4), jnp.float32), SUM0, 64, False, None, None),
+    "(N,4,8)": (jnp.cos, S((300, 4, 8), jnp.float32), MAX_ALL, 256, False, None, None),
+    "pytree bf16/int": (
+        lambda d: (d["a"] * 2, d["i"] + 1),
+        {"a": S((999, 4), jnp.bfloat16), "i": S((999, 4), jnp.int32)},
+        MAX0,
+        512,
+        False,
+        None,
+        None,
+    ),
+    "n-body": (
+        nbody,
+        {"pos": S((5000, 4), jnp.float32), "m": S((5000,), jnp.float32)},
+        SUM0,
+        2048,
+        False,
+        None,
+        None,
+    ),
+    "(N,3)": (jnp.sin, S((1000, 3), jnp.float32), LSE, 256, False, "power-of-two", None),
+    "float64": (jnp.sin, S((1000, 4), jnp.float64), LSE, 256, True, None, "64-bit"),
+    "sort": (
+        lambda x: jnp.sort(x, axis=1),
+        S((1000, 4), jnp.float32),
+        LSE,
+        256,
+        False,
+        "sort",  # the lowering's own message names the unsupported primitive
+        "sort",
+    ),
+    "batch_size 4 (N,4)": (jnp.sin, S((100, 4), jnp.float32), LSE, 4, False, None, "at least 8"),
+    "batch_size 64 (N,)": (jnp.sin, S((1000,), jnp.float32), LSE, 64, False, None, "at least 128"),
+}
+
+
+def lower(platform, f, *args):
+    """``f`` lowered for ``platform``; fails if the Pallas Triton deprecation warning
+    reaches the user."""
+    with on_abstract_device(platform), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        text = jax.jit(f).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+    assert not [w for w in caught if "Triton backend is deprecated" in str(w.message)]
+    return text
+
+
+def explain_on(platform, *args, **kw):
+    with on_abstract_device(platform):
+        return ajm.explain(*args, **kw)
+
+
+@pytest.mark.parametrize("platform", TARGETS)
+@pytest.mark.parametrize("name", list(CASES))
+def test_kernel_lowered_exactly_when_planned(name, platform):
+    fun, xs, kw, batch_size, x64, gpu, tpu = CASES[name]
+    reason = gpu if platform == "cuda" else tpu
+    with enable_x64(x64):
+        plan = explain_on(platform, fun, xs, batch_size, **kw)
+        text = lower(platform, lambda x: ajm.batch_map(fun, x, batch_size, **kw), xs)
+    assert plan.platform == platform, str(plan)
+    if reason is None:
+        assert plan.engine == "pallas", str(plan)
+        assert 1 <= plan.block_rows <= batch_size, str(plan)
+    else:
+        assert plan.engine == "scan" and reason in plan.reason, str(plan)
+    assert contains_kernel(text, platform) == (plan.engine == "pallas")
+    assert not contains_kernel(text, OTHER[platform])
+
+
+@pytest.mark.parametrize("platform", TARGETS)
+def test_value_and_gradient_lower_on_abstract_devices(platform):
+    # In jax.grad alone the forward kernel of an add is dead code: use value_and_grad.
+    def loss(w, x):
+        return jnp.sum(ajm.batch_map(lambda v: v * w, x, 1024, reduction=ajm.LOGSUMEXP))
+
+    xs = S((4096, 4), jnp.float32)
+    plan = explain_on(platform, lambda v: v * W4, xs, 1024, reduction=ajm.LOGSUMEXP)
+    assert plan.engine == "pallas", str(plan)
+    assert contains_kernel(lower(platform, jax.value_and_grad(loss), W4, xs), platform)
+
+
+def test_forced_pallas_raises_for_a_fun_it_cannot_lower():
+    def f(x):
+        return ajm.batch_map(jnp.cos, x, 256, reduction=jnp.add, chunk_reduction=jnp.sum)
+
+    with (
+        ajm.config(backend="pallas"),
+        on_abstract_device("cuda"),
+        pytest.raises(NotImplementedError, match="power-of-two"),
+    ):
+        jax.jit(f).trace(np.ones((4096, 3), np.float32))
+
+
+def test_fun_traced_once_per_block_shape():
+    # make_plan traces fun on a chunk and the engines reuse that trace; the kernel's
+    # static check may trace it again on a small probe block, but no shape twice.
+    fun = TraceCounter(jnp.exp)
+    xs = S((37 * 1024, 4), jnp.float32)
+    f = lambda x: ajm.batch_map(fun, x, 1024, **SUM_ALL)
+    assert explain_on("cuda", jnp.exp, xs, 1024, **SUM_ALL).engine == "pallas"
+    lower("cuda", f, xs)
+    assert len(fun.shapes) == len(set(fun.shapes)), fun.shapes
