@@ -14,6 +14,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
 __all__ = [
@@ -175,3 +176,18 @@ class TraceCounter:
         leaves = jax.tree.leaves((args, kwargs))
         self.shapes.append(tuple(np.shape(leaves[0])) if leaves else ())
         return self.fun(*args, **kwargs)
+
+
+# ---------------------------------------------------------------------------- #
+# What the oldest supported jax (0.9.2) lacks
+# ---------------------------------------------------------------------------- #
+
+needs_kernel = pytest.mark.skipif(
+    jax.__version_info__ < (0, 10, 0),
+    reason="the fused kernel (and even max/min ties) need jax >= 0.10.0: older jax fails "
+    "to differentiate a custom_jvp whose tangent is a scan; the library falls back to scan",
+)
+needs_abstract_devices = pytest.mark.skipif(
+    jax.__version_info__ < (0, 10, 1),
+    reason="lowering for an absent GPU/TPU needs AbstractDevice(platform=), jax >= 0.10.1",
+)

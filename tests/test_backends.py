@@ -6,9 +6,11 @@ the matrix in test_engines.py; lowering for GPUs and TPUs in test_lowering.py.""
 import jax
 import jax.numpy as jnp
 import pytest
-from helpers import assert_tree_close, contains_kernel
+from helpers import assert_tree_close, contains_kernel, needs_kernel
 
 import adv_jax_math as ajm
+
+pytestmark = needs_kernel
 
 X = jnp.linspace(-1, 1, 37 * 4).reshape(37, 4)
 W = jnp.array([0.5, -1.0, 2.0, 0.25])

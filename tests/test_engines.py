@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_tree_close, enable_x64, oracle
+from helpers import assert_tree_close, enable_x64, needs_kernel, oracle
 from jax import lax
 
 import adv_jax_math as ajm
@@ -98,6 +98,14 @@ CASES = [
     ("LOGSUMEXP object", "(N,4)", 36, 9, "f32", "grad"),
 ]
 
+# jax 0.9.2 raises IndivisibleError (shape [2, 1, 2] on 4 devices) inside the transpose
+# of a sharded logsumexp over a pytree with a global remainder; 0.10+ does not.
+OLD_JAX_SHARDED_GRAD = pytest.mark.xfail(
+    jax.__version_info__ < (0, 10, 0),
+    reason="jax < 0.10: IndivisibleError in some sharded gradients",
+    strict=False,
+)
+
 ENGINES = {  # name: (config options, batch_map keywords)
     "scan": (dict(backend="scan"), {}),
     "interpret": (dict(backend="interpret"), {}),
@@ -112,7 +120,10 @@ def _params() -> list:
         for engine in engines:
             spelling, family, n, bs, dtype, transform = case
             name = f"{engine}-{spelling}-{family}-{n}/{bs}-{dtype}-{transform}"
-            params.append(pytest.param(engine, *case, id=name))
+            marks = [needs_kernel] if engine == "interpret" else []
+            if engine == "shard" and case[-1] == "grad":
+                marks.append(OLD_JAX_SHARDED_GRAD)
+            params.append(pytest.param(engine, *case, id=name, marks=marks))
     return params
 
 

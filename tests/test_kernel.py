@@ -13,11 +13,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import TraceCounter, assert_tree_close, contains_kernel, oracle, reduction_kwargs
+from helpers import (
+    TraceCounter,
+    assert_tree_close,
+    contains_kernel,
+    needs_kernel,
+    oracle,
+    reduction_kwargs,
+)
 
 from adv_jax_math._monoid import MonoidReduction
 from adv_jax_math._recognize import recognize
 from adv_jax_math.kernels.fused_reduce import check, fused_reduce
+
+pytestmark = needs_kernel
 
 MONOIDS = ("add", "max", "min", "logsumexp")
 REDUCTIONS = [(m, axis) for m in MONOIDS for axis in (None, 0)]

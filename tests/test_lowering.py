@@ -12,9 +12,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import TraceCounter, contains_kernel, enable_x64, on_abstract_device
+from helpers import (
+    TraceCounter,
+    contains_kernel,
+    enable_x64,
+    needs_abstract_devices,
+    needs_kernel,
+    on_abstract_device,
+)
 
 import adv_jax_math as ajm
+
+pytestmark = [needs_kernel, needs_abstract_devices]
 
 S = jax.ShapeDtypeStruct
 W4 = np.array([0.5, -1.0, 2.0, 0.25], np.float32)

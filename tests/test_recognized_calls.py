@@ -16,7 +16,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import TraceCounter, assert_tree_close, on_abstract_device
+from helpers import (
+    TraceCounter,
+    assert_tree_close,
+    needs_abstract_devices,
+    needs_kernel,
+    on_abstract_device,
+)
 from jax import lax
 
 import adv_jax_math as ajm
@@ -161,6 +167,8 @@ def expect_fn(fun, reduction, chunk_reduction):
     return lambda v: chunk_reduction(fun(v))
 
 
+@needs_kernel
+@needs_abstract_devices
 @pytest.mark.parametrize("platform", ["cuda", "tpu"])
 @pytest.mark.parametrize("name", CASES)
 def test_recognized_calls_take_the_kernel(name, platform):

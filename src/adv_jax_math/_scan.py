@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from . import _config, _progress
+from . import _tangent as tangent
 from ._monoid import MonoidReduction
 from ._plan import Call, Kind, Plan, Policy, Rejection
 from ._tangent import chunked_tangent
@@ -147,7 +148,8 @@ def _reduce(plan: Plan, call: Call) -> list[jax.Array]:
 
     consts = list(closed.consts)
     tail_consts = list(tail_closed.consts) if tail_closed is not None else []
-    if not any(leaf.monoid.selects for leaf in reduction.leaves):
+    if not tangent.SUPPORTED or not any(leaf.monoid.selects for leaf in reduction.leaves):
+        # (before jax 0.10, max/min gradients split ties by chunk: see _tangent.SUPPORTED)
         return forward(consts, tail_consts, leaves)
     return _even_ties(plan, closed, forward)(consts, tail_consts, leaves)
 

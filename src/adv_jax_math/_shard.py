@@ -26,6 +26,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from . import _tangent as tangent
 from ._monoid import ADD
 from ._plan import Call, Kind, Plan, Policy, Rejection
 from ._trace import rows_aval
@@ -81,7 +82,7 @@ class ShardEngine:
 
     def run(self, plan: Plan, call: Call) -> Any:
         leaves = plan.reduction.leaves if plan.reduction is not None else ()
-        if any(leaf.monoid.selects for leaf in leaves):
+        if tangent.SUPPORTED and any(leaf.monoid.selects for leaf in leaves):
             return self._even_ties(plan, call)
         return _run_sharded(plan, lambda rows: self.run_local(call.with_rows(rows)), call)
 

@@ -21,7 +21,14 @@ from jax.custom_derivatives import SymbolicZero
 
 from ._monoid import Monoid
 
-__all__ = ["chunked_tangent", "nonzero"]
+__all__ = ["SUPPORTED", "UNSUPPORTED", "chunked_tangent", "nonzero"]
+
+SUPPORTED = jax.__version_info__ >= (0, 10, 0)
+"""Whether this jax can differentiate a ``custom_jvp`` whose tangent runs a scan."""
+UNSUPPORTED = (
+    f"jax {jax.__version__} fails to differentiate a custom_jvp whose tangent is a scan "
+    "(fixed in jax 0.10.0)"
+)
 
 
 def nonzero(t: Any) -> bool:

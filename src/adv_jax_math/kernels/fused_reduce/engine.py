@@ -5,9 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import jax
-
 from ... import _config
+from ... import _tangent as tangent
 from ..._monoid import MonoidReduction
 from ..._plan import Call, Kind, Plan, Policy, Rejection
 from . import check, fused_reduce
@@ -28,11 +27,8 @@ class FusedEngine:
             return Rejection(f"not requested (backend={requested!r})")
         if self.interpret and requested != "interpret":
             return Rejection("only on request (backend='interpret'): slow, for testing")
-        if jax.__version_info__ < (0, 10, 0):
-            return Rejection(
-                f"the fused kernel needs jax >= 0.10.0 (this is {jax.__version__}): older jax "
-                "fails to differentiate a custom_jvp whose tangent is a scan"
-            )
+        if not tangent.SUPPORTED:
+            return Rejection(f"the fused kernel needs jax >= 0.10.0: {tangent.UNSUPPORTED}")
         if plan.kind is not Kind.MONOID:
             return Rejection("no fused kernel: the reduction is not a recognized monoid")
         if plan.policy is Policy.EMPTY:
