@@ -11,7 +11,7 @@ VENV_COMPAT ?= .venv-compat
 PIP_FLAGS ?= --quiet --disable-pip-version-check
 PYTEST_FLAGS ?=
 
-.PHONY: all demo test test-compat test-asan test-accel lint bench clean
+.PHONY: all demo test test-compat test-asan test-accel test-clients lint bench clean
 
 all: test
 
@@ -66,8 +66,15 @@ test-accel: $(VENV)/.installed
 	    $(ACCEL_FLAGS) > $(ACCEL_OUT)/$$t.log 2>&1 || { status=1; tail -n 30 $(ACCEL_OUT)/$$t.log; }; \
 	  grep -a -E "^(# target|CHECK FAILED)" $(ACCEL_OUT)/$$t.log; \
 	done; \
-	$(VENV)/bin/python bench/accel/table.py $(ACCEL_OUT) --readme README.md > /dev/null; \
+	$(VENV)/bin/python bench/accel/table.py $(ACCEL_OUT) $(if $(ACCEL_FLAGS),,--readme README.md) > /dev/null; \
 	exit $$status
+
+# Downstream: DESC (desc-opt) installed next to this checkout by pip, DESC's own
+# chunked computations compared with DESC's helpers, and DESC tests run with
+# desc.batching replaced by ours (clients/desc/). QUICK=1 runs the short version.
+test-clients:
+	@test -n "$(PYTHON_COMPAT)" || { echo "need python3.11 for test-clients"; exit 1; }
+	PYTHON=$(PYTHON_COMPAT) bash clients/desc/run.sh
 
 bench: $(VENV)/.installed
 	$(VENV)/bin/python -m pytest bench --benchmark-enable -p no:cacheprovider $(PYTEST_FLAGS)

@@ -307,6 +307,24 @@ def per_example_grads(dim: int = 64, batch_size: int = 1024, sizes=(2**14,)) -> 
     return Workload(f"per-example grads, dim {dim}", per_example, make_inputs, batch_size, sizes)
 
 
+def large(monoid: str | None, layers: int = 60, sizes=(10_007,)) -> Workload:
+    """A large ``fun`` (6 equations a layer: ``sin(v*1.01+i)*cos(v)+tanh(v)*0.1``),
+    where compile time is dominated by ``fun``'s code: a map, or add/logsumexp over
+    all axes, of ``(n, 8)`` rows in chunks of 1000."""
+
+    def fun(_, v):
+        for i in range(layers):
+            v = jnp.sin(v * 1.01 + i) * jnp.cos(v) + jnp.tanh(v) * 0.1
+        return v
+
+    def make_inputs(n, dtype, seed):
+        return None, jax.random.normal(jax.random.key(seed), (n, 8), dtype)
+
+    reduction, chunk_reduction = MONOIDS[monoid] if monoid else (None, None)
+    name = f"large fun ({6 * layers} eqns), {monoid or 'map'}"
+    return Workload(name, fun, make_inputs, 1000, sizes, reduction, chunk_reduction)
+
+
 # -- the registry ----------------------------------------------------------------------------
 
 ELEMENTWISE = elementwise(
@@ -335,7 +353,9 @@ DICT_MAP = Workload("dict map", _dict_fun, _dict_inputs, 4096, (98_304, 100_000)
 MIXTURE = mixture()
 PER_EXAMPLE_GRADS = per_example_grads()
 
-COMPARE = (ELEMENTWISE, NBODY, LOGSUMEXP, DICT_MAP, GRAD_ELEMENTWISE, NBODY_FORCES)
+LARGE = (large(None), large("add"), large("logsumexp"))
+
+COMPARE = (ELEMENTWISE, NBODY, LOGSUMEXP, DICT_MAP, GRAD_ELEMENTWISE, NBODY_FORCES, *LARGE)
 HEADLINE = (NBODY, MIXTURE, PER_EXAMPLE_GRADS, NBODY_FORCES)
 
 
