@@ -83,7 +83,7 @@ def test_excluded_positional_and_keyword(batch_size):
 def test_none_arguments_pass_through(batch_size):
     f = lambda a, b, c: a * 2 if b is None else a + b
     check(f, rand(2, 3), None, None, batch_size=batch_size)
-    with pytest.raises(ValueError, match="cannot pass None"):
+    with pytest.raises(ValueError, match="Cannot pass None"):
         batch_vectorize(f, signature="(),(k),()->()", batch_size=batch_size)(rand(3), None, 1.0)
 
 

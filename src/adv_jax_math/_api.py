@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
@@ -185,24 +186,14 @@ def _strip_dim0(
     return out
 
 
-def explain(
-    fun: Callable,
-    fun_input: Any,
-    /,
-    batch_size: int | Literal["auto"] | None = None,
-    *,
-    reduction: Callable | None = None,
-    chunk_reduction: Callable = identity,
-    strip_dim0: bool = False,
-    shard: bool = False,
-    mesh: jax.sharding.Mesh | None = None,
-    **kwargs: Any,
-) -> Plan:
+def explain(fun: Callable, fun_input: Any, /, *args: Any, **kwargs: Any) -> Plan:
     """The plan :func:`batch_map` would execute for these arguments, without running it.
 
-    Takes exactly the arguments of :func:`batch_map`. The returned :class:`Plan`
-    prints as a table: rows, chunks and their sizes, rows masked or left as a
-    remainder, the backend chosen and why any faster backend was rejected.
+    Takes exactly the arguments of :func:`batch_map` (bound to its signature);
+    ``fun_input`` may hold ``jax.ShapeDtypeStruct`` (no data needed). The returned
+    :class:`Plan` prints as a table: rows, chunks and their sizes, repeated rows or
+    a remainder, how the reduction was recognized, the engine chosen and why each
+    engine before it was rejected.
 
     Examples
     --------
@@ -224,9 +215,14 @@ def explain(
     rejected   : pallas: not requested (backend='scan')
     ...
     """
-    if strip_dim0 and batch_size_from(batch_size, kwargs) == 1:
+    a = inspect.signature(batch_map).bind(fun, fun_input, *args, **kwargs)
+    a.apply_defaults()
+    batch_size, options, extra = a.arguments["batch_size"], a.arguments, a.arguments["kwargs"]
+    if options["strip_dim0"] and batch_size_from(batch_size, extra) == 1:
         fun = jax.vmap(fun)
-    call = _prepare(fun, fun_input, batch_size, reduction, chunk_reduction, shard, mesh, kwargs)
+    reduction, chunk_reduction = options["reduction"], options["chunk_reduction"]
+    shard, mesh = options["shard"], options["mesh"]
+    call = _prepare(fun, fun_input, batch_size, reduction, chunk_reduction, shard, mesh, extra)
     return _engines.plan(call)
 
 

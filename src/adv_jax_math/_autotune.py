@@ -37,15 +37,13 @@ import os
 import re
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 
 from . import _config
-from ._autotune_measure import ChunkProgram, autodiff_leaves, default_budget, fmt_bytes
-
-if TYPE_CHECKING:
-    from ._plan import Call
+from ._autotune_measure import ChunkProgram, default_budget, fmt_bytes
+from ._call import Call, autodiff_leaves
 
 __all__ = ["BudgetError", "Candidate", "Decision", "autodiff_leaves", "choose", "clear_cache"]
 

@@ -11,17 +11,15 @@ from __future__ import annotations
 
 import os
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ._call import Call, autodiff_leaves, is_autodiff, is_inexact, tracer_layers
+from ._config import Options
 from ._trace import rows_aval
-
-if TYPE_CHECKING:
-    from ._config import Options
-    from ._plan import Call
 
 __all__ = [
     "BUDGET_FRACTION",
@@ -33,7 +31,6 @@ __all__ = [
 ]
 
 BUDGET_FRACTION = 0.5  # of the memory free on the target device, by default
-_AUTODIFF_TRACERS = ("JVPTracer", "LinearizeTracer")
 _TIMING_SECONDS = 0.03  # per candidate, after one warm-up run (at least 2 runs)
 
 
@@ -74,39 +71,10 @@ def _host_available() -> int:
         return 4 * 2**30
 
 
-def _layers(x: Any) -> list[Any]:
-    """``x`` and the tracers it wraps (``JVPTracer.primal``, ``BatchTracer.val``, ...)."""
-    out: list[Any] = []
-    while isinstance(x, jax.core.Tracer) and len(out) < 64:
-        out.append(x)
-        inner = getattr(x, "primal", None)
-        x = inner if inner is not None else getattr(x, "val", None)
-    return out
-
-
-def _inexact(dtype: Any) -> bool:
-    return bool(jnp.issubdtype(dtype, jnp.inexact))
-
-
-def is_autodiff(x: Any) -> bool:
-    """A float tracer of an autodiff transformation, possibly under ``vmap`` layers."""
-    layers = _layers(x)
-    return (
-        bool(layers)
-        and _inexact(x.dtype)
-        and any(type(t).__name__ in _AUTODIFF_TRACERS for t in layers)
-    )
-
-
-def autodiff_leaves(xs: Any) -> tuple[bool, ...]:
-    """Which leaves of ``xs`` are being differentiated (see :func:`is_autodiff`)."""
-    return tuple(is_autodiff(x) for x in jax.tree.leaves(xs))
-
-
 def outer_batch(x: Any) -> int:
     """The product of the sizes of the ``vmap`` axes ``x`` is traced under."""
     size = 1
-    for t in _layers(x):
+    for t in tracer_layers(x):
         dim, val = getattr(t, "batch_dim", None), getattr(t, "val", None)
         if isinstance(dim, int) and val is not None and 0 <= dim < np.ndim(val):
             size *= int(np.shape(val)[dim])
@@ -114,7 +82,7 @@ def outer_batch(x: Any) -> int:
 
 
 def _synthetic(shape: tuple, dtype: Any, rng: np.random.Generator) -> np.ndarray:
-    if _inexact(dtype):
+    if is_inexact(dtype):
         return rng.uniform(0.5, 1.5, shape).astype(dtype)
     return np.zeros(shape, dtype)
 
@@ -132,7 +100,7 @@ class ChunkProgram:
         self.factor = max(outer_batch(v) for v in [*leaves, *consts, 1])
         grad_rows = autodiff_leaves(call.xs) if grad_rows is None else grad_rows
         self.xdiff = tuple(
-            _inexact(x.dtype) and self._wanted(g) for x, g in zip(leaves, grad_rows, strict=True)
+            is_inexact(x.dtype) and self._wanted(g) for x, g in zip(leaves, grad_rows, strict=True)
         )
         self.differentiated = any(self.xdiff) or any(self._const_diff(consts))
         self._compiled: dict[int, Any] = {}
@@ -142,7 +110,7 @@ class ChunkProgram:
         return mode == "always" or (mode == "auto" and seen)
 
     def _const_diff(self, consts: list) -> list[bool]:
-        return [_inexact(jnp.result_type(c)) and self._wanted(is_autodiff(c)) for c in consts]
+        return [is_inexact(jnp.result_type(c)) and self._wanted(is_autodiff(c)) for c in consts]
 
     def _trace(self, rows: int) -> tuple[Any, Any]:
         if rows not in self._traces:
@@ -204,7 +172,7 @@ class ChunkProgram:
                 return f([], [])
             out, pull = jax.vjp(jax.checkpoint(f) if remat else f, dc, dx)
             ct = [
-                jnp.ones_like(o) if _inexact(o.dtype) else np.zeros(o.shape, jax.dtypes.float0)
+                jnp.ones_like(o) if is_inexact(o.dtype) else np.zeros(o.shape, jax.dtypes.float0)
                 for o in out
             ]
             return out, pull(ct)

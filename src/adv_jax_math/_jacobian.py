@@ -47,27 +47,8 @@ def batch_jacfwd(
     fun : callable
         Function to differentiate. Its arguments at ``argnums`` are arrays or pytrees
         of arrays with real (or, with ``holomorphic=True``, complex) dtypes.
-    argnums : int or sequence of int
-        Positional argument(s) to differentiate with respect to. Default 0.
-    has_aux : bool
-        Whether ``fun`` returns a pair ``(output, aux)``; ``aux`` is returned as is.
-    holomorphic : bool
-        Whether ``fun`` is promised to be holomorphic (complex inputs and outputs).
-    batch_size : int, "auto" or None
-        Number of basis directions pushed forward per chunk. None pushes all of
-        them at once, like :func:`jax.jacfwd`; ``"auto"`` chooses the fastest
-        chunk size that fits the memory budget (see :func:`batch_map`).
-        ``chunk_size`` is accepted as an alias when ``batch_size`` is None.
-
-    Returns
-    -------
-    jac_fun : callable
-        Takes the same arguments as ``fun`` and returns the Jacobian (and ``aux``
-        when ``has_aux``). Each leaf has shape ``out.shape + in.shape``, nested as
-        the output pytree outside and the input pytree(s) inside.
-
-    Examples
-    --------
+    {argnums_has_aux_holomorphic}
+    {batch_size_returns_examples}
     >>> import jax.numpy as jnp
     >>> from adv_jax_math import batch_jacfwd
     >>> f = lambda x: x * jnp.sum(x)
@@ -76,9 +57,7 @@ def batch_jacfwd(
            [2., 8., 2.],
            [3., 3., 9.]], dtype=float32)
     """
-    check_callable(fun, "batch_jacfwd: fun")
-    argnums_tuple, single = _normalize_argnums(argnums, "batch_jacfwd")
-    batch_size = batch_size_from(batch_size, kwargs)
+    argnums_tuple, single, batch_size = _setup(fun, "batch_jacfwd", argnums, batch_size, kwargs)
 
     def jac_fun(*args: Any, **fun_kwargs: Any) -> Any:
         f_leaves, in_leaves, in_tree = _flat_problem(fun, argnums_tuple, single, args, fun_kwargs)
@@ -97,11 +76,7 @@ def batch_jacfwd(
                 _check_jacfwd_output(leaf, holomorphic)
             cols = [_skip_float0(t) for t in jax.tree.leaves(tangents)]
         else:
-            # has_aux as a literal: jax.linearize's overloads return 2 or 3 values.
-            if has_aux:
-                y, f_jvp, *aux = jax.linearize(f_leaves, *in_leaves, has_aux=True)
-            else:
-                y, f_jvp, *aux = jax.linearize(f_leaves, *in_leaves, has_aux=False)
+            y, f_jvp, aux = _with_aux(jax.linearize, f_leaves, in_leaves, has_aux)
             y_leaves, out_tree = jax.tree.flatten(y)
             for leaf in y_leaves:
                 _check_jacfwd_output(leaf, holomorphic)
@@ -155,30 +130,11 @@ def batch_jacrev(
     fun : callable
         Function to differentiate. Its outputs are real arrays (complex with
         ``holomorphic=True``), or pytrees of them.
-    argnums : int or sequence of int
-        Positional argument(s) to differentiate with respect to. Default 0.
-    has_aux : bool
-        Whether ``fun`` returns a pair ``(output, aux)``; ``aux`` is returned as is.
-    holomorphic : bool
-        Whether ``fun`` is promised to be holomorphic (complex inputs and outputs).
+    {argnums_has_aux_holomorphic}
     allow_int : bool
         Whether integer or bool inputs are allowed; their Jacobian blocks are zeros
         of the input's dtype, as in :func:`jax.jacrev`.
-    batch_size : int, "auto" or None
-        Number of output basis vectors pulled back per chunk. None pulls back all of
-        them at once, like :func:`jax.jacrev`; ``"auto"`` chooses the fastest
-        chunk size that fits the memory budget (see :func:`batch_map`).
-        ``chunk_size`` is accepted as an alias when ``batch_size`` is None.
-
-    Returns
-    -------
-    jac_fun : callable
-        Takes the same arguments as ``fun`` and returns the Jacobian (and ``aux``
-        when ``has_aux``). Each leaf has shape ``out.shape + in.shape``, nested as
-        the output pytree outside and the input pytree(s) inside.
-
-    Examples
-    --------
+    {batch_size_returns_examples}
     >>> import jax.numpy as jnp
     >>> from adv_jax_math import batch_jacrev
     >>> f = lambda x, y: {"s": x * y, "p": jnp.prod(x)}
@@ -189,19 +145,13 @@ def batch_jacrev(
     >>> jac["p"][0]
     Array([2., 1.], dtype=float32)
     """
-    check_callable(fun, "batch_jacrev: fun")
-    argnums_tuple, single = _normalize_argnums(argnums, "batch_jacrev")
-    batch_size = batch_size_from(batch_size, kwargs)
+    argnums_tuple, single, batch_size = _setup(fun, "batch_jacrev", argnums, batch_size, kwargs)
 
     def jac_fun(*args: Any, **fun_kwargs: Any) -> Any:
         f_leaves, in_leaves, in_tree = _flat_problem(fun, argnums_tuple, single, args, fun_kwargs)
         for x in in_leaves:
             _check_jacrev_input(x, holomorphic, allow_int)
-        # has_aux as a literal: jax.vjp's overloads return 2 or 3 values.
-        if has_aux:
-            y, pullback, *aux = jax.vjp(f_leaves, *in_leaves, has_aux=True)
-        else:
-            y, pullback, *aux = jax.vjp(f_leaves, *in_leaves, has_aux=False)
+        y, pullback, aux = _with_aux(jax.vjp, f_leaves, in_leaves, has_aux)
         y_leaves, out_tree = jax.tree.flatten(y)
         for leaf in y_leaves:
             _check_jacrev_output(leaf, holomorphic)
@@ -317,6 +267,24 @@ def _flat_problem(
     return f_leaves, leaves, in_tree
 
 
+def _with_aux(transform: Any, f: Callable, leaves: Sequence[Any], has_aux: bool) -> tuple:
+    """``jax.linearize``/``jax.vjp`` of ``f``: ``(y, linear function, [aux] or [])``;
+    ``has_aux`` passed as a literal (their overloads return 2 or 3 values)."""
+    if has_aux:
+        y, g, aux = transform(f, *leaves, has_aux=True)
+        return y, g, [aux]
+    y, g = transform(f, *leaves, has_aux=False)
+    return y, g, []
+
+
+def _setup(
+    fun: Any, name: str, argnums: Any, batch_size: Any, kwargs: dict[str, Any]
+) -> tuple[tuple[int, ...], bool, Any]:
+    """Checked arguments of a Jacobian front end: ``(argnums, single, batch_size)``."""
+    check_callable(fun, f"{name}: fun")
+    return (*_normalize_argnums(argnums, name), batch_size_from(batch_size, kwargs))
+
+
 def _normalize_argnums(argnums: Any, name: str) -> tuple[tuple[int, ...], bool]:
     """``(positions, single)``: ``single`` when ``argnums`` is one int (not a sequence)."""
     if is_int(argnums):
@@ -408,3 +376,32 @@ def _named(jac_fun: Callable, fun: Callable, name: str, argnums: Any) -> Callabl
         f"computed by {name}. Takes the same arguments as {fun_name}."
     )
     return jac_fun
+
+
+# Parameter and return text shared by the two docstrings.
+_ARGNUMS_HAS_AUX_HOLOMORPHIC = """argnums : int or sequence of int
+        Positional argument(s) to differentiate with respect to. Default 0.
+    has_aux : bool
+        Whether ``fun`` returns a pair ``(output, aux)``; ``aux`` is returned as is.
+    holomorphic : bool
+        Whether ``fun`` is promised to be holomorphic (complex inputs and outputs)."""
+_BATCH_SIZE_RETURNS_EXAMPLES = """batch_size : int, "auto" or None
+        Basis vectors per chunk (input directions pushed forward by ``batch_jacfwd``,
+        output vectors pulled back by ``batch_jacrev``). None takes all of them at once,
+        like :func:`jax.jacfwd` / :func:`jax.jacrev`; ``"auto"`` chooses the fastest
+        chunk size that fits the memory budget (see :func:`batch_map`).
+        ``chunk_size`` is accepted as an alias when ``batch_size`` is None.
+
+    Returns
+    -------
+    jac_fun : callable
+        Takes the same arguments as ``fun`` and returns the Jacobian (and ``aux``
+        when ``has_aux``). Each leaf has shape ``out.shape + in.shape``, nested as
+        the output pytree outside and the input pytree(s) inside.
+
+    Examples
+    --------"""
+for _f in (batch_jacfwd, batch_jacrev):
+    assert _f.__doc__ is not None
+    _f.__doc__ = _f.__doc__.replace("{argnums_has_aux_holomorphic}", _ARGNUMS_HAS_AUX_HOLOMORPHIC)
+    _f.__doc__ = _f.__doc__.replace("{batch_size_returns_examples}", _BATCH_SIZE_RETURNS_EXAMPLES)

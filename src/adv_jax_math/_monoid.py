@@ -160,8 +160,10 @@ class Monoid:
             return (self.combine(state[0], part),)
         if self is ADD:  # Neumaier: c collects the low-order bits s + part loses
             s, c = state
-            t = s + part
-            lost = jnp.where(jnp.abs(s) >= jnp.abs(part), (s - t) + part, (part - t) + s)
+            t = s + part  # the compensation carries no derivative: d(s + c) = d(sum)
+            lost = lax.stop_gradient(
+                jnp.where(jnp.abs(s) >= jnp.abs(part), (s - t) + part, (part - t) + s)
+            )
             return t, c + jnp.where(jnp.isfinite(t), lost, 0)
         m, s, c = state  # total = m + log(s + c), s + c = sum exp(partial - m)
         top = jnp.maximum(m, part)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +18,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from . import _autotune, _config
+from ._call import Call
 from ._monoid import Monoid, MonoidReduction, identity
 from ._recognize import recognize
 from ._trace import Traced, rows_aval, trace
@@ -61,31 +61,6 @@ class Rejection:
 
     reason: str
     error: bool = False
-
-
-@dataclass(frozen=True, eq=False)
-class Call:
-    """A validated call: what the user passed (``xs`` may hold ShapeDtypeStructs)."""
-
-    fun: Callable
-    xs: Any
-    batch_size: int | str | None  # an int, "auto" or None
-    reduction: Callable | None
-    chunk_reduction: Callable
-    shard: bool = False
-    mesh: Mesh | None = None
-    # batch_size="auto": which leaves of xs are differentiated, when xs are
-    # placeholders (a device's share of rows); None: look at xs themselves.
-    grad_rows: tuple[bool, ...] | None = None
-
-    def with_rows(self, xs: Any) -> Call:
-        """The same call on other rows (a device's share), not sharded again."""
-        grad_rows = self.grad_rows
-        if grad_rows is None and self.batch_size == "auto":
-            grad_rows = _autotune.autodiff_leaves(self.xs)
-        return Call(
-            self.fun, xs, self.batch_size, self.reduction, self.chunk_reduction, grad_rows=grad_rows
-        )
 
 
 @dataclass(frozen=True)

@@ -127,7 +127,7 @@ def batch_vectorize(
         for (_, i), v, core in zip(slots, values, in_core, strict=True):
             if v is None and core:
                 raise ValueError(
-                    f"cannot pass None as argument {i!r} with core dims {core} {context}"
+                    f"Cannot pass None as argument {i!r} with core dims {core} {context}"
                 )
         keep = [v is not None for v in values]
         slots = [s for s, k in zip(slots, keep, strict=True) if k]

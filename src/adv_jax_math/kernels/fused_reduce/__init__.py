@@ -73,18 +73,19 @@ def _trace(fun: Callable, xs: Any, rows: int) -> tuple[Any, list[Any]]:
 
 
 def _kernel(
-    closed: Any,
-    out_shape: Sequence[Any],
-    leaves: Sequence[Any],
+    traced: tuple[Any, Sequence[Any]],
+    xs: Any,
     reduction: MonoidReduction,
-    *,
-    n: int,
-    rows: int,
-    steps: int,
+    block: tuple[int, int],
     max_rows: int | None,
     target: Target,
     interpret: bool,
 ) -> Kernel:
+    """The kernel for ``fun`` traced on a block (``traced``: jaxpr, output avals)
+    of ``block = (rows, steps)``."""
+    (closed, out_shape), (rows, steps) = traced, block
+    leaves = jax.tree.leaves(xs)
+    n = int(leaves[0].shape[0])
     outs = tuple(
         Out(leaf.monoid, leaf.axis, tuple(y.shape[1:]), leaf.monoid.acc_dtype(y.dtype))
         for y, leaf in zip(out_shape, reduction.leaves, strict=True)
@@ -207,16 +208,7 @@ def check(
     steps = choose_steps(tgt, n, rows)
     closed, out_shape = _traced_at(fun, xs, rows, known)
     k = _kernel(
-        closed,
-        out_shape,
-        leaves,
-        reduction,
-        n=n,
-        rows=rows,
-        steps=steps,
-        max_rows=max_rows,
-        target=tgt,
-        interpret=tgt.platform == "cpu",
+        (closed, out_shape), xs, reduction, (rows, steps), max_rows, tgt, tgt.platform == "cpu"
     )
     verdict = probe(k)
     traced_block = (closed, out_shape)
@@ -283,21 +275,10 @@ def fused_reduce(
     if tgt.triton:
         silence_triton_deprecation()
     leaves = jax.tree.leaves(xs)
-    n = mapped_rows(xs, "xs")
+    mapped_rows(xs, "xs")  # validates the inputs
     closed, out_shape = traced or _trace(fun, xs, rows)
     problem = output_problem(out_shape, rows)
     if problem:
         raise ValueError(problem)
-    k = _kernel(
-        closed,
-        out_shape,
-        leaves,
-        reduction,
-        n=n,
-        rows=rows,
-        steps=steps,
-        max_rows=max_rows,
-        target=tgt,
-        interpret=interpret,
-    )
+    k = _kernel((closed, out_shape), xs, reduction, (rows, steps), max_rows, tgt, interpret)
     return reduction.finish(_differentiable(k, reduction)(list(closed.consts), list(leaves)))
