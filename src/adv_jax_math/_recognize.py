@@ -21,30 +21,24 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 
+from ._jaxpr_graph import (
+    ELEMENTWISE,
+    KEEPDIMS,
+    Node,
+    deps,
+    evaluate,
+    graph,
+    peel,
+    same_structure,
+    same_value,
+)
 from ._monoid import ADD, LOGSUMEXP, MAX, MIN, LeafReduction, Monoid, identity
 
 __all__ = ["LeafReduction", "Recognition", "recognize"]
 
 _REDUCES = {"reduce_sum": ADD, "reduce_max": MAX, "reduce_min": MIN}
 _COMBINES = {"add": ADD, "max": MAX, "min": MIN}
-_INLINE = frozenset(
-    {"pjit", "jit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call"}
-    | {"custom_vjp_call_jaxpr", "remat", "checkpoint"}
-)
-_KEEPDIMS = frozenset({"reshape", "broadcast_in_dim", "squeeze", "expand_dims"})
-# fmt: off
-ELEMENTWISE = frozenset({
-    "abs", "acos", "acosh", "add", "and", "asin", "asinh", "atan", "atan2", "atanh", "cbrt",
-    "ceil", "clamp", "conj", "convert_element_type", "copy", "copy_p", "cos", "cosh", "digamma",
-    "div", "eq", "erf", "erf_inv", "erfc", "exp", "exp2", "expm1", "floor", "ge", "gt", "imag",
-    "integer_pow", "is_finite", "le", "lgamma", "log", "log1p", "logistic", "lt", "max", "min",
-    "mul", "ne", "neg", "nextafter", "not", "or", "pow", "real", "reduce_precision", "rem",
-    "round", "rsqrt", "select_n", "sign", "sin", "sinh", "sqrt", "square", "stop_gradient", "sub",
-    "tan", "tanh", "xor",
-})
-# fmt: on
 _CACHE: collections.OrderedDict = collections.OrderedDict()
 _CACHE_SIZE = 256
 _LOCK = threading.Lock()
@@ -54,105 +48,13 @@ class _Generic(Exception):
     """The reason a pair is not a monoid reduction (caught: the pair runs generically)."""
 
 
-class _Node:
-    """A value of a flattened jaxpr: ``in`` (input ``idx``), ``lit``/``const`` (``val``),
-    or output ``idx`` of a primitive applied to ``args``; ``k`` is its creation index."""
-
-    __slots__ = ("args", "aval", "deps", "idx", "k", "params", "prim", "val")
-
-    def __init__(self, prim, aval, args=(), params=None, idx=0, val=None):
-        self.prim, self.aval, self.args, self.params = prim, aval, tuple(args), params or {}
-        self.idx, self.val, self.deps, self.k = idx, val, None, -1
-
-    @property
-    def name(self) -> str:
-        return self.prim if isinstance(self.prim, str) else self.prim.name
-
-
-def _graph(closed: ClosedJaxpr) -> tuple[list[_Node], list[_Node], list[_Node]]:
-    """Flatten ``closed``, inlining call primitives: (inputs, outputs, all nodes)."""
-    nodes: list[_Node] = []
-
-    def new(node: _Node) -> _Node:
-        node.k = len(nodes)
-        nodes.append(node)
-        return node
-
-    def run(jaxpr: Jaxpr, consts: Any, args: list) -> list[_Node]:
-        env = {
-            v: new(_Node("const", v.aval, val=c))
-            for v, c in zip(jaxpr.constvars, consts, strict=True)
-        }
-        env.update(zip(jaxpr.invars, args, strict=True))
-
-        def read(a):
-            return new(_Node("lit", a.aval, val=a.val)) if isinstance(a, Literal) else env[a]
-
-        for eqn in jaxpr.eqns:
-            ins, sub, eo = [read(a) for a in eqn.invars], _subjaxpr(eqn), enumerate(eqn.outvars)
-            if sub is not None:
-                outs = run(sub.jaxpr, sub.consts, ins)
-            else:
-                outs = [new(_Node(eqn.primitive, v.aval, ins, eqn.params, k)) for k, v in eo]
-            env.update(zip(eqn.outvars, outs, strict=True))
-        return [read(v) for v in jaxpr.outvars]
-
-    inputs = [new(_Node("in", v.aval, idx=i)) for i, v in enumerate(closed.jaxpr.invars)]
-    return inputs, run(closed.jaxpr, closed.consts, inputs), nodes
-
-
-def _subjaxpr(eqn: Any) -> ClosedJaxpr | None:
-    if eqn.primitive.name not in _INLINE:
-        return None
-    for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
-        sub = eqn.params.get(key)
-        if isinstance(sub, Jaxpr) and not sub.constvars:
-            sub = ClosedJaxpr(sub, ())
-        if isinstance(sub, ClosedJaxpr) and len(sub.jaxpr.invars) == len(eqn.invars):
-            return sub if len(sub.jaxpr.outvars) == len(eqn.outvars) else None
-    return None
-
-
-def _deps(n: _Node) -> frozenset:
-    """The indices of the inputs that ``n`` depends on."""
-    if n.deps is None:
-        n.deps = (
-            frozenset({n.idx}) if n.name == "in" else frozenset().union(*(_deps(a) for a in n.args))
-        )
-    return n.deps
-
-
-def _peel(n: _Node, narrow: bool = False) -> _Node:
-    """Strip reshapes that only insert/remove size-1 dims and dtype-preserving converts
-    (with ``narrow``, also float narrowing ones: ``jnp.sum`` of bfloat16 sums in float32)."""
-    while n.args:
-        src, dt = n.args[0].aval, np.dtype(n.aval.dtype)
-        ones = [d for d in src.shape if d != 1] == [d for d in n.aval.shape if d != 1]
-        floats = jnp.issubdtype(src.dtype, jnp.floating) and jnp.issubdtype(dt, jnp.floating)
-        if (n.name in _KEEPDIMS and ones) or (
-            n.name in ("convert_element_type", "copy", "copy_p")
-            and (src.dtype == dt or (narrow and floats and dt.itemsize < src.dtype.itemsize))
-        ):
-            n = n.args[0]
-        else:
-            break
-    return n
-
-
-def _value(n: _Node) -> np.ndarray | None:
-    try:
-        return np.asarray(n.val) if n.name in ("lit", "const") else None
-    except Exception:  # a traced constant
-        return None
-
-
-def _shift_root(n: _Node) -> _Node | None:
+def _shift_root(n: Node) -> Node | None:
     """Follow the value-preserving ops of a logsumexp shift back to its ``reduce_max``."""
     while n.name != "reduce_max":
-        if n.name in _KEEPDIMS or n.name in ("stop_gradient", "convert_element_type", "copy"):
+        if n.name in KEEPDIMS or n.name in ("stop_gradient", "convert_element_type", "copy"):
             n = n.args[0]
         elif n.name in ("max", "select_n"):  # max(-inf, m); select_n(is_finite(m), 0, m)
-            rest = [a for a in n.args[n.name == "select_n" :] if _deps(a)]
+            rest = [a for a in n.args[n.name == "select_n" :] if deps(a)]
             if len(rest) != 1 or (n.name == "max" and len(n.args) != 2):
                 return None
             n = rest[0]
@@ -161,14 +63,14 @@ def _shift_root(n: _Node) -> _Node | None:
     return n
 
 
-def _match_lse(n: _Node) -> tuple[_Node, tuple[int, ...]] | None:
+def _match_lse(n: Node) -> tuple[Node, tuple[int, ...]] | None:
     """``(x, axes)`` if ``n`` is ``log(sum(exp(x - c), axes)) + c``, c from ``max(x, axes)``."""
     if n.name != "add" or any(a.aval.shape != n.aval.shape for a in n.args):
         return None
     for p, q in (n.args, n.args[::-1]):
-        log = _peel(p)
-        total = _peel(log.args[0], narrow=True) if log.name == "log" else log
-        total = _peel(total.args[0], narrow=True) if total.name == "abs" else total
+        log = peel(p)
+        total = peel(log.args[0], narrow=True) if log.name == "log" else log
+        total = peel(total.args[0], narrow=True) if total.name == "abs" else total
         if log.name != "log" or total.name != "reduce_sum":
             continue
         exp = total.args[0]
@@ -179,18 +81,18 @@ def _match_lse(n: _Node) -> tuple[_Node, tuple[int, ...]] | None:
         kept = [1 if i in axes else d for i, d in enumerate(x.aval.shape)]
         if shift.aval.shape != () and list(shift.aval.shape) != kept:
             continue
-        same = _same(_peel(shift), _peel(q), {})  # the same c on both sides
-        root = _shift_root(_peel(shift)) if same else None
+        same = same_structure(peel(shift), peel(q), {})  # the same c on both sides
+        root = _shift_root(peel(shift)) if same else None
         if root is not None and root.args[0] is x and tuple(root.params["axes"]) == axes:
             return x, axes
     return None
 
 
-def _prologue(v: _Node) -> tuple[frozenset, set]:
+def _prologue(v: Node) -> tuple[frozenset, set]:
     """Check that ``v`` is an elementwise map of one input leaf; return the ids of the
     constants broadcast along the rows and of the row-free operands feeding it."""
-    if len(_deps(v)) != 1:
-        raise _Generic(f"the reduced value mixes {len(_deps(v))} leaves of fun's output")
+    if len(deps(v)) != 1:
+        raise _Generic(f"the reduced value mixes {len(deps(v))} leaves of fun's output")
     full, bcasts, free, seen, stack = v.aval.shape, set(), set(), set(), [v]
     while stack:
         n = stack.pop()
@@ -200,7 +102,7 @@ def _prologue(v: _Node) -> tuple[frozenset, set]:
         if n.name not in ELEMENTWISE or n.aval.shape != full:
             raise _Generic(f"prologue op {n.name} is not elementwise (it may mix rows)")
         for a in n.args:
-            if _deps(a):
+            if deps(a):
                 if a.aval.shape != full:
                     raise _Generic(f"prologue op {n.name} broadcasts a {a.aval.shape} operand")
                 stack.append(a)
@@ -216,7 +118,7 @@ def _prologue(v: _Node) -> tuple[frozenset, set]:
     return frozenset(bcasts), free
 
 
-def _describe(n: _Node) -> str:
+def _describe(n: Node) -> str:
     stack, seen = list(n.args), set()
     while stack:
         a = stack.pop()
@@ -246,10 +148,10 @@ def _analyze_chunk(chunk_reduction: Callable, out_shape: Any) -> tuple:
             raise _Generic(f"tracing chunk_reduction failed: {type(e).__name__}: {e}") from e
 
     closed, shape = trace(rows)
-    _, outs, nodes = _graph(closed)
+    _, outs, nodes = graph(closed)
     result, descr, prologues, free = [], [], [], set()
     for j, out in enumerate(outs):
-        n = _peel(out, narrow=True)
+        n = peel(out, narrow=True)
         lse = _match_lse(n)
         if lse is not None:
             (v, axes), monoid, what = lse, LOGSUMEXP, "logsumexp"
@@ -266,15 +168,15 @@ def _analyze_chunk(chunk_reduction: Callable, out_shape: Any) -> tuple:
         bcasts, leaf_free = _prologue(v)
         free |= leaf_free
         prologues.append((v, bcasts) if v.name != "in" else None)
-        (source,) = _deps(v)
+        (source,) = deps(v)
         shape_j, dtype_j = tuple(out.aval.shape), np.dtype(out.aval.dtype)
         result.append(LeafReduction(source, monoid, axis, shape_j, dtype_j, v.name != "in"))
         pro = " of an elementwise prologue" if v.name != "in" else ""
         descr.append(f"{what}{pro} over {'axis 0' if axis == 0 else 'all axes'}")
     if free:  # the prologue's constants must not depend on the number of rows
-        _, _, nodes2 = _graph(trace(rows + 1)[0])
+        _, _, nodes2 = graph(trace(rows + 1)[0])
         ok = len(nodes2) == len(nodes) and all(
-            (a.name, a.idx) == (b.name, b.idx) and _same_val(a, b)
+            (a.name, a.idx) == (b.name, b.idx) and same_value(a, b)
             for a, b in zip(nodes, nodes2, strict=True)
         )
         stack, seen = [nodes[k] for k in free], set()
@@ -292,57 +194,26 @@ def _analyze_chunk(chunk_reduction: Callable, out_shape: Any) -> tuple:
     return tuple(result), jax.tree.structure(shape), descr, tuple(prologues), tracers
 
 
-def _same_val(a: _Node, b: _Node) -> bool:
-    if a.name not in ("lit", "const"):
-        return True
-    x, y = _value(a), _value(b)
-    if x is None or y is None:
-        return a.val is b.val
-    return (x.dtype, x.shape) == (y.dtype, y.shape) and np.array_equal(x, y, equal_nan=True)
-
-
-def _same(c: _Node, u: _Node, memo: dict) -> bool:
-    """Structural equality of nodes ``c`` and ``u`` (``memo`` pre-binds ``c``'s inputs)."""
-    if c is u or c.k in memo:
-        return c is u or memo[c.k] is u
-    if c.name in ("lit", "const"):
-        ok = u.name in ("lit", "const") and _same_val(c, u)
-    else:
-        try:
-            params = bool(c.params == u.params)
-        except Exception:
-            params = repr(c.params) == repr(u.params)
-        ok = (
-            (c.name, c.idx, c.aval.shape, c.aval.dtype, len(c.args))
-            == (u.name, u.idx, u.aval.shape, u.aval.dtype, len(u.args))
-            and c.name != "in"
-            and params
-            and all(_same(x, y, memo) for x, y in zip(c.args, u.args, strict=True))
-        )
-    memo[c.k] = u if ok else None
-    return ok
-
-
 @functools.lru_cache(maxsize=64)
-def _canonical_logaddexp(shape: tuple, dtype: np.dtype) -> tuple[_Node, _Node, _Node]:
+def _canonical_logaddexp(shape: tuple, dtype: np.dtype) -> tuple[Node, Node, Node]:
     s = jax.ShapeDtypeStruct(shape, dtype)
-    (a, b), (out,), _ = _graph(jax.make_jaxpr(jnp.logaddexp)(s, s))
+    (a, b), (out,), _ = graph(jax.make_jaxpr(jnp.logaddexp)(s, s))
     return a, b, out
 
 
-def _combine_monoid(out: _Node, a: _Node, b: _Node) -> tuple[Monoid | None, str]:
+def _combine_monoid(out: Node, a: Node, b: Node) -> tuple[Monoid | None, str]:
     """The monoid of ``out = combine(a, b)``, and what it computes."""
-    n = _peel(out)
+    n = peel(out)
     if (out.aval.shape, out.aval.dtype) != (a.aval.shape, a.aval.dtype):
         return None, f"{n.name} to {out.aval.shape} {out.aval.dtype}"
     if n.name in _COMBINES and len(n.args) == 2:
-        x, y = (_peel(arg) for arg in n.args)
+        x, y = (peel(arg) for arg in n.args)
         if (x is a and y is b) or (x is b and y is a):
             return _COMBINES[n.name], n.name
         return None, f"{n.name} of other values"
     ca, cb, cout = _canonical_logaddexp(tuple(a.aval.shape), np.dtype(a.aval.dtype))
     for p, q in ((a, b), (b, a)):
-        if _same(cout, n, {ca.k: p, cb.k: q}):
+        if same_structure(cout, n, {ca.k: p, cb.k: q}):
             return LOGSUMEXP, "logaddexp"
     return None, n.name
 
@@ -356,7 +227,7 @@ def _analyze_reduction(reduction: Callable, leaves: tuple, tree: Any) -> list[st
         raise _Generic(f"tracing reduction failed: {type(e).__name__}: {e}") from e
     if jax.tree.structure(shape) != tree:
         raise _Generic(f"reduction returns {jax.tree.structure(shape)}, not {tree}")
-    ins, outs, _ = _graph(closed)
+    ins, outs, _ = graph(closed)
     names = []
     for j, (leaf, out) in enumerate(zip(leaves, outs, strict=True)):
         monoid, name = _combine_monoid(out, ins[j], ins[len(leaves) + j])
@@ -380,7 +251,7 @@ class Recognition:
     leaves: tuple[LeafReduction, ...] | None
     out_tree: Any
     how: str
-    _prologues: tuple[tuple[_Node, frozenset] | None, ...] = field(
+    _prologues: tuple[tuple[Node, frozenset] | None, ...] = field(
         default=(), compare=False, repr=False
     )
 
@@ -416,30 +287,9 @@ class Recognition:
         ys = jax.tree.leaves(ys)
         pros = self._prologues or (None,) * len(self.leaves)
         return [
-            ys[leaf.source] if pro is None else _evaluate(*pro, ys[leaf.source])
+            ys[leaf.source] if pro is None else evaluate(*pro, ys[leaf.source])
             for leaf, pro in zip(self.leaves, pros, strict=True)
         ]
-
-
-def _evaluate(root: _Node, bcasts: frozenset, y: jax.Array) -> jax.Array:
-    """Re-bind the prologue's primitives for the row count of ``y``."""
-    memo: dict[int, Any] = {}
-
-    def ev(n: _Node) -> Any:
-        if n.k not in memo:
-            if n.name == "in":
-                memo[n.k] = y
-            elif n.name in ("lit", "const"):
-                memo[n.k] = n.val if isinstance(n.val, jax.Array) else np.asarray(n.val)
-            else:
-                params = n.params
-                if n.k in bcasts:  # a constant broadcast along the rows
-                    params = {**params, "shape": (y.shape[0], *n.aval.shape[1:])}
-                res = n.prim.bind(*(ev(a) for a in n.args), **params)
-                memo[n.k] = res[n.idx] if n.prim.multiple_results else res
-        return memo[n.k]
-
-    return ev(root)
 
 
 def _generic(e: Exception) -> Recognition:

@@ -11,7 +11,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from ..._recognize import ELEMENTWISE
+from ..._jaxpr_graph import ELEMENTWISE
 from ..._trace import sub_jaxprs
 from .blocks import is_pow2
 from .targets import Target

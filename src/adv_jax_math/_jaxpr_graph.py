@@ -1,0 +1,192 @@
+"""Jaxprs as graphs of values, for reading what a traced function computes.
+
+:func:`graph` flattens a closed jaxpr (calls such as ``jit`` and custom-derivative
+wrappers inlined) into :class:`Node` values; helpers peel casts and reshapes, read
+literal values, compare two graphs by structure, and evaluate an elementwise
+subgraph again at another number of rows. Used by ``_recognize``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
+
+__all__ = [
+    "ELEMENTWISE",
+    "INLINE",
+    "KEEPDIMS",
+    "Node",
+    "deps",
+    "evaluate",
+    "graph",
+    "node_value",
+    "peel",
+    "same_structure",
+    "same_value",
+    "subjaxpr",
+]
+
+INLINE = frozenset(
+    {"pjit", "jit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call"}
+    | {"custom_vjp_call_jaxpr", "remat", "checkpoint"}
+)
+KEEPDIMS = frozenset({"reshape", "broadcast_in_dim", "squeeze", "expand_dims"})
+# fmt: off
+ELEMENTWISE = frozenset({
+    "abs", "acos", "acosh", "add", "and", "asin", "asinh", "atan", "atan2", "atanh", "cbrt",
+    "ceil", "clamp", "conj", "convert_element_type", "copy", "copy_p", "cos", "cosh", "digamma",
+    "div", "eq", "erf", "erf_inv", "erfc", "exp", "exp2", "expm1", "floor", "ge", "gt", "imag",
+    "integer_pow", "is_finite", "le", "lgamma", "log", "log1p", "logistic", "lt", "max", "min",
+    "mul", "ne", "neg", "nextafter", "not", "or", "pow", "real", "reduce_precision", "rem",
+    "round", "rsqrt", "select_n", "sign", "sin", "sinh", "sqrt", "square", "stop_gradient", "sub",
+    "tan", "tanh", "xor",
+})
+# fmt: on
+
+
+class Node:
+    """A value of a flattened jaxpr: ``in`` (input ``idx``), ``lit``/``const`` (``val``),
+    or output ``idx`` of a primitive applied to ``args``; ``k`` is its creation index."""
+
+    __slots__ = ("args", "aval", "deps", "idx", "k", "params", "prim", "val")
+
+    def __init__(self, prim, aval, args=(), params=None, idx=0, val=None):
+        self.prim, self.aval, self.args, self.params = prim, aval, tuple(args), params or {}
+        self.idx, self.val, self.deps, self.k = idx, val, None, -1
+
+    @property
+    def name(self) -> str:
+        return self.prim if isinstance(self.prim, str) else self.prim.name
+
+
+def graph(closed: ClosedJaxpr) -> tuple[list[Node], list[Node], list[Node]]:
+    """Flatten ``closed``, inlining call primitives: (inputs, outputs, all nodes)."""
+    nodes: list[Node] = []
+
+    def new(node: Node) -> Node:
+        node.k = len(nodes)
+        nodes.append(node)
+        return node
+
+    def run(jaxpr: Jaxpr, consts: Any, args: list) -> list[Node]:
+        env = {
+            v: new(Node("const", v.aval, val=c))
+            for v, c in zip(jaxpr.constvars, consts, strict=True)
+        }
+        env.update(zip(jaxpr.invars, args, strict=True))
+
+        def read(a):
+            return new(Node("lit", a.aval, val=a.val)) if isinstance(a, Literal) else env[a]
+
+        for eqn in jaxpr.eqns:
+            ins, sub, eo = [read(a) for a in eqn.invars], subjaxpr(eqn), enumerate(eqn.outvars)
+            if sub is not None:
+                outs = run(sub.jaxpr, sub.consts, ins)
+            else:
+                outs = [new(Node(eqn.primitive, v.aval, ins, eqn.params, k)) for k, v in eo]
+            env.update(zip(eqn.outvars, outs, strict=True))
+        return [read(v) for v in jaxpr.outvars]
+
+    inputs = [new(Node("in", v.aval, idx=i)) for i, v in enumerate(closed.jaxpr.invars)]
+    return inputs, run(closed.jaxpr, closed.consts, inputs), nodes
+
+
+def subjaxpr(eqn: Any) -> ClosedJaxpr | None:
+    if eqn.primitive.name not in INLINE:
+        return None
+    for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
+        sub = eqn.params.get(key)
+        if isinstance(sub, Jaxpr) and not sub.constvars:
+            sub = ClosedJaxpr(sub, ())
+        if isinstance(sub, ClosedJaxpr) and len(sub.jaxpr.invars) == len(eqn.invars):
+            return sub if len(sub.jaxpr.outvars) == len(eqn.outvars) else None
+    return None
+
+
+def deps(n: Node) -> frozenset:
+    """The indices of the inputs that ``n`` depends on."""
+    if n.deps is None:
+        n.deps = (
+            frozenset({n.idx}) if n.name == "in" else frozenset().union(*(deps(a) for a in n.args))
+        )
+    return n.deps
+
+
+def peel(n: Node, narrow: bool = False) -> Node:
+    """Strip reshapes that only insert/remove size-1 dims and dtype-preserving converts
+    (with ``narrow``, also float narrowing ones: ``jnp.sum`` of bfloat16 sums in float32)."""
+    while n.args:
+        src, dt = n.args[0].aval, np.dtype(n.aval.dtype)
+        ones = [d for d in src.shape if d != 1] == [d for d in n.aval.shape if d != 1]
+        floats = jnp.issubdtype(src.dtype, jnp.floating) and jnp.issubdtype(dt, jnp.floating)
+        if (n.name in KEEPDIMS and ones) or (
+            n.name in ("convert_element_type", "copy", "copy_p")
+            and (src.dtype == dt or (narrow and floats and dt.itemsize < src.dtype.itemsize))
+        ):
+            n = n.args[0]
+        else:
+            break
+    return n
+
+
+def node_value(n: Node) -> np.ndarray | None:
+    try:
+        return np.asarray(n.val) if n.name in ("lit", "const") else None
+    except Exception:  # a traced constant
+        return None
+
+
+def same_value(a: Node, b: Node) -> bool:
+    if a.name not in ("lit", "const"):
+        return True
+    x, y = node_value(a), node_value(b)
+    if x is None or y is None:
+        return a.val is b.val
+    return (x.dtype, x.shape) == (y.dtype, y.shape) and np.array_equal(x, y, equal_nan=True)
+
+
+def same_structure(c: Node, u: Node, memo: dict) -> bool:
+    """Structural equality of nodes ``c`` and ``u`` (``memo`` pre-binds ``c``'s inputs)."""
+    if c is u or c.k in memo:
+        return c is u or memo[c.k] is u
+    if c.name in ("lit", "const"):
+        ok = u.name in ("lit", "const") and same_value(c, u)
+    else:
+        try:
+            params = bool(c.params == u.params)
+        except Exception:
+            params = repr(c.params) == repr(u.params)
+        ok = (
+            (c.name, c.idx, c.aval.shape, c.aval.dtype, len(c.args))
+            == (u.name, u.idx, u.aval.shape, u.aval.dtype, len(u.args))
+            and c.name != "in"
+            and params
+            and all(same_structure(x, y, memo) for x, y in zip(c.args, u.args, strict=True))
+        )
+    memo[c.k] = u if ok else None
+    return ok
+
+
+def evaluate(root: Node, bcasts: frozenset, y: jax.Array) -> jax.Array:
+    """Re-bind the prologue's primitives for the row count of ``y``."""
+    memo: dict[int, Any] = {}
+
+    def ev(n: Node) -> Any:
+        if n.k not in memo:
+            if n.name == "in":
+                memo[n.k] = y
+            elif n.name in ("lit", "const"):
+                memo[n.k] = n.val if isinstance(n.val, jax.Array) else np.asarray(n.val)
+            else:
+                params = n.params
+                if n.k in bcasts:  # a constant broadcast along the rows
+                    params = {**params, "shape": (y.shape[0], *n.aval.shape[1:])}
+                res = n.prim.bind(*(ev(a) for a in n.args), **params)
+                memo[n.k] = res[n.idx] if n.prim.multiple_results else res
+        return memo[n.k]
+
+    return ev(root)
