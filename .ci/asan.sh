@@ -33,7 +33,7 @@ export ADV_JAX_MATH_NATIVE_LIB="$lib" ADV_JAX_MATH_NATIVE=auto
 
 "$PYTHON" - "$lib" <<'EOF'
 import sys
-from adv_jax_math import _native
+from adv_jax_math.kernels import native as _native
 
 loaded, why = _native.status()
 if not loaded or sys.argv[1] not in why:
