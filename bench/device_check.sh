@@ -3,7 +3,7 @@
 # (each step has its own time limit: 150 + 60 + 150 + 100 s at most):
 #   1. a venv with the CUDA build of jax matching the project's jax version,
 #   2. this package installed into it,
-#   3. tests/test_pallas.py on the real device (compiled-kernel tests included),
+#   3. the kernel tests on the real device (tests/test_accelerator.py, test_kernel.py),
 #   4. bench/device_check.py: fused kernel vs scan engine vs plain XLA.
 #
 # Usage (from anywhere): bash bench/device_check.sh [device_check.py options]
@@ -69,9 +69,9 @@ EOF
 export XLA_PYTHON_CLIENT_PREALLOCATE=false  # several test processes share the GPU
 workers=()
 if "$VPY" -c 'import xdist' 2>/dev/null; then workers=(-n 6); fi
-log "tests/test_pallas.py on the device"
+log "kernel tests on the device"
 # shellcheck disable=SC2086  # PYTEST_ARGS is a list of words
-timeout -k 10 150 "$VPY" -m pytest tests/test_pallas.py -q -rs -p no:cacheprovider \
+timeout -k 10 150 "$VPY" -m pytest tests/test_accelerator.py tests/test_kernel.py -q -rs -p no:cacheprovider \
     -o addopts="" "${workers[@]}" ${PYTEST_ARGS:-} || STATUS=$?
 
 log "benchmarks"

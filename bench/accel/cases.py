@@ -3,7 +3,7 @@
 Each :class:`Case` is one public call ``adv_jax_math.batch_map(fun, xs, batch_size,
 reduction=..., chunk_reduction=...)``, optionally under ``jax.value_and_grad``.
 
-* ``test_*``: the abstract-lowering table and gradient cases of tests/test_pallas.py
+* ``test_*``: the abstract-lowering table and gradient cases of tests/test_lowering.py
   (there they are only *lowered*; here they are compiled), plus the ``(N, 8, 16)``
   f32/bf16/int32 blocks.
 * ``issue_*``: the cases reported failing on hardware (VMEM OOM on TPU, Triton
@@ -46,7 +46,7 @@ class Case:
         is a traced argument of the jitted function, closed over by the mapped fun).
     grad : None (forward only), ``"inputs"``, ``"params"`` or ``"both"``: compile
         ``jax.value_and_grad`` of the sum of the outputs w.r.t. those arguments.
-    expect : what tests/test_pallas.py (or the issue) says, for the report only.
+    expect : what tests/test_lowering.py (or the issue) says, for the report only.
     """
 
     name: str
@@ -106,7 +106,7 @@ def mixture_rows(x):
 # --------------------------------------------------------------------------- #
 
 CASES: list[Case] = [
-    # --- tests/test_pallas.py LOWERING table -------------------------------- #
+    # --- tests/test_lowering.py table -------------------------------- #
     Case("test_elementwise_1d", jnp.sin, S((4096,), F32), 1024, LSE_ALL, quick=True),
     Case(
         "test_2p25_rows_looped",
