@@ -1,7 +1,7 @@
 """The main job: headline workloads, chunked vs unchunked, in one table.
 
 Run with ``make demo`` (``.venv/bin/python bench/demo.py``). For each workload of
-``workloads.HEADLINE``: the backend adv_jax_math chose, run time (min of 5 after a
+``workloads.HEADLINE``: the engine adv_jax_math chose, run time (min of 5 after a
 warm-up call), compiled temp memory, and the largest relative error against the
 unchunked computation (the workload's oracle).
 """
@@ -21,7 +21,7 @@ def main():
         f"adv_jax_math {ajm.__version__} | jax {jax.__version__} | "
         f"{jax.default_backend()} ({jax.device_count()} device(s))"
     )
-    header = ("workload", "n", "B", "backend", "time", "plain", "temp MiB", "plain MiB", "rel err")
+    header = ("workload", "n", "B", "engine", "time", "plain", "temp MiB", "plain MiB", "rel err")
     rows = []
     for w in HEADLINE:
         args = w.inputs()
