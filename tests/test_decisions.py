@@ -253,10 +253,9 @@ class TestBatchVmapInAxes:
 @pytest.mark.parametrize(
     "n, batch_size, rows, masked",
     [
-        # k = ceil(n / batch_size) balanced chunks of ceil(n / k) rows: < k repeats
-        (1000, 64, 63, 8),
-        (30001, 1024, 1001, 29),
-        (100, 32, 25, 0),
+        (1000, 64, 64, 24),  # repeats <= n / 16: chunks of batch_size
+        (30001, 1024, 1024, 719),
+        (100, 32, 25, 0),  # 28 repeats would be > n / 16: balanced chunks, < k repeats
         (33, 32, 17, 1),
         (64, 16, 16, 0),
     ],

@@ -202,7 +202,7 @@ def explain(fun: Callable, fun_input: Any, /, *args: Any, **kwargs: Any) -> Plan
     >>> x = jnp.ones((1000, 3))
     >>> plan = ajm.explain(jnp.exp, x, 64, reduction=jnp.add, chunk_reduction=lambda y: y.sum())
     >>> (plan.chunks, plan.rows_per_chunk, plan.masked, plan.kind)
-    (16, 63, 8, <Kind.MONOID: 'monoid'>)
+    (16, 64, 24, <Kind.MONOID: 'monoid'>)
     >>> with ajm.config(backend="scan"):  # on GPU/TPU, "auto" picks the fused kernel
     ...     print(ajm.explain(jnp.exp, x, 64, reduction=jnp.add, chunk_reduction=jnp.sum))
     ... # doctest: +ELLIPSIS
@@ -210,7 +210,7 @@ def explain(fun: Callable, fun_input: Any, /, *args: Any, **kwargs: Any) -> Plan
     batch_size : 64
     reduction  : add over all axes (monoid)
     recognized : traced: reduce_sum over all axes + add
-    policy     : 16 chunks of 63 rows; the last chunk overlaps the one before by 8 rows, ...
+    policy     : 16 chunks of 64 rows; the last chunk overlaps the one before by 24 rows, ...
     engine     : scan: requested (backend='scan')
     rejected   : pallas: not requested (backend='scan')
     ...

@@ -222,14 +222,19 @@ def split_rows(n: int, batch_size: int, mode: str) -> tuple[int, str]:
     """Rows per chunk for ``n > batch_size`` rows, and whether the last rows
     ``"overlap"`` the chunk before or run ``"separate"`` (see ``config(remainder=)``).
 
-    Overlapping chunks are balanced: ``k = ceil(n / batch_size)`` chunks of
-    ``ceil(n / k)`` rows repeat fewer than ``k`` rows.
+    Overlapping chunks have ``batch_size`` rows, as the user asked, while the last
+    chunk repeats at most ``n / 16`` rows (XLA:CPU measured a (1024, 256, 3) N-body
+    chunk 10-40% faster than balanced 1001- or 1008-row chunks); otherwise they are
+    balanced: ``k = ceil(n / batch_size)`` chunks of ``ceil(n / k)`` rows repeat
+    fewer than ``k`` rows.
     """
     k = -(-n // batch_size)
     rows = -(-n // k)
     repeats = k * rows - n
     if mode == "separate" or (mode == "auto" and repeats * 8 > n):
         return batch_size, "separate"
+    if k * batch_size - n <= n // 16:
+        return batch_size, "overlap"
     return rows, "overlap"
 
 
@@ -339,18 +344,18 @@ def make_plan(call: Call, *, mapped: bool = False) -> Plan:
 
 def _split_note(n: int, b: int, rows: int, split: str, mode: str) -> str:
     k = -(-n // b)
-    repeats = k * -(-n // k) - n
-    share = f"{repeats} of {n} rows ({repeats / n:.1%})"
+    share = lambda repeats: f"{repeats} of {n} rows ({repeats / n:.1%})"
     if split == "overlap":
+        kind = "chunks of batch_size" if rows == b else "balanced chunks"
         return (
-            f"remainder={mode!r}: {k} balanced chunks of {rows} rows, the last repeating "
-            f"{share}: one copy of fun, traced once"
+            f"remainder={mode!r}: {k} {kind} ({rows} rows), the last repeating "
+            f"{share(k * rows - n)}: one copy of fun, traced once"
         )
     if mode == "separate":
         return f"remainder='separate': the last {n % b} rows run apart (fun compiled twice)"
     return (
-        f"remainder='auto': overlapping chunks would repeat {share}, over 1/8, so the "
-        f"last {n % b} rows run apart (fun compiled twice)"
+        f"remainder='auto': overlapping chunks would repeat {share(k * -(-n // k) - n)}, "
+        f"over 1/8, so the last {n % b} rows run apart (fun compiled twice)"
     )
 
 
