@@ -282,15 +282,14 @@ class MonoidReduction:
         """``fun`` followed by the prologue: a list of arrays, one per result leaf."""
         return lambda x: self.prologue(fun(x))
 
-    def reduce_rows(self, ys: list[jax.Array], valid: Any = None, reduce: Any = None) -> list:
-        """Reduce each prepared leaf over its axes in its accumulator dtype, ignoring
-        rows where ``valid`` is False; ``reduce(leaf, monoid, axis)`` may replace the
-        monoid's reduction (an engine's faster equivalent)."""
-        out = []
-        for y, leaf in zip(ys, self.leaves, strict=True):
-            y = leaf.monoid.mask(y.astype(leaf.monoid.acc_dtype(y.dtype)), valid)
-            out.append(_reduce(y, leaf, reduce))
-        return out
+    def reduce_rows(self, ys: list[jax.Array], reduce: Any = None) -> list:
+        """Reduce each prepared leaf over its axes in its accumulator dtype;
+        ``reduce(leaf, monoid, axis)`` may replace the monoid's reduction (an engine's
+        faster equivalent)."""
+        return [
+            _reduce(y.astype(leaf.monoid.acc_dtype(y.dtype)), leaf, reduce)
+            for y, leaf in zip(ys, self.leaves, strict=True)
+        ]
 
     def reduce_split(
         self, ys: list[jax.Array], r: int, skip_head: Any, reduce: Any = None

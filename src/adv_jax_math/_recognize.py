@@ -315,9 +315,7 @@ def _recognize(reduction: Any, chunk_reduction: Callable, out_shape: Any) -> tup
             return Recognition(None, None, "an output leaf of fun has no mapped axis"), False
         result = []
         for i, s in enumerate(leaves):
-            dtype = np.dtype(s.dtype)
-            if reduction is LOGSUMEXP and not jnp.issubdtype(dtype, jnp.inexact):
-                dtype = np.dtype(jnp.result_type(dtype, 1.0))
+            dtype = reduction.result_dtype(s.dtype)
             result.append(LeafReduction(i, reduction, 0, tuple(s.shape[1:]), dtype, False))
         how = f"reduction={reduction!r}: {reduction.name} over axis 0 of every leaf"
         return Recognition(tuple(result), tree, how), False

@@ -21,6 +21,7 @@ __all__ = [
     "is_int",
     "mapped_rows",
     "resolve_mesh",
+    "rowwise_problem",
 ]
 
 
@@ -103,15 +104,27 @@ def mapped_rows(xs: Any, what: str = "fun_input") -> int:
     return next(iter(sizes.values()))
 
 
-def check_rowwise(out_shape: Any, rows: int, what: str) -> None:
-    """A map's chunk outputs must have one row per input row."""
+def rowwise_problem(out_shape: Any, rows: int, what: str, need: str) -> str | None:
+    """Why an output leaf does not have one row per input row (``need`` says what
+    requires it), or None."""
     for path, leaf in jax.tree_util.tree_flatten_with_path(out_shape)[0]:
         if tuple(leaf.shape[:1]) != (rows,):
-            raise ValueError(
+            return (
                 f"{what}{jax.tree_util.keystr(path)} has shape {tuple(leaf.shape)} for a chunk "
-                f"of {rows} rows; without a reduction, each output leaf needs one row per "
-                "input row (leading dimension == rows) so chunks can be concatenated"
+                f"of {rows} rows; {need}"
             )
+    return None
+
+
+def check_rowwise(out_shape: Any, rows: int, what: str) -> None:
+    """A map's chunk outputs must have one row per input row."""
+    need = (
+        "without a reduction, each output leaf needs one row per input row "
+        "(leading dimension == rows) so chunks can be concatenated"
+    )
+    problem = rowwise_problem(out_shape, rows, what, need)
+    if problem:
+        raise ValueError(problem)
 
 
 def resolve_mesh(mesh: Any) -> Mesh:

@@ -26,11 +26,11 @@ from jax.experimental import pallas as pl
 
 from ..._monoid import MonoidReduction
 from ..._tangent import chunked_tangent
-from ..._validate import mapped_rows
+from ..._validate import mapped_rows, rowwise_problem
 from .blocks import choose_block, choose_steps, row_stats, tpu_block
 from .kernel import Kernel, Out, forward, kernel_const_aval
 from .probe import probe
-from .rules import analyze, dtype_problem, output_problem, triton_size_problem
+from .rules import analyze, dtype_problem, triton_size_problem
 from .targets import (
     KERNEL_NAME,
     TPU_F32_MATH,
@@ -41,6 +41,9 @@ from .targets import (
 )
 
 __all__ = ["KERNEL_NAME", "Check", "check", "fused_reduce"]
+
+
+_ROWWISE = "the kernel needs one output row per input row"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,7 +168,7 @@ def check(
         closed, out_shape = _traced_at(fun, xs, small, known)
     except Exception as e:  # fun may not trace on other row counts; the scan engine will
         return Check(f"fun could not be traced on a block of {small} rows: {type(e).__name__}: {e}")
-    problem = output_problem(out_shape, small)
+    problem = rowwise_problem(out_shape, small, "fun's output", _ROWWISE)
     if problem:
         return Check(problem)
     analysis = analyze(closed.jaxpr, small)
@@ -277,7 +280,7 @@ def fused_reduce(
     leaves = jax.tree.leaves(xs)
     mapped_rows(xs, "xs")  # validates the inputs
     closed, out_shape = traced or _trace(fun, xs, rows)
-    problem = output_problem(out_shape, rows)
+    problem = rowwise_problem(out_shape, rows, "fun's output", _ROWWISE)
     if problem:
         raise ValueError(problem)
     k = _kernel((closed, out_shape), xs, reduction, (rows, steps), max_rows, tgt, interpret)

@@ -16,7 +16,7 @@ from ..._trace import sub_jaxprs
 from .blocks import is_pow2
 from .targets import Target
 
-__all__ = ["Analysis", "analyze", "dtype_problem", "output_problem", "triton_size_problem"]
+__all__ = ["Analysis", "analyze", "dtype_problem", "triton_size_problem"]
 
 
 def _all_avals(jaxpr: Any) -> Iterator[Any]:
@@ -59,16 +59,6 @@ def analyze(jaxpr: Any, rows: int) -> Analysis:
         else:
             fixed = max(fixed, size)
     return Analysis(row_elems, row_bytes, fixed, tuple(avals), elementwise)
-
-
-def output_problem(out_shape: Sequence[Any], rows: int) -> str | None:
-    for i, leaf in enumerate(out_shape):
-        if tuple(leaf.shape[:1]) != (rows,):
-            return (
-                f"fun's output leaf {i} has shape {tuple(leaf.shape)} for a block of {rows} "
-                "rows; the kernel needs one output row per input row"
-            )
-    return None
 
 
 def dtype_problem(target: Target, dtypes: Sequence[Any], where: str) -> str | None:
