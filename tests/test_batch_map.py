@@ -155,14 +155,14 @@ class TestTransforms:
                 lambda x: self.model(w, x), self.x, 4, reduction=jnp.add, chunk_reduction=jnp.sum
             )
 
+        def tanh_count():  # fun runs again in the backward pass only with remat
+            return str(jax.make_jaxpr(jax.grad(chunked))(self.w)).count(" tanh ")
+
         g1 = jax.grad(chunked)(self.w)
         with ajm.config(remat=False):
             g2 = jax.grad(chunked)(self.w)
-            jaxpr = str(jax.make_jaxpr(jax.grad(chunked))(self.w))
-        assert "checkpoint" not in jaxpr and "remat" not in jaxpr
-        assert "checkpoint" in str(jax.make_jaxpr(jax.grad(chunked))(self.w)) or "remat" in str(
-            jax.make_jaxpr(jax.grad(chunked))(self.w)
-        )
+            stored = tanh_count()
+        assert tanh_count() > stored
         assert_tree_close(g1, g2)
 
 

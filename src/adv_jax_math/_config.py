@@ -89,7 +89,9 @@ class Options:
         cannot lower) or ``"interpret"`` (the kernel in interpret mode, any platform).
     remat : bool
         Rematerialize each chunk in the backward pass (``jax.checkpoint``) so that
-        gradient memory is O(batch_size) instead of O(n).
+        gradient memory is O(batch_size) instead of O(n). Off, a gradient stores
+        ``fun``'s intermediates for every chunk (O(n) memory, no recomputation)
+        except slices of the inputs, which are taken again.
     remainder : str
         When ``n`` is not a multiple of the chunk rows (maps and recognized
         reductions): ``"overlap"`` runs equal chunks of at most ``batch_size`` rows,

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 __all__ = [
     "ADD",
@@ -29,11 +30,15 @@ __all__ = [
     "MAX",
     "MIN",
     "MONOIDS",
+    "RECOMPUTED",
     "LeafReduction",
     "Monoid",
     "MonoidReduction",
     "identity",
 ]
+
+
+RECOMPUTED = "adv_jax_math.recomputed"  # checkpoint_name of values a gradient recomputes
 
 
 def identity(x: Any) -> Any:
@@ -55,6 +60,28 @@ def _highest(dtype: np.dtype) -> Any:
     if dtype == np.bool_:
         return True
     return jnp.iinfo(dtype).max
+
+
+def _two_sum(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(a + b, the rounding error of a + b)`` (Knuth's TwoSum: exact for finite
+    values). The error carries no derivative: ``d(a + b)`` is the whole tangent."""
+    t = a + b
+    z = t - a
+    return t, lax.stop_gradient((a - (t - z)) + (b - z))
+
+
+@jax.custom_jvp
+def _bound(y: jax.Array, high: jax.Array) -> jax.Array:
+    """``min(y, high)``, where ``high`` passes a row (inf) or drops it (-inf)."""
+    return jnp.minimum(y, high)
+
+
+@_bound.defjvp
+def _bound_jvp(primals: tuple, tangents: tuple) -> tuple:
+    # A row passes with its derivative or is dropped: one multiply (the JVP of
+    # min would add comparisons and selects to every chunk's gradient).
+    y, high = primals
+    return _bound(y, high), tangents[0] * (high == np.inf).astype(y.dtype)
 
 
 def _finite_or_zero(top: jax.Array) -> jax.Array:
@@ -140,10 +167,41 @@ class Monoid:
         top = _finite_or_zero(jnp.maximum(a, b))
         return jnp.log(jnp.exp(a - top) + jnp.exp(b - top)) + top
 
+    def overlapped(self, y: jax.Array, r: int, place: Any) -> jax.Array:
+        """``y``, one chunk's rows, weighted so that the ``r`` rows shared by the last
+        two chunks count once: ``place`` (traced) is 0 for other chunks, 1 for the
+        chunk before the last (its last ``r`` rows), 2 for the last (its first ``r``).
+
+        The weights are a row of a loaded table, so the reduction stays one fused
+        pass over the chunk (an iota mask or a select, and two slice reductions,
+        measured 8-9x slower on XLA:CPU). max/min are idempotent and ignore repeats.
+        Float sums halve the shared rows in both chunks (exact, unlike a 0/1 weight
+        that turns inf into NaN; only subnormal values lose their last bit); integer
+        sums weight the last chunk's copy 0; logsumexp bounds it by -inf.
+        """
+        if not r or self.selects:
+            return y
+        if self is LOGSUMEXP:
+            table = np.full((3, y.shape[0]), np.inf, y.dtype)
+            table[2, :r] = -np.inf
+        else:
+            half = jnp.issubdtype(y.dtype, jnp.inexact)
+            table = np.ones((3, y.shape[0]), y.dtype)
+            table[2, :r] = 0.5 if half else 0
+            if half:
+                table[1, -r:] = 0.5
+        row = lax.dynamic_index_in_dim(table, jnp.asarray(place, jnp.int32), 0, False)
+        row = checkpoint_name(row, RECOMPUTED)
+        row = row.reshape(row.shape + (1,) * (y.ndim - 1))
+        return _bound(y, row) if self is LOGSUMEXP else y * row
+
     # Accumulator: partials combined across chunks, compensated ----------------
-    # Float sums carry a Neumaier compensation term, so the error of a chunked sum
-    # does not grow with the number of chunks; logsumexp carries (max, scaled sum,
-    # compensation). Integers and max/min are exact and carry the value alone.
+    # Float sums carry the rounding error of each addition (TwoSum, exact in
+    # floating point), so the error of a chunked sum does not grow with the number
+    # of chunks; logsumexp carries (max, scaled sum, compensation). Integers and
+    # max/min are exact and carry the value alone. TwoSum has no branches: once the
+    # sum is infinite or NaN the compensation is meaningless, and acc_final returns
+    # the sum alone (a running max or sum never returns to finite values).
 
     def _compensated(self, dtype: Any) -> bool:
         return self in (ADD, LOGSUMEXP) and jnp.issubdtype(dtype, jnp.inexact)
@@ -158,30 +216,25 @@ class Monoid:
     def acc_update(self, state: tuple, part: jax.Array) -> tuple:
         if len(state) == 1:
             return (self.combine(state[0], part),)
-        if self is ADD:  # Neumaier: c collects the low-order bits s + part loses
+        if self is ADD:
             s, c = state
-            t = s + part  # the compensation carries no derivative: d(s + c) = d(sum)
-            lost = lax.stop_gradient(
-                jnp.where(jnp.abs(s) >= jnp.abs(part), (s - t) + part, (part - t) + s)
-            )
-            return t, c + jnp.where(jnp.isfinite(t), lost, 0)
+            t, lost = _two_sum(s, part)
+            return t, c + lost
         m, s, c = state  # total = m + log(s + c), s + c = sum exp(partial - m)
-        top = jnp.maximum(m, part)
+        top = lax.max(m, part)
         shift = _finite_or_zero(top)
-        scale, term = jnp.exp(m - shift), jnp.exp(part - shift)
-        s, c = s * scale, c * scale
-        t = s + term
-        lost = jnp.where(jnp.abs(s) >= jnp.abs(term), (s - t) + term, (term - t) + s)
-        return top, t, c + jnp.where(jnp.isfinite(t), lost, 0)
+        scale = jnp.exp(m - shift)
+        t, lost = _two_sum(s * scale, jnp.exp(part - shift))
+        return top, t, c * scale + lost
 
     def acc_final(self, state: tuple) -> jax.Array:
         if len(state) == 1:
             return state[0]
         if self is ADD:
-            s, c = state
-            return s + c
+            s, c = state  # (a gradient needs no forward pass for the guard)
+            return s + lax.stop_gradient(jnp.where(jnp.isfinite(s), c, 0))
         m, s, c = state
-        return jnp.log(s + c) + _finite_or_zero(m)
+        return jnp.where(jnp.isfinite(m), jnp.log(s + c) + _finite_or_zero(m), m)
 
     # Tangent rule ------------------------------------------------------------
     # One chunk's contribution to the tangent of ``reduce(y)`` given the final
@@ -291,32 +344,15 @@ class MonoidReduction:
             for y, leaf in zip(ys, self.leaves, strict=True)
         ]
 
-    def reduce_split(
-        self, ys: list[jax.Array], r: int, skip_head: Any, reduce: Any = None
+    def reduce_overlapped(
+        self, ys: list[jax.Array], r: int, place: Any, reduce: Any = None
     ) -> list[jax.Array]:
-        """Partials of a chunk whose first ``r`` rows are left out where ``skip_head``
-        (a traced bool) is True, without a row mask in the loop: add weights rows by
-        0/1 from a loaded table; logsumexp reduces the two static slices apart and
-        drops the first; max/min are idempotent (repeated rows change nothing)."""
-        if not r:
-            return self.reduce_rows(ys, reduce=reduce)
+        """Partials of a chunk that shares ``r`` rows with the next or the previous
+        chunk, by ``place`` (see :meth:`Monoid.overlapped`)."""
         out = []
         for y, leaf in zip(ys, self.leaves, strict=True):
-            m = leaf.monoid
-            y = y.astype(m.acc_dtype(y.dtype))
-            if m.selects:
-                out.append(_reduce(y, leaf, reduce))
-                continue
-            if m is ADD:  # rows weighted 0/1 from a loaded table: one reduction of the
-                # whole chunk keeps XLA's fast fused path (an iota mask or a select, and two
-                # slice reductions, measured ~9x slower on XLA:CPU)
-                table = np.ones((2, y.shape[0]), y.dtype)
-                table[1, :r] = 0
-                w = lax.dynamic_index_in_dim(table, jnp.asarray(skip_head, jnp.int32), 0, False)
-                out.append(_reduce(y * w.reshape(w.shape + (1,) * (y.ndim - 1)), leaf, reduce))
-                continue
-            head, tail = _reduce(y[:r], leaf, reduce), _reduce(y[r:], leaf, reduce)
-            out.append(jnp.where(skip_head, tail, m.combine_stable(head, tail)))
+            y = y.astype(leaf.monoid.acc_dtype(y.dtype))
+            out.append(_reduce(leaf.monoid.overlapped(y, r, place), leaf, reduce))
         return out
 
     def combine(self, a: list, b: list) -> list:

@@ -22,10 +22,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 from . import _config, _progress
 from . import _tangent as tangent
-from ._monoid import MonoidReduction
+from ._monoid import RECOMPUTED, MonoidReduction
 from ._plan import Call, Kind, Plan, Policy, Rejection
 from ._tangent import chunked_tangent
 from ._trace import rows_aval, size
@@ -71,7 +72,21 @@ def _empty_result(plan: Plan, call: Call) -> Any:
 
 
 def _remat(f: Callable) -> Callable:
-    return jax.checkpoint(f, prevent_cse=False) if _config.current().remat else f
+    """``f`` rematerialized in a gradient (O(batch_size) memory); with ``remat`` off,
+    only the values named :data:`RECOMPUTED` (slices of loop inputs and constants,
+    cheaper to take again than to store per chunk) are."""
+    if _config.current().remat:
+        return jax.checkpoint(f, prevent_cse=False)
+    return jax.checkpoint(f, prevent_cse=False, policy=_save_all_but_recomputed)
+
+
+def _save_all_but_recomputed(prim: Any, *_: Any, **params: Any) -> bool:
+    # A slice is a copy: it is taken again rather than stored per chunk (the value
+    # before the name is a dynamic_slice; jax's save_anything_except_these_names
+    # saves everything, named values too).
+    if prim.name == "name":
+        return params.get("name") != RECOMPUTED
+    return prim.name != "dynamic_slice"
 
 
 def _stack(xs: Any, chunks: int, rows: int) -> Any:
@@ -88,18 +103,34 @@ def _map_chunks(f: Callable, stacked: Any) -> Any:
 
 def _map_overlapped(plan: Plan, xs: Any) -> Any:
     """A map: ``k`` chunks of ``B`` rows in one scan, the last one starting at
-    ``n - B`` (it overlaps the one before by ``r`` rows); the repeated rows are
-    dropped from the stacked outputs. One copy of ``fun``, no row mask."""
-    n, b, k, r = plan.n, plan.rows_per_chunk, plan.chunks, plan.masked
+    ``n - B``, each written into the ``(n, ...)`` outputs where its rows belong (the
+    last chunk writes its repeated rows again, with the same values). One copy of
+    ``fun``, no row mask, no stacked copy of the outputs."""
+    n, b, k = plan.n, plan.rows_per_chunk, plan.chunks
     traced = plan.traced
     assert n is not None and traced is not None  # an OVERLAP plan is mapped and traced
-    chunk = _remat(lambda i: traced(_take(xs, jnp.minimum(i * b, n - b), b)))
-    _, ys = _progress.scan(lambda c, i: (c, chunk(i)), (), jnp.arange(k), rows=b)
-    return jax.tree.map(lambda y: _drop_repeats(y, k, b, r), ys)
+    start = lambda i: jnp.minimum(i * b, n - b)
+    chunk = _remat(lambda i: traced(_take(xs, start(i), b)))
+    shapes = jax.eval_shape(chunk, jnp.int32(0))
+    out = jax.tree.map(lambda s: jnp.zeros((n, *s.shape[1:]), s.dtype), shapes)
+
+    def step(i: jax.Array, out: Any) -> tuple[Any, None]:
+        write = lambda o, y: lax.dynamic_update_slice_in_dim(o, y, start(i), 0)
+        return jax.tree.map(write, out, chunk(i)), None
+
+    return _steps(step, out, k, rows=b)[0]
+
+
+def _steps(step: Callable, init: Any, k: int, *, rows: int) -> tuple[Any, Any]:
+    """``state, y = step(i, state)`` for ``i`` in ``range(k)`` in a scan; the ``y``
+    are stacked. The index is scanned over, not carried: a carried counter would be
+    a residual that keeps the forward loop alive in a gradient."""
+    return _progress.scan(lambda state, i: step(i, state), init, jnp.arange(k), rows=rows)
 
 
 def _take(xs: Any, start: Any, rows: int) -> Any:
-    return jax.tree.map(lambda x: lax.dynamic_slice_in_dim(x, start, rows), xs)
+    take = lambda x: checkpoint_name(lax.dynamic_slice_in_dim(x, start, rows), RECOMPUTED)
+    return jax.tree.map(take, xs)
 
 
 def _reduce(plan: Plan, call: Call) -> list[jax.Array]:
@@ -132,11 +163,14 @@ def _reduce(plan: Plan, call: Call) -> list[jax.Array]:
         if plan.policy is Policy.SINGLE:
             return reduction.reduce_rows(fn(xs), reduce=native.reducer)
         b, k, r = plan.rows_per_chunk, plan.chunks, plan.masked
-        if plan.policy is Policy.OVERLAP:  # add/logsumexp drop the last chunk's head
-            split = lambda i: reduction.reduce_split(
-                fn(_take(xs, jnp.minimum(i * b, n - b), b)), r, i == k - 1, native.reducer
+        if plan.policy is Policy.OVERLAP:  # the last two chunks share r rows
+            overlapped = lambda i: reduction.reduce_overlapped(
+                fn(_take(xs, jnp.minimum(i * b, n - b), b)),
+                r,
+                (i == k - 2).astype(jnp.int32) + 2 * (i == k - 1).astype(jnp.int32),
+                native.reducer,
             )
-            return _accumulate(reduction, _remat(split), jnp.arange(k), rows=b)
+            return _accumulate(reduction, _remat(overlapped), k, rows=b)
         tail = None
         if tail_closed is not None:
             rest = jax.tree.leaves(jax.tree.map(lambda x: x[k * b :], xs))
@@ -144,7 +178,7 @@ def _reduce(plan: Plan, call: Call) -> list[jax.Array]:
                 jax.core.eval_jaxpr(tail_closed.jaxpr, tail_consts, *rest), reduce=native.reducer
             )
         chunk = lambda i: reduction.reduce_rows(fn(_take(xs, i * b, b)), reduce=native.reducer)
-        return _accumulate(reduction, _remat(chunk), jnp.arange(k), tail, rows=b)
+        return _accumulate(reduction, _remat(chunk), k, tail, rows=b)
 
     consts = list(closed.consts)
     tail_consts = list(tail_closed.consts) if tail_closed is not None else []
@@ -182,31 +216,23 @@ def _even_ties(plan: Plan, closed: Any, forward: Callable) -> Callable:
     return run
 
 
-def _drop_repeats(y: jax.Array, k: int, b: int, r: int) -> jax.Array:
-    """Stacked ``(k, b, ...)`` chunk outputs to ``(n, ...)`` rows, the last chunk's
-    first ``r`` rows (repeats of the chunk before) left out."""
-    flat = y.reshape(k * b, *y.shape[2:])
-    return jnp.concatenate([flat[: (k - 1) * b], flat[(k - 1) * b + r :]]) if r else flat
-
-
 def _accumulate(
     reduction: MonoidReduction,
     partials: Callable,
-    steps: jax.Array,
+    k: int,
     tail: list | None = None,
     *,
     rows: int = 1,
 ) -> list[jax.Array]:
-    """Combine ``partials(step)`` over ``steps`` in a scan, compensated per leaf, then
-    the ``tail`` partials (a remainder evaluated apart), if any."""
-    shapes = jax.eval_shape(partials, steps[0])
+    """Combine ``partials(i)`` for ``i`` in ``range(k)`` in a scan, compensated per
+    leaf, then the ``tail`` partials (a remainder evaluated apart), if any."""
+    shapes = jax.eval_shape(partials, jnp.int32(0))
     monoids = [leaf.monoid for leaf in reduction.leaves]
     start = [m.acc_init(s.shape, s.dtype) for m, s in zip(monoids, shapes, strict=True)]
     update = lambda state, parts: [
         m.acc_update(a, p) for m, a, p in zip(monoids, state, parts, strict=True)
     ]
-    body = lambda state, step: (update(state, partials(step)), None)
-    state, _ = _progress.scan(body, start, steps, rows=rows)
+    state, _ = _steps(lambda i, state: (update(state, partials(i)), None), start, k, rows=rows)
     if tail is not None:
         state = update(state, tail)
     return [m.acc_final(a) for m, a in zip(monoids, state, strict=True)]
