@@ -483,29 +483,37 @@ def readme_section(data: dict) -> str:
         "![time vs batch_size](bench/results/time_vs_batch.png)",
         "![gradient memory vs n](bench/results/grad_memory_vs_n.png)",
     ]
-    compile_goal = next(g for g in data["goals"] if g["goal"].startswith("compile time"))
-    if compile_goal["met"] != "yes":
-        nondiv = [r for r in recs if not r["divisible"]]
-        xla_share = [
-            100 * r["xla_compile_min_s"] / r["compile_min_s"] for r in nondiv if r["engine"] == OURS
-        ]
-        orig_traces = [r["traces"] for r in nondiv if r["engine"] == ORIG]
-        fwd = ratio(
-            "compile_min", lambda r: not r["divisible"] and not r["grad"] and r["engine"] == OURS
-        )
-        grad = ratio("compile_min", lambda r: r["grad"] and r["engine"] == OURS)
-        lines += [
-            "",
-            "**Missed: compile time.** For non-divisible `n` we trace `fun` once and the "
-            "compiled program holds one copy of it, where the original traces it "
-            f"{min(orig_traces)} to {max(orig_traces)} times and compiles as many copies. XLA's "
-            f"compile time dominates ({min(xla_share):.0f}-{max(xla_share):.0f}% of ours), and "
-            "for small `fun`s our loop machinery (dynamic slices, the compensated accumulator, "
-            "the last chunk's row weights) costs about what the saved copies of `fun` would: "
-            f"the original's compile time over ours is {fwd} for forward `fun`s (non-divisible "
-            f"n) and {grad} for gradients. The large-`fun` rows show where the copies matter.",
-        ]
+    if any(g["met"] != "yes" for g in data["goals"] if g["goal"].startswith("compile time")):
+        lines += ["", missed_compile(recs)]
     return "\n".join(lines) + "\n"
+
+
+def missed_compile(recs: list[dict]) -> str:
+    """Why the compile goals are missed, from the records: how much of our compile is
+    XLA's, and how fast the unchunked program (no loop, one copy of ``fun``: the
+    floor for any chunked program) compiles against the original."""
+    nondiv = [r for r in recs if not r["divisible"]]
+    by = {(r["workload"], r["n"], r["engine"]): r for r in nondiv}
+    xla = [100 * r["xla_compile_min_s"] / r["compile_min_s"] for r in nondiv if r["engine"] == OURS]
+    orig_traces = [r["traces"] for r in nondiv if r["engine"] == ORIG]
+    large_map = [key for key in by if key[2] == "plain" and key[0].endswith(", map")]
+    ceiling = ", ".join(
+        f"{by[w, n, ORIG]['compile_min_s'] / by[w, n, 'plain']['compile_min_s']:.2f}x for "
+        f"the {w} (over ours: "
+        f"{by[w, n, ORIG]['compile_min_s'] / by[w, n, OURS]['compile_min_s']:.2f}x)"
+        for w, n, _ in large_map
+    )
+    return (
+        "**Missed: compile time.** For non-divisible `n` we trace `fun` once and the "
+        "compiled program holds one copy of it, where the original traces it "
+        f"{min(orig_traces)} to {max(orig_traces)} times and compiles as many copies. XLA's "
+        f"compile time dominates ({min(xla):.0f}-{max(xla):.0f}% of ours). The unchunked "
+        "program, with no loop and one copy of `fun`, is the floor for any chunked one; the "
+        f"original's compile time over it is only {ceiling}, so removing the second copy "
+        "cannot reach 1.8x on XLA:CPU. For small `fun`s the loop's own pieces cost what the "
+        "saved copies would: `bench/compile_floor.py` breaks the elementwise sum down (see "
+        "below)."
+    )
 
 
 def write_readme(section: str) -> None:

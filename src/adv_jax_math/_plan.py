@@ -201,7 +201,9 @@ class Plan:
             return "sharded over a mesh (see sharding)"
         if self.policy is Policy.OVERLAP:
             if self.masked:
-                text += f"; the last chunk overlaps the one before by {self.masked} rows, left out"
+                text += (
+                    f"; the last chunk overlaps the one before by {self.masked} rows, counted once"
+                )
             return text + "; fun traced once"
         if self.policy is Policy.REMAINDER:
             if self.remainder:
