@@ -108,17 +108,15 @@ def scan(
     xs: Any,
     *,
     rows: int,
-    length: int | None = None,
     label: str = "chunks",
 ) -> tuple[Any, Any]:
-    """``lax.scan(body, init, xs, length)``, reporting progress when
-    ``config(progress=True)``.
+    """``lax.scan(body, init, xs)``, reporting progress when ``config(progress=True)``.
 
     ``rows`` is the number of rows per step (for rows per second).
     """
     if not _config.current().progress:
-        return lax.scan(body, init, xs, length)
-    total = len(jax.tree.leaves(xs)[0]) if length is None else length
+        return lax.scan(body, init, xs)
+    total = len(jax.tree.leaves(xs)[0])
     loop = next(_ids)
 
     def stepped(carry: Any, inputs: Any) -> tuple[Any, Any]:
@@ -128,7 +126,7 @@ def scan(
         )
         return body(carry, x)
 
-    carry, ys = lax.scan(stepped, init, (jnp.arange(total), xs), length)
+    carry, ys = lax.scan(stepped, init, (jnp.arange(total), xs))
     witness = [leaf.reshape(-1)[:1] for leaf in jax.tree.leaves((carry, ys)) if leaf.size]
     jax.debug.callback(
         lambda *_: REPORTER.finish(loop, total, rows, label), witness[:1], ordered=True

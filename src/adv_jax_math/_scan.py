@@ -1,16 +1,18 @@
 """The scan engine: chunks executed by ``lax.scan``. Runs every plan on every
 platform and defines the reference semantics the other engines reproduce.
 
-* overlap (maps and recognized monoids): ``n // B`` chunks of ``B`` rows in a
-  scan, then one last chunk of the final ``B`` rows. It overlaps the loop's rows;
-  those repeats are masked with the monoid identity, or dropped from a map's
-  output. Every row ``fun`` sees is a real input row (no padding that could make
-  NaNs), all chunks have one shape, and ``fun`` is traced once (by the planner).
+* overlap (maps and recognized monoids): ``k`` equal chunks in one scan, the last
+  starting at ``n - rows`` so that it shares a few rows with the one before; a map
+  writes them twice (same values), a monoid counts them once
+  (``Monoid.overlapped``). Every row ``fun`` sees is a real input row (no padding
+  that could make NaNs), all chunks have one shape, and ``fun`` is traced once (by
+  the planner) and compiled once.
 * remainder (anything else): full chunks of ``B`` rows, then the remainder rows
-  in a separate call, for reductions whose repeated rows could not be masked.
+  in a separate call, for reductions whose repeated rows could not be discounted.
 
-Each chunk's work is wrapped in ``jax.checkpoint`` (unless ``remat`` is off), so a
-gradient keeps one chunk's intermediates alive at a time: O(batch_size) memory.
+Each chunk's work is wrapped in ``jax.checkpoint``, so a gradient keeps one chunk's
+intermediates alive at a time: O(batch_size) memory (with ``remat`` off, only input
+slices are taken again).
 """
 
 from __future__ import annotations
@@ -109,13 +111,12 @@ def _map_overlapped(plan: Plan, xs: Any) -> Any:
     n, b, k = plan.n, plan.rows_per_chunk, plan.chunks
     traced = plan.traced
     assert n is not None and traced is not None  # an OVERLAP plan is mapped and traced
-    start = lambda i: jnp.minimum(i * b, n - b)
-    chunk = _remat(lambda i: traced(_take(xs, start(i), b)))
+    chunk = _remat(lambda i: traced(_take(xs, _start(i, n, b), b)))
     shapes = jax.eval_shape(chunk, jnp.int32(0))
     out = jax.tree.map(lambda s: jnp.zeros((n, *s.shape[1:]), s.dtype), shapes)
 
     def step(i: jax.Array, out: Any) -> tuple[Any, None]:
-        write = lambda o, y: lax.dynamic_update_slice_in_dim(o, y, start(i), 0)
+        write = lambda o, y: lax.dynamic_update_slice_in_dim(o, y, _start(i, n, b), 0)
         return jax.tree.map(write, out, chunk(i)), None
 
     return _steps(step, out, k, rows=b)[0]
@@ -126,6 +127,11 @@ def _steps(step: Callable, init: Any, k: int, *, rows: int) -> tuple[Any, Any]:
     are stacked. The index is scanned over, not carried: a carried counter would be
     a residual that keeps the forward loop alive in a gradient."""
     return _progress.scan(lambda state, i: step(i, state), init, jnp.arange(k), rows=rows)
+
+
+def _start(i: jax.Array, n: int, rows: int) -> jax.Array:
+    """The first row of overlapping chunk ``i``: ``i * rows``, the last at ``n - rows``."""
+    return jnp.minimum(i * rows, n - rows)
 
 
 def _take(xs: Any, start: Any, rows: int) -> Any:
@@ -165,7 +171,7 @@ def _reduce(plan: Plan, call: Call) -> list[jax.Array]:
         b, k, r = plan.rows_per_chunk, plan.chunks, plan.masked
         if plan.policy is Policy.OVERLAP:  # the last two chunks share r rows
             overlapped = lambda i: reduction.reduce_overlapped(
-                fn(_take(xs, jnp.minimum(i * b, n - b), b)),
+                fn(_take(xs, _start(i, n, b), b)),
                 r,
                 (i == k - 2).astype(jnp.int32) + 2 * (i == k - 1).astype(jnp.int32),
                 native.reducer,
