@@ -30,7 +30,6 @@ from . import _config, _progress
 from . import _tangent as tangent
 from ._monoid import RECOMPUTED, MonoidReduction
 from ._plan import Call, Kind, Plan, Policy, Rejection
-from ._tangent import chunked_tangent
 from ._trace import rows_aval, size
 from ._validate import check_rowwise
 from .kernels import native
@@ -163,7 +162,7 @@ def _reduce(plan: Plan, call: Call) -> list[jax.Array]:
         tail_closed = jax.make_jaxpr(reduction.prepare(call.fun))(rest)
     leaves, tree = jax.tree.flatten(call.xs)
 
-    def forward(consts: list, tail_consts: list, leaves: list) -> list[jax.Array]:
+    def forward(consts: list, leaves: list, tail_consts: list) -> list[jax.Array]:
         fn = lambda x: barrier(jax.core.eval_jaxpr(closed.jaxpr, consts, *jax.tree.leaves(x)))
         xs = jax.tree.unflatten(tree, leaves)
         if plan.policy is Policy.SINGLE:
@@ -190,36 +189,13 @@ def _reduce(plan: Plan, call: Call) -> list[jax.Array]:
     tail_consts = list(tail_closed.consts) if tail_closed is not None else []
     if not tangent.SUPPORTED or not any(leaf.monoid.selects for leaf in reduction.leaves):
         # (before jax 0.10, max/min gradients split ties by chunk: see _tangent.SUPPORTED)
-        return forward(consts, tail_consts, leaves)
-    return _even_ties(plan, closed, forward)(consts, tail_consts, leaves)
+        return forward(consts, leaves, tail_consts)
+    monoids = [(leaf.monoid, leaf.axis) for leaf in reduction.leaves]
+    run = tangent.even_ties(forward, closed.jaxpr, monoids, n, plan.rows_per_chunk, 1)
+    return run(consts, leaves, tail_consts)  # the tail's constants are the same values
 
 
 LARGE_FUN = 100  # equations (sub-jaxprs included): a fun this large is materialized
-
-
-def _even_ties(plan: Plan, closed: Any, forward: Callable) -> Callable:
-    """``forward`` with the tangent of ``_tangent.chunked_tangent``: every row tied
-    for a max/min shares its derivative evenly, as in ``jax.grad(jnp.max)``."""
-    rows = plan.rows_per_chunk
-    assert plan.reduction is not None
-    monoids = [(leaf.monoid, leaf.axis) for leaf in plan.reduction.leaves]
-    block_fun = lambda consts, xb: jax.core.eval_jaxpr(closed.jaxpr, consts, *xb)
-
-    @jax.custom_jvp
-    def run(consts, tail_consts, leaves):
-        return forward(consts, tail_consts, leaves)
-
-    def run_jvp(primals, tangents):
-        consts, tail_consts, leaves = primals
-        dconsts, _, dleaves = tangents  # the tail's constants are the same values as consts
-        totals = run(consts, tail_consts, leaves)
-        dt = chunked_tangent(
-            block_fun, monoids, plan.n, rows, 1, (consts, leaves), (dconsts, dleaves), totals
-        )
-        return totals, dt
-
-    run.defjvp(run_jvp, symbolic_zeros=True)
-    return run
 
 
 def _accumulate(

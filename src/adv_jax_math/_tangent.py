@@ -21,7 +21,7 @@ from jax.custom_derivatives import SymbolicZero
 
 from ._monoid import Monoid
 
-__all__ = ["SUPPORTED", "UNSUPPORTED", "chunked_tangent", "nonzero"]
+__all__ = ["SUPPORTED", "UNSUPPORTED", "chunked_tangent", "even_ties", "nonzero"]
 
 SUPPORTED = jax.__version_info__ >= (0, 10, 0)
 """Whether this jax can differentiate a ``custom_jvp`` whose tangent runs a scan."""
@@ -47,6 +47,33 @@ def _pad_rows(x: Any, rows: int) -> Any:
 def _pad_zeros(t: Any, rows: int) -> Any:
     extra = rows - t.shape[0]
     return t if not extra else jnp.pad(t, [(0, extra)] + [(0, 0)] * (t.ndim - 1))
+
+
+def even_ties(
+    forward: Callable,
+    jaxpr: Any,
+    monoids: Sequence[tuple[Monoid, int | None]],
+    n: int,
+    rows: int,
+    blocks: int,
+) -> Callable:
+    """``forward(consts, leaves, extra)`` whose tangent is :func:`chunked_tangent` of
+    ``jaxpr`` (``fun`` on a block, its constants first): every row tied for a
+    max/min shares its derivative evenly, as in ``jax.grad(jnp.max)``. ``extra`` is
+    passed through without a tangent (values that repeat ``consts``)."""
+    block_fun = lambda consts, xb: jax.core.eval_jaxpr(jaxpr, consts, *xb)
+
+    @jax.custom_jvp
+    def run(consts: list, leaves: list, extra: list) -> Any:
+        return forward(consts, leaves, extra)
+
+    def run_jvp(primals: tuple, tangents: tuple) -> tuple:
+        totals = run(*primals)
+        dt = chunked_tangent(block_fun, monoids, n, rows, blocks, primals[:2], tangents[:2], totals)
+        return totals, dt
+
+    run.defjvp(run_jvp, symbolic_zeros=True)
+    return run
 
 
 def chunked_tangent(

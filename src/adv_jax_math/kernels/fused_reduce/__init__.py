@@ -25,7 +25,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from ..._monoid import MonoidReduction
-from ..._tangent import chunked_tangent
+from ..._tangent import even_ties
 from ..._validate import mapped_rows, rowwise_problem
 from .blocks import choose_block, choose_steps, row_stats, tpu_block
 from .kernel import Kernel, Out, forward, kernel_const_aval
@@ -220,25 +220,6 @@ def check(
     )
 
 
-def _differentiable(k: Kernel, reduction: MonoidReduction) -> Callable:
-    monoids = [(o.monoid, o.axis) for o in k.outs]
-    block_fun = lambda consts, xb: jax.core.eval_jaxpr(k.jaxpr, consts, *xb)
-
-    @jax.custom_jvp
-    def run(consts, leaves):
-        return forward(k, consts, leaves)
-
-    def run_jvp(primals, tangents):
-        totals = run(*primals)
-        dt = chunked_tangent(
-            block_fun, monoids, k.n, k.rows, k.chunk_blocks, primals, tangents, totals
-        )
-        return totals, dt
-
-    run.defjvp(run_jvp, symbolic_zeros=True)
-    return run
-
-
 def fused_reduce(
     fun: Callable,
     xs: Any,
@@ -284,4 +265,6 @@ def fused_reduce(
     if problem:
         raise ValueError(problem)
     k = _kernel((closed, out_shape), xs, reduction, (rows, steps), max_rows, tgt, interpret)
-    return reduction.finish(_differentiable(k, reduction)(list(closed.consts), list(leaves)))
+    monoids = [(o.monoid, o.axis) for o in k.outs]
+    run = even_ties(lambda c, x, _: forward(k, c, x), k.jaxpr, monoids, k.n, k.rows, k.chunk_blocks)
+    return reduction.finish(run(list(closed.consts), list(leaves), []))
