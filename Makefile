@@ -11,7 +11,7 @@ VENV_COMPAT ?= .venv-compat
 PIP_FLAGS ?= --quiet --disable-pip-version-check
 PYTEST_FLAGS ?=
 
-.PHONY: all demo test test-compat test-asan test-accel test-clients lint bench clean
+.PHONY: all demo test test-upstream test-compat test-asan test-accel test-clients lint bench clean
 
 all: test
 
@@ -39,6 +39,12 @@ lint: $(VENV)/.installed
 
 test: lint
 	$(VENV)/bin/python -m pytest --durations=15 $(PYTEST_FLAGS)
+
+# The original's own tests/test_batch.py (adv-jax-math 1.3), fetched from its sdist at
+# run time into bench/.cache/upstream (never committed) and run against ours, its
+# imports adapted (bench/upstream_tests.py: extra arguments to it go to pytest).
+test-upstream: $(VENV)/.installed
+	$(VENV)/bin/python bench/upstream_tests.py
 
 # COMPAT_TESTS selects a subset (CI runs a smoke subset; default: everything).
 COMPAT_TESTS ?=
