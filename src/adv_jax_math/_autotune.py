@@ -25,10 +25,20 @@ passed to the measured program as arguments (placeholders of the same avals), an
 concrete constants are reused for the timing runs. Decisions are cached in memory
 by (chunk jaxpr, avals, what is differentiated, budget, platform, options), and on
 disk with ``config(autotune_cache=path)``, so a second trace costs nothing.
+
+The disk cache is a JSON object mapping keys to decisions; what it holds is checked
+before it is used. An entry that is not a valid decision for its call (a field
+missing, of the wrong type or out of range: ``1 <= batch_size <= n``, ``n`` and the
+budget those of the call, ...) gives a ``UserWarning`` naming the file, the entry and
+the problem; the decision is recomputed and replaces that entry alone. A file that
+cannot be read or is not a JSON object of entries is never rewritten: a warning says
+so, and decisions are kept in memory only until it is fixed or deleted. A decision
+that cannot be written (permissions, a full disk) warns and is kept in memory.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -36,6 +46,7 @@ import math
 import os
 import re
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -112,9 +123,84 @@ class Decision:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_json(cls, data: dict) -> Decision:
-        cands = tuple(Candidate(**c) for c in data.pop("candidates"))
-        return cls(candidates=cands, **data)
+    def from_json(cls, data: Any, n: int | None = None, budget: int | None = None) -> Decision:
+        """The decision in ``data`` (from :meth:`to_json`), checked field by field; with
+        ``n`` and ``budget``, they must be the decision's. ValueError says what is wrong."""
+        _check(data, _DECISION_FIELDS, "the entry")
+        size = data["n"] if n is None else n
+        if data["n"] != size:
+            raise ValueError(f"n={data['n']!r} is not the call's n={size}")
+        if budget is not None and data["budget"] != budget:
+            raise ValueError(f"budget={data['budget']!r} is not the call's budget={budget}")
+        if not 1 <= data["batch_size"] <= size:
+            raise ValueError(f"batch_size={data['batch_size']!r} is not in [1, n={size}]")
+        for i, c in enumerate(data["candidates"]):
+            _check(c, _CANDIDATE_FIELDS, f"candidates[{i}]")
+            if not 1 <= c["rows"] <= size:
+                raise ValueError(f"candidates[{i}]: rows={c['rows']!r} is not in [1, n={size}]")
+        cands = tuple(Candidate(**c) for c in data["candidates"])
+        return cls(**{**data, "candidates": cands})
+
+
+# What each field of a stored decision must be: "count" an int >= 0 (not a bool),
+# "size" an int >= 1, "number" a finite int or float >= 0, "seconds" one or None.
+_DECISION_FIELDS = {
+    "batch_size": "size",
+    "n": "size",
+    "budget": "size",
+    "budget_source": "str",
+    "fixed_bytes": "count",
+    "row_bytes": "number",
+    "candidates": "list",
+    "grad": "str",
+    "reason": "str",
+    "seconds": "number",
+    "cache": "str",
+}
+_CANDIDATE_FIELDS = {
+    "rows": "size",
+    "bytes": "count",
+    "measured": "bool",
+    "fits": "bool",
+    "seconds": "seconds",
+}
+_KINDS = {
+    "size": "an int >= 1",
+    "count": "an int >= 0",
+    "number": "a finite number >= 0",
+    "seconds": "a finite number >= 0 or null",
+    "str": "a string",
+    "bool": "a boolean",
+    "list": "a list",
+}
+
+
+def _is(kind: str, v: Any) -> bool:
+    if kind == "seconds":
+        return v is None or _is("number", v)
+    if kind in ("str", "bool", "list"):
+        return isinstance(v, {"str": str, "bool": bool, "list": list}[kind])
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        return False
+    if kind == "number":
+        return math.isfinite(v) and v >= 0
+    return isinstance(v, int) and v >= (1 if kind == "size" else 0)
+
+
+def _check(data: Any, fields: dict[str, str], what: str) -> None:
+    """ValueError unless ``data`` is a dict with exactly ``fields``, each of its kind."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{what} is {data!r}, not an object")
+    missing = [k for k in fields if k not in data]
+    if missing:
+        raise ValueError(f"{what} has no {', '.join(missing)}")
+    unknown = [k for k in data if k not in fields]
+    if unknown:
+        raise ValueError(f"{what} has unknown fields {', '.join(map(str, unknown))}")
+    for k, kind in fields.items():
+        if not _is(kind, data[k]):
+            where = "" if what == "the entry" else f"{what}: "
+            raise ValueError(f"{where}{k}={data[k]!r} is not {_KINDS[kind]}")
 
 
 _MEMORY: dict[str, Decision] = {}
@@ -136,7 +222,7 @@ def choose(call: Call, n: int, platform: str) -> Decision:
     prog = ChunkProgram(call, n, opts, grad_rows)
     sizes = _sizes(n, allow_single=not (prog.differentiated and opts.remat))
     key = prog.key(budget, platform, _key_text)
-    hit = _lookup(key, opts.autotune_cache)
+    hit = _lookup(key, opts.autotune_cache, n, budget)
     if hit is not None:
         return dataclasses.replace(hit, seconds=time.perf_counter() - start)
     if platform != jax.default_backend():
@@ -280,33 +366,76 @@ def _key_text(parts: list[Any]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def _lookup(key: str, path: str | None) -> Decision | None:
-    if key in _MEMORY:
-        return dataclasses.replace(_MEMORY[key], cache="memory cache hit")
-    if path and os.path.exists(path):
-        try:
-            with open(path) as f:
-                data = json.load(f).get(key)
-        except (OSError, ValueError):
-            data = None
-        if data is not None:
-            decision = dataclasses.replace(Decision.from_json(data), cache="disk cache hit")
-            _MEMORY[key] = decision
-            return decision
-    return None
-
-
-def _store(key: str, decision: Decision, path: str | None) -> None:
-    _MEMORY[key] = decision
-    if not path:
-        return
+def _read(path: str) -> tuple[dict, str | None]:
+    """The entries of the cache file (none when it does not exist yet), and why the
+    file is unusable (None when it is usable)."""
+    if not os.path.exists(path):
+        return {}, None
     try:
         with open(path) as f:
             data = json.load(f)
-    except (OSError, ValueError):
-        data = {}
-    data[key] = decision.to_json()
+    except OSError as e:
+        return {}, f"it cannot be read: {e}"
+    except ValueError as e:
+        return {}, f"it is not JSON: {e}"
+    if not isinstance(data, dict):
+        return {}, f"it holds a JSON {type(data).__name__}, not an object of entries"
+    return data, None
+
+
+def _lookup(key: str, path: str | None, n: int, budget: int) -> Decision | None:
+    if key in _MEMORY:
+        return dataclasses.replace(_MEMORY[key], cache="memory cache hit")
+    if not path:
+        return None
+    entries, problem = _read(path)
+    if problem is not None:
+        warnings.warn(
+            f"autotune cache {path!r} is unusable ({problem}); it is left as it is and "
+            "batch_size='auto' decisions are kept in memory only: fix or delete the file",
+            UserWarning,
+            stacklevel=2,
+        )
+        return None
+    if key not in entries:
+        return None
+    try:
+        decision = Decision.from_json(entries[key], n, budget)
+    except ValueError as e:
+        warnings.warn(
+            f"autotune cache {path!r}: entry {key!r} is unusable ({e}); the decision is "
+            "recomputed and replaces it",
+            UserWarning,
+            stacklevel=2,
+        )
+        return None
+    decision = dataclasses.replace(decision, cache="disk cache hit")
+    _MEMORY[key] = decision
+    return decision
+
+
+def _store(key: str, decision: Decision, path: str | None) -> None:
+    """Keep ``decision`` in memory and, with ``path``, in the file: its other entries
+    are kept; a file that is unusable (see :func:`_read`) is not rewritten."""
+    _MEMORY[key] = decision
+    if not path:
+        return
+    entries, problem = _read(path)
+    if problem is not None:  # _lookup has warned
+        return
+    entries[key] = decision.to_json()
     tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=1)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            json.dump(entries, f, indent=1)
+        os.replace(tmp, path)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        warnings.warn(
+            f"autotune cache {path!r}: the decision cannot be saved ({e}); it is kept in "
+            "memory only. Check the file's directory, or set config(autotune_cache=...) / "
+            "ADV_JAX_MATH_AUTOTUNE_CACHE to a writable file",
+            UserWarning,
+            stacklevel=2,
+        )

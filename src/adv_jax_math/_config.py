@@ -6,7 +6,9 @@ Set them for a block of code with :func:`config`, or for a process with the
 environment variables ``ADV_JAX_MATH_BACKEND``, ``ADV_JAX_MATH_REMAT``,
 ``ADV_JAX_MATH_NATIVE``, ``ADV_JAX_MATH_REMAINDER``, ``ADV_JAX_MATH_MEMORY_BUDGET``,
 ``ADV_JAX_MATH_AUTOTUNE_CACHE``, ``ADV_JAX_MATH_AUTOTUNE_GRAD`` and
-``ADV_JAX_MATH_PROGRESS`` (read when no :func:`config` block is active).
+``ADV_JAX_MATH_PROGRESS`` (read when no :func:`config` block is active). A bad
+value raises an error naming the option (or the variable), the value given and
+what is accepted.
 """
 
 from __future__ import annotations
@@ -14,10 +16,13 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import math
 import os
 import re
 from collections.abc import Iterator
 from typing import Any
+
+import jax
 
 __all__ = [
     "AUTOTUNE_GRAD_MODES",
@@ -25,6 +30,7 @@ __all__ = [
     "NATIVE_MODES",
     "REMAINDER_MODES",
     "Options",
+    "check_cache_path",
     "config",
     "current",
     "parse_bytes",
@@ -53,6 +59,7 @@ def parse_bytes(value: int | str | None, name: str = "memory_budget") -> int | N
     """Bytes from an int or a string such as ``"512MiB"``, ``"2GB"``, ``"1.5 GiB"``.
 
     ``None`` (and ``""``) stays None: the default budget (see :class:`Options`).
+    ``name`` (the option or environment variable) is what error messages name.
     """
     if value is None or (isinstance(value, str) and not value.strip()):
         return None
@@ -72,9 +79,34 @@ def parse_bytes(value: int | str | None, name: str = "memory_budget") -> int | N
         number = float(match.group(1)) * _UNITS[unit]
     else:
         raise TypeError(f"{name}={value!r} must be an int or a str, not {type(value).__name__}")
-    if number <= 0:
-        raise ValueError(f"{name}={value!r} must be positive")
+    if not math.isfinite(number):
+        raise ValueError(
+            f"{name}={value!r} must be a finite number of bytes; use bytes (an int) or a "
+            "string like '512MiB', or None for the default budget"
+        )
+    if number < 1:
+        raise ValueError(
+            f"{name}={value!r} must be at least 1 byte; use bytes (an int) or a string like "
+            "'512MiB', or None for the default budget"
+        )
     return int(number)
+
+
+def check_cache_path(path: str, name: str = "autotune_cache") -> None:
+    """Raise unless ``path`` can be a cache file: not a directory, in a directory that
+    exists (the file itself is created when the first decision is stored)."""
+    if os.path.isdir(path):
+        raise IsADirectoryError(
+            f"{name}={path!r} is a directory; name a JSON file in it, e.g. "
+            f"{os.path.join(path, 'autotune.json')!r} (created when the first decision is stored)"
+        )
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        what = "is not a directory" if os.path.exists(folder) else "does not exist"
+        raise FileNotFoundError(
+            f"{name}={path!r}: the directory {folder!r} {what}; create it first (the file "
+            "is created when the first decision is stored) or name a file in an existing one"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,7 +143,11 @@ class Options:
         available system memory on CPU).
     autotune_cache : str or None
         A JSON file where ``batch_size="auto"`` decisions are kept across
-        processes (they are always cached in memory).
+        processes (they are always cached in memory). Its directory must exist; the
+        file is created when the first decision is stored. An entry that is not a
+        valid decision for its call (edited by hand, corrupt) is recomputed with a
+        warning and replaced; a file that is not a JSON object of entries is left as
+        it is, with a warning, and decisions are then kept in memory only.
     autotune_grad : str
         Whether ``batch_size="auto"`` measures the backward pass too: ``"auto"``
         when a mapped input or a value ``fun`` closes over is being
@@ -148,6 +184,7 @@ class Options:
             raise TypeError(f"autotune_cache={self.autotune_cache!r} must be a path or None")
         if self.autotune_cache is not None:
             object.__setattr__(self, "autotune_cache", os.fspath(self.autotune_cache))
+            check_cache_path(self.autotune_cache)
         if self.autotune_grad not in AUTOTUNE_GRAD_MODES:
             raise ValueError(
                 f"autotune_grad={self.autotune_grad!r} is not one of {AUTOTUNE_GRAD_MODES}"
@@ -157,28 +194,48 @@ class Options:
 
 
 def _env_bool(name: str, default: bool) -> bool:
-    value = os.environ.get(name, "").strip().lower()
+    raw = os.environ.get(name, "")
+    value = raw.strip().lower()
     if not value:
         return default
     if value in _TRUE:
         return True
     if value in _FALSE:
         return False
-    raise ValueError(f"{name}={value!r}: use one of {_TRUE + _FALSE}")
+    raise ValueError(
+        f"{name}={raw!r} is not a boolean; set it to one of {_TRUE + _FALSE} or unset it"
+    )
+
+
+def _env_choice(name: str, option: str, choices: tuple[str, ...]) -> str:
+    """The value of variable ``name`` (lower case; "auto" when unset or empty), which
+    must be one of ``choices``."""
+    raw = os.environ.get(name, "")
+    value = raw.strip().lower() or "auto"
+    if value not in choices:
+        raise ValueError(
+            f"{name}={raw!r} is not accepted: {option}={value!r} is not one of {choices}; "
+            f"set {name} to one of them or unset it"
+        )
+    return value
 
 
 def _from_env() -> Options:
+    cache = os.environ.get("ADV_JAX_MATH_AUTOTUNE_CACHE") or None
+    if cache is not None:
+        check_cache_path(cache, "ADV_JAX_MATH_AUTOTUNE_CACHE")
     return Options(
-        backend=os.environ.get("ADV_JAX_MATH_BACKEND", "auto").strip().lower() or "auto",
+        backend=_env_choice("ADV_JAX_MATH_BACKEND", "backend", BACKENDS),
         remat=_env_bool("ADV_JAX_MATH_REMAT", True),
-        native=os.environ.get("ADV_JAX_MATH_NATIVE", "auto").strip().lower() or "auto",
-        remainder=os.environ.get("ADV_JAX_MATH_REMAINDER", "auto").strip().lower() or "auto",
+        native=_env_choice("ADV_JAX_MATH_NATIVE", "native", NATIVE_MODES),
+        remainder=_env_choice("ADV_JAX_MATH_REMAINDER", "remainder", REMAINDER_MODES),
         memory_budget=parse_bytes(
             os.environ.get("ADV_JAX_MATH_MEMORY_BUDGET"), "ADV_JAX_MATH_MEMORY_BUDGET"
         ),
-        autotune_cache=os.environ.get("ADV_JAX_MATH_AUTOTUNE_CACHE") or None,
-        autotune_grad=os.environ.get("ADV_JAX_MATH_AUTOTUNE_GRAD", "auto").strip().lower()
-        or "auto",
+        autotune_cache=cache,
+        autotune_grad=_env_choice(
+            "ADV_JAX_MATH_AUTOTUNE_GRAD", "autotune_grad", AUTOTUNE_GRAD_MODES
+        ),
         progress=_env_bool("ADV_JAX_MATH_PROGRESS", False),
     )
 
@@ -233,6 +290,17 @@ def config(
     opts = dataclasses.replace(base, **{k: v for k, v in changes.items() if v is not None})
     token = _active.set(opts)
     try:
-        yield opts
+        with _in_jit_key(opts):
+            yield opts
     finally:
         _active.reset(token)
+
+
+# The options of a config() block are part of JAX's tracing and compilation cache
+# key (jax >= 0.12: jax.make_user_context): a jitted function called in blocks with
+# other options is traced again, not handed the plan of the first block.
+_JIT_KEY = jax.make_user_context(None) if hasattr(jax, "make_user_context") else None
+
+
+def _in_jit_key(opts: Options) -> contextlib.AbstractContextManager[Any]:
+    return _JIT_KEY(opts) if _JIT_KEY is not None else contextlib.nullcontext()
