@@ -9,6 +9,8 @@ reasons. Oracles are plain JAX (helpers.ORACLES).
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,9 +24,12 @@ from helpers import (
     reduction_kwargs,
 )
 
+import adv_jax_math as ajm
+from adv_jax_math import _engines
 from adv_jax_math._monoid import MonoidReduction
+from adv_jax_math._plan import Call
 from adv_jax_math._recognize import recognize
-from adv_jax_math.kernels.fused_reduce import check, fused_reduce
+from adv_jax_math.kernels.fused_reduce import check, fused_states
 
 pytestmark = needs_kernel
 
@@ -47,20 +52,18 @@ def monoid_reduction(fun, xs, monoid, axis):
 
 
 def fused(fun, xs, monoid, axis=None, *, max_rows=8, steps=None):
-    """``fused_reduce`` in interpret mode at the block ``check`` chooses."""
-    r = monoid_reduction(fun, xs, monoid, axis)
-    prepared = r.prepare(fun)
-    verdict = check(prepared, xs, r, platform="cpu", max_rows=max_rows)
-    assert verdict.problem is None, verdict.problem
-    return fused_reduce(
-        prepared,
-        xs,
-        r,
-        rows=verdict.rows,
-        steps=steps or verdict.steps,
-        max_rows=max_rows,
-        interpret=True,
+    """``batch_map`` on the fused kernel in interpret mode, at the block the engine
+    chooses (``steps``: blocks each kernel program loops over)."""
+    kw = reduction_kwargs(monoid, axis)
+    call = Call(
+        fun, jax.tree.map(jnp.asarray, xs), max_rows, kw["reduction"], kw["chunk_reduction"]
     )
+    with ajm.config(backend="interpret"):
+        plan = _engines.plan(call)
+    assert plan.engine == "interpret", str(plan)
+    if steps:
+        plan = dataclasses.replace(plan, block_steps=steps)
+    return _engines.run(plan, call)
 
 
 def plain(fun, xs, monoid, axis=None, **_):
@@ -224,8 +227,7 @@ def test_fun_traced_once_per_block_size():
     verdict = check(r.prepare(fun), xs, r, platform="cpu", max_rows=8)
     assert verdict.problem is None and fun.calls == 1  # traced once, at the block it runs
     fun.calls = 0
-    run = lambda x: fused_reduce(r.prepare(fun), x, r, rows=8, max_rows=8, interpret=True)
-    jax.grad(run)(xs)
+    jax.grad(lambda x: fused(fun, x, "add", max_rows=8))(xs)
     assert fun.calls == 1  # the forward kernel and the tangent scan share one trace
 
 
@@ -268,13 +270,13 @@ def test_check_says_why(fun, xs, platform, reason):
     assert verdict.problem is not None and reason in verdict.problem, verdict
 
 
-def test_fused_reduce_errors():
+def test_fused_states_errors():
+    block = lambda f: jax.make_jaxpr(f, return_shape=True)(jnp.ones((8, 2)))
     with pytest.raises(ValueError, match="one output row per input row"):
-        fused_reduce(
-            lambda x: [jnp.sum(x, 0)], jnp.ones((9, 2)), R_ADD, rows=8, max_rows=8, interpret=True
+        fused_states(
+            block(lambda x: [jnp.sum(x, 0)]), jnp.ones((9, 2)), R_ADD, rows=8, interpret=True
         )
     with pytest.raises(ValueError, match="interpret"):  # no compiled Pallas on CPU
-        run = lambda x: fused_reduce(
-            lambda v: [jnp.sin(v)], x, R_ADD, rows=8, max_rows=None, interpret=False, platform="cpu"
-        )
+        traced = block(lambda v: [jnp.sin(v)])
+        run = lambda x: fused_states(traced, x, R_ADD, rows=8, interpret=False, platform="cpu")
         jax.jit(run).lower(jnp.ones((9, 2)))

@@ -12,7 +12,7 @@ import pytest
 from helpers import assert_tree_close
 from jax import lax
 
-from adv_jax_math._monoid import ADD, LOGSUMEXP, MAX, MIN, identity
+from adv_jax_math import ADD, LOGSUMEXP, MAX, MIN, identity
 from adv_jax_math._recognize import Recognition, recognize
 
 F32, I32, BF16 = jnp.float32, jnp.int32, jnp.bfloat16
@@ -248,11 +248,11 @@ def test_recognized(out_shape, reduction, chunk_reduction, expected):
     assert rec.leaves is not None, rec.how
     assert rec.how
     assert len(rec.leaves) == len(expected)
-    for leaf, want in zip(rec.leaves, expected, strict=True):
+    for leaf, source_j, want in zip(rec.leaves, rec.fun_sources, expected, strict=True):
         monoid, axis, shape, dtype, source = (*want, *(F32, 0)[len(want) - 3 :])
         assert leaf.monoid is monoid, (leaf, rec.how)
         assert leaf.axis == axis and leaf.shape == shape, leaf
-        assert leaf.dtype == np.dtype(dtype) and leaf.source == source, leaf
+        assert leaf.dtype == np.dtype(dtype) and source_j == source, leaf
     for rows, seed in ((ROWS, 0), (OTHER_ROWS, 1), (1, 2)):  # also at other row counts
         ys = random_chunk(out_shape, rows, seed)
         want = reference(reduction, chunk_reduction, ys)
@@ -374,10 +374,23 @@ def test_how_lines():
     assert "leaf 0: reduce_sum" in how and "leaf 1: reduce_max over all axes + max" in how
 
 
-def test_cached_and_unhashable():
-    f = lambda t: t.sum(0)
-    a, b = recognize(jnp.add, f, S(4)), recognize(jnp.add, f, S(4))
-    assert a is b and a.leaves is not None
+def test_not_stale_and_unhashable():
+    # The same bound method, its object switched from a sum to a max between calls:
+    # recognized afresh each time (a cache keyed on the callable would keep summing).
+    class Switch:
+        def __init__(self):
+            self.max = False
+
+        def reduce(self, t):
+            return t.max(0) if self.max else t.sum(0)
+
+        def combine(self, a, b):
+            return jnp.maximum(a, b) if self.max else a + b
+
+    s = Switch()
+    assert recognize(s.combine, s.reduce, S(4)).leaves[0].monoid is ADD
+    s.max = True
+    assert recognize(s.combine, s.reduce, S(4)).leaves[0].monoid is MAX
 
     class Unhashable:
         __hash__ = None

@@ -42,14 +42,14 @@ def inputs(n):
 
 
 class Recorder:
-    """Records the rows of every chunk actually executed, on every device."""
+    """Records the rows of every chunk actually executed, on every device (a
+    partitioned callback sees each device's own rows)."""
 
     def __init__(self, fun):
         self.fun, self.rows = fun, []
 
     def __call__(self, d):
-        rows = d["y"].shape[0]
-        jax.debug.callback(lambda: self.rows.append(rows))
+        jax.debug.callback(lambda y: self.rows.append(y.shape[0]), d["y"], partitioned=True)
         return self.fun(d)
 
     def executed(self):
@@ -58,18 +58,19 @@ class Recorder:
 
 
 def expected_chunks(plan):
-    """Chunk sizes the plan says each device runs (Counter of rows)."""
+    """Chunk sizes the plan says the devices run (Counter of rows per device and
+    chunk): every device its own share's chunks, and the global remainder's
+    (replicated)."""
     lay, count = plan.shard, collections.Counter()
 
-    def add(p, times):
-        count[p.rows_per_chunk] += p.chunks * times
+    def add(p):
+        count[p.rows_per_chunk] += p.chunks * lay.devices
         if p.remainder:
-            count[p.remainder] += times
+            count[p.remainder] += lay.devices
 
-    if lay.local is not None:
-        add(lay.local, lay.devices)
-    if lay.remainder is not None:
-        add(lay.remainder, 1)
+    for p in (lay.local, lay.remainder):
+        if p is not None:
+            add(p)
     return count
 
 

@@ -6,14 +6,23 @@ with the working tree's library on ``PYTHONPATH``::
     JAX_PLATFORMS=cpu PYTHONPATH=src .venv-accel-gpu/bin/python \
         bench/accel/compile_targets.py --target h100 [--json F] [--quick] [--case NAME] [--check]
 
-Compile-only devices come from ``adv_jax_math.target_mesh`` (the library's own
-helper). Per case it records what ``adv_jax_math.explain`` plans (engine, reason,
-block), whether ``jax.jit(...).lower(...).compile()`` succeeded (else the compiler's
-first lines), whether the program holds the kernel's custom call, the compiled temp
-bytes, and for GPU the ptxas register/spill/smem figures of the kernel (nvJitLink's
-verbose info log, which XLA prints at ``TF_CPP_VMODULE=nvjitlink=3``; captured from
-file descriptor 2). ``--check`` exits 1 when a case fails :func:`check`.
-The block sweeps behind FINDINGS.md used the internal API of commit d09b8e5.
+Each case runs the way users compile: first thing in a fresh process (a
+subprocess per case; ``--same-process`` runs them all in this one), on a
+one-device mesh made from ``jax.experimental.topologies`` directly (not
+``adv_jax_math.target_mesh``, whose devices the library caches), ``with
+jax.set_mesh(mesh): jax.jit(f).lower(*avals).compile()`` with no ``explain()``
+before it: the kernel's compile probe runs inside that trace. Then it records what
+``adv_jax_math.explain`` plans (engine, reason, block), whether the compile
+succeeded (else the compiler's first lines), whether the program holds the kernel's
+custom call, the compiled temp bytes, and for GPU the ptxas register/spill/smem
+figures of the kernel (nvJitLink's verbose info log, which XLA prints at
+``TF_CPP_VMODULE=nvjitlink=3``; captured from file descriptor 2).
+
+On v4 and a100 it also compiles one ``jax.jit``-ed function for two device kinds in
+one fresh process (``PAIRS``: v5e then v4 then v5e; h100 then a100 then h100): each
+compile must be planned for its own kind. ``--check`` exits 1 when a case fails
+:func:`check` (or the two-kind check fails). The block sweeps behind FINDINGS.md
+used the internal API of commit d09b8e5.
 """
 
 from __future__ import annotations
@@ -33,6 +42,7 @@ import argparse
 import contextlib
 import json
 import re
+import subprocess
 import sys
 import tempfile
 import time
@@ -44,8 +54,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import cases as case_lib
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
+import numpy as np
 
 warnings.filterwarnings("ignore", "The Pallas Triton backend is deprecated")
 
@@ -63,13 +72,30 @@ KINDS = {
     "v4": "TPU v4",
 }
 MARKERS = {"gpu": ("__gpu$xla.gpu.triton", "triton_kernel_call"), "tpu": ("tpu_custom_call",)}
+# One jitted function compiled for two device kinds in one process: target -> (the
+# other target, compiled before and after it; the case whose plan differs or not).
+PAIRS = {"v4": ("v5e", "issue_mixture_rows"), "a100": ("h100", "issue_field")}
+
+
+def platform_of(target: str) -> str:
+    return "tpu" if target.startswith("v") else "gpu"
 
 
 def make_mesh(target: str):
-    """(platform, one-device mesh of a compile-only device) from the library's own helper."""
-    import adv_jax_math as ajm
+    """(platform, one-device mesh of a compile-only device) made from JAX's topologies
+    as a user would, not through ``adv_jax_math.target_mesh``: its devices are not
+    the ones the library caches for its own compiles."""
+    from jax.experimental import topologies
 
-    return ("tpu" if target.startswith("v") else "gpu"), ajm.target_mesh(KINDS[target])
+    from adv_jax_math.kernels.fused_reduce import targets
+
+    kind = KINDS[target]
+    if platform_of(target) == "tpu":
+        desc = topologies.get_topology_desc(targets.TPU_TOPOLOGIES[kind], platform="tpu")
+    else:
+        config = targets.gpu_target_config(kind)
+        desc = topologies.get_topology_desc("aot", "cuda", target_config=config, topology="1x1x1")
+    return platform_of(target), jax.sharding.Mesh(np.array(desc.devices[:1]), ("x",))
 
 
 # --------------------------------------------------------------------------- #
@@ -257,11 +283,11 @@ def explain_case(case: case_lib.Case) -> dict:
     return rec
 
 
-def compile_fn(fn, args, mesh, platform: str) -> dict:
-    """Lower and compile ``fn(*args)`` replicated on the 1-device mesh."""
+def compile_fn(fn, args, platform: str, jitted=None) -> dict:
+    """Lower and compile ``jax.jit(fn)(*args)`` on the active mesh (``jax.set_mesh``),
+    as the README's recipe does; ``jitted``: an existing ``jax.jit`` of ``fn``."""
     rec: dict = {}
-    shard = NamedSharding(mesh, P())
-    jitted = jax.jit(fn, in_shardings=tuple(shard for _ in args))
+    jitted = jitted or jax.jit(fn)
     t0 = time.perf_counter()
     with capture_fd2() as log:
         try:
@@ -304,15 +330,16 @@ def compile_fn(fn, args, mesh, platform: str) -> dict:
 
 
 def run_case(case: case_lib.Case, mesh, platform: str) -> dict:
+    """Compile first (the kernel's probe runs inside that jit trace), then explain()."""
     rec: dict = {"case": case.name, "grad": case.grad, "expect": case.expect}
     ctx = jax.enable_x64(True) if case.x64 else contextlib.nullcontext()
     try:
         with ctx, jax.set_mesh(mesh):
+            rec.update(compile_fn(_build(case), (case.params, case.inputs), platform))
             try:
                 rec["explain"] = explain_case(case)
             except Exception as e:
                 rec["explain"] = {"backend": "?", "reason": f"explain failed: {error_summary(e)}"}
-            rec.update(compile_fn(_build(case), (case.params, case.inputs), mesh, platform))
     except Exception as e:
         rec["compiled"] = False
         rec["error"] = "harness: " + error_summary(e)
@@ -374,11 +401,67 @@ def check(rec: dict, target: str) -> list[str]:
         problems.append(
             f"explain() says {engine!r} but the kernel is {'' if kernel else 'not '}there"
         )
+    reason = rec.get("explain", {}).get("reason", "")
+    if engine == "pallas" and f"compiled for {KINDS[target]}" not in reason:
+        problems.append(f"the kernel was not compiled for {KINDS[target]} first: {reason}")
     if target in case.kernel_on and engine != "pallas":
         problems.append(f"must take the kernel on {target}: {rec['explain'].get('reason')}")
     need = case.fallback_on.get(target)
     if need and (engine != "scan" or need not in rec["explain"].get("reason", "")):
         problems.append(f"must fall back with {need!r} on {target}: {rec['explain'].get('reason')}")
+    return problems
+
+
+def run_fresh(target: str, case: case_lib.Case) -> dict:
+    """``run_case`` first thing in a fresh interpreter (``--one``)."""
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        cmd = [sys.executable, os.path.abspath(__file__), "--target", target]
+        cmd += ["--one", case.name, "--record", out.name]
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        try:
+            with open(out.name) as f:
+                return json.load(f)
+        except (OSError, ValueError):
+            tail = (proc.stdout + proc.stderr)[-1500:]
+            error = f"harness: rc={proc.returncode}\n{tail}"
+            return {"case": case.name, "compiled": False, "error": error, "explain": {}}
+
+
+def run_pair(target: str) -> list[str]:
+    """One ``jax.jit``-ed function compiled for ``PAIRS[target]``'s other kind, then
+    for ``target``, then the other again, in this (fresh) process: each compile must
+    hold the kernel exactly when explain() under that mesh says so, with the block
+    planned for that kind, and the second kind must be traced anew (JAX's cache key
+    holds the mesh's device kind)."""
+    import adv_jax_math as ajm
+
+    other, name = PAIRS[target]
+    case = case_lib.BY_NAME[name]
+    red, chunk_red = case.reduction
+    traces: list[str] = []
+
+    def fun(x):
+        traces.append(str(jax.sharding.get_abstract_mesh().abstract_device.device_kind))
+        return case.fun(x)
+
+    jitted = jax.jit(
+        lambda xs: ajm.batch_map(fun, xs, case.batch_size, reduction=red, chunk_reduction=chunk_red)
+    )
+    problems, kinds = [], []
+    meshes = {t: make_mesh(t) for t in (other, target)}  # the same mesh object twice
+    for t in (other, target, other):
+        platform, mesh = meshes[t]
+        before = len(traces)
+        with jax.set_mesh(mesh):
+            rec = compile_fn(None, (case.inputs,), platform, jitted=jitted)
+            rec.update(case=name, explain=explain_case(case))
+        kinds.append(sorted(set(traces[before:])))
+        print(f"# pair {t}: {_row(rec)} traced for {kinds[-1] or 'none (cached)'}", flush=True)
+        problems += [f"pair {other}/{target}, {t}: {p}" for p in check(rec, t)]
+    # JAX may trace the first kind again (it does not always keep a process's first
+    # trace), never for another kind.
+    if kinds[:2] != [[KINDS[other]], [KINDS[target]]] or kinds[2] not in ([], [KINDS[other]]):
+        problems.append(f"pair {other}/{target}: traced for {kinds}, expected one trace per kind")
     return problems
 
 
@@ -389,10 +472,30 @@ def main(argv=None) -> int:
     ap.add_argument("--case", action="append", help="case name or prefix (repeatable)")
     ap.add_argument("--quick", action="store_true", help="the quick subset of cases")
     ap.add_argument("--check", action="store_true", help="exit 1 if any case fails check()")
+    ap.add_argument("--same-process", action="store_true", help="all cases in this process")
+    ap.add_argument("--one", help=argparse.SUPPRESS)  # child: run this case, write --record
+    ap.add_argument("--record", help=argparse.SUPPRESS)
+    ap.add_argument("--pair", action="store_true", help=argparse.SUPPRESS)  # child: run_pair
     args = ap.parse_args(argv)
 
-    platform, mesh = make_mesh(args.target)
-    print(f"# target {args.target}: {KINDS[args.target]} ({platform}), jax {jax.__version__}")
+    if args.one:
+        platform, mesh = make_mesh(args.target)
+        rec = run_case(case_lib.BY_NAME[args.one], mesh, platform)
+        with open(args.record, "w") as f:
+            json.dump(rec, f, default=str)
+        return 0
+    if args.pair:
+        problems = run_pair(args.target)
+        for p in problems:
+            print(f"PAIR FAILED {p}", flush=True)
+        return 1 if problems else 0
+
+    platform, mesh = make_mesh(args.target) if args.same_process else (None, None)
+    how = "all cases in one process" if args.same_process else "a fresh process per case"
+    print(
+        f"# target {args.target}: {KINDS[args.target]} ({platform_of(args.target)}), "
+        f"jax {jax.__version__}, {how}"
+    )
     selected = case_lib.select(args.case, args.quick)
     print(
         f"{'case':<24} {'plan':<7} {'result':<60} {'temp_bytes':>11} "
@@ -401,13 +504,20 @@ def main(argv=None) -> int:
     )
     records, failures = [], []
     for case in selected:
-        rec = run_case(case, mesh, platform)
+        fresh = not args.same_process
+        rec = run_fresh(args.target, case) if fresh else run_case(case, mesh, platform)
         rec["target"] = args.target
         records.append(rec)
         print(_row(rec), flush=True)
         failures += [f"{case.name}: {p}" for p in check(rec, args.target)]
-    for rec in records:
-        rec["target"] = args.target
+    if args.target in PAIRS and not args.case:
+        cmd = [sys.executable, os.path.abspath(__file__), "--target", args.target, "--pair"]
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(("# pair", "PAIR"))]
+        print("\n".join(lines), flush=True)
+        failures += [ln.removeprefix("PAIR FAILED ") for ln in lines if ln.startswith("PAIR")]
+        if proc.returncode and not any(ln.startswith("PAIR") for ln in lines):
+            failures.append(f"two-kind check: rc={proc.returncode}: {proc.stderr[-800:]}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(records, f, indent=1, default=str)

@@ -7,7 +7,24 @@ the front end plans chunks and picks an engine, engines execute the plan.
 from ._api import batch_map, batch_vmap, explain
 from ._config import Options, config
 from ._jacobian import batch_jacfwd, batch_jacrev
-from ._monoid import ADD, LOGSUMEXP, MAX, MIN, LeafReduction, Monoid, MonoidReduction, identity
+from ._monoid import LeafReduction, Monoid, MonoidReduction, identity
+from ._monoids import (
+    ADD,
+    ARGMAX,
+    ARGMIN,
+    LOGSUMEXP,
+    MAX,
+    MAX_ARGMAX,
+    MEAN,
+    MEAN_VAR,
+    MIN,
+    MIN_ARGMIN,
+    SOFTMAX_WEIGHTED,
+    VAR,
+    softmax_weighted,
+    top_k,
+    var,
+)
 from ._plan import Kind, Plan, Policy
 from ._vectorize import batch_vectorize
 from .kernels.fused_reduce.targets import target_mesh
@@ -20,9 +37,17 @@ jacrev_chunked = batch_jacrev
 
 __all__ = [
     "ADD",
+    "ARGMAX",
+    "ARGMIN",
     "LOGSUMEXP",
     "MAX",
+    "MAX_ARGMAX",
+    "MEAN",
+    "MEAN_VAR",
     "MIN",
+    "MIN_ARGMIN",
+    "SOFTMAX_WEIGHTED",
+    "VAR",
     "Kind",
     "LeafReduction",
     "Monoid",
@@ -41,7 +66,10 @@ __all__ = [
     "identity",
     "jacfwd_chunked",
     "jacrev_chunked",
+    "softmax_weighted",
     "target_mesh",
+    "top_k",
+    "var",
     "vmap_chunked",
 ]
 __version__ = "0.1.0"

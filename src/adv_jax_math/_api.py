@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from . import _engines
 from ._monoid import identity
 from ._plan import Call, Plan
+from ._recognize import is_monoid_tree
 from ._shard import as_global
 from ._validate import batch_size_from, check_callable, resolve_mesh
 
@@ -40,8 +41,8 @@ _COMMON_PARAMS = """reduction : callable or None
 
 def _check_callables(fun: Any, reduction: Any, chunk_reduction: Any) -> None:
     check_callable(fun, "fun")
-    if reduction is not None:
-        check_callable(reduction, "reduction", "a binary callable or None")
+    if reduction is not None and not is_monoid_tree(reduction):
+        check_callable(reduction, "reduction", "a binary callable, monoid objects or None")
     check_callable(chunk_reduction, "chunk_reduction")
 
 

@@ -13,7 +13,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh
 
 __all__ = ["Call", "autodiff_leaves", "is_autodiff", "is_inexact", "tracer_layers"]
 
@@ -32,7 +31,7 @@ class Call:
     reduction: Callable | None
     chunk_reduction: Callable
     shard: bool = False
-    mesh: Mesh | None = None
+    mesh: Any = None  # shard=True: a Mesh (or the context AbstractMesh inside jit)
     # batch_size="auto": which leaves of xs are differentiated, when xs are
     # placeholders (a device's share of rows); None: look at xs themselves.
     grad_rows: tuple[bool, ...] | None = None

@@ -13,10 +13,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Protocol
 
+import jax
+
 from . import _config
 from ._plan import Call, Plan, Rejection, make_plan
 from ._scan import ScanEngine
 from ._shard import ShardEngine
+from ._sharding import typed_mesh
 from ._trace import rows_aval
 from .kernels.fused_reduce.engine import FusedEngine
 
@@ -31,21 +34,14 @@ class Engine(Protocol):
     def run(self, plan: Plan, call: Call) -> Any: ...
 
 
-def _run_local(call: Call) -> Any:
-    return run(plan(call, mapped=True), call)
-
-
-def _run_call(call: Call) -> Any:
-    return run(plan(call), call)
-
-
+_BY_NAME: dict[str, Engine] = {}
 ENGINES: tuple[Engine, ...] = (
-    ShardEngine(_run_local, _run_call),
+    ShardEngine(lambda name: _BY_NAME[name]),
     FusedEngine(interpret=False),
     FusedEngine(interpret=True),
     ScanEngine(),
 )
-_BY_NAME = {engine.name: engine for engine in ENGINES}
+_BY_NAME.update({engine.name: engine for engine in ENGINES})
 
 
 def select(draft: Plan, call: Call) -> Plan:
@@ -98,7 +94,27 @@ def plan(call: Call, *, mapped: bool = False) -> Plan:
 
 
 def run(plan: Plan, call: Call) -> Any:
-    """Execute ``plan`` on its engine."""
+    """Execute ``plan`` on its engine.
+
+    A call with mapped rows runs as one ``jax.jit`` program (inside an enclosing
+    ``jit`` it is inlined), under the mesh of inputs typed on Explicit axes when no
+    mesh is set (see ``_sharding.typed_mesh``), so that values JAX and the engines
+    build to match them, in the forward pass and in its derivatives, carry their
+    sharding.
+    """
     if plan.error:
         raise NotImplementedError(plan.error)
-    return _BY_NAME[plan.engine].run(plan, call)
+    engine = _BY_NAME[plan.engine]
+    if plan.n is None:  # nothing mapped: the call as written, not traced again
+        return engine.run(plan, call)
+    consts = list({id(c): c for c in plan.consts()}.values())
+
+    def program(xs: Any, values: list) -> Any:
+        local = plan.with_consts({id(c): v for c, v in zip(consts, values, strict=True)})
+        return engine.run(local, dataclasses.replace(call, xs=xs))
+
+    # fun's constants are arguments of the program, as they are values of an eager
+    # call (not folded into the program: XLA:CPU in jaxlib 0.12.0.1 miscompiles a dot
+    # with a splat constant fused into a reduction, see tests/test_engines.py).
+    with typed_mesh(call.xs, consts):
+        return jax.jit(program)(call.xs, consts)

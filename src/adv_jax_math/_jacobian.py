@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._api import batch_vmap
+from ._sharding import explicit, sharding_of
 from ._validate import batch_size_from, check_callable, fits_one_chunk, is_int
 
 __all__ = ["batch_jacfwd", "batch_jacrev"]
@@ -192,27 +193,32 @@ def batch_jacrev(
 
 
 class _Layout:
-    """Sizes, shapes and dtypes of a flat list of leaves seen as one vector."""
+    """Sizes, shapes, dtypes (and shardings in types) of a flat list of leaves seen
+    as one vector."""
 
-    def __init__(self, shapes: list[tuple[int, ...]], dtypes: list[Any]):
+    def __init__(self, shapes: list[tuple[int, ...]], dtypes: list[Any], shardings: list[Any]):
         self.shapes = shapes
         self.dtypes = dtypes
+        self.shardings = shardings
         self.sizes = [int(np.prod(s, dtype=np.int64)) for s in shapes]
         self.offsets = [sum(self.sizes[:k]) for k in range(len(self.sizes))]
         self.total = sum(self.sizes)
 
     @classmethod
     def of(cls, leaves: Sequence[Any]) -> _Layout:
-        return cls([np.shape(x) for x in leaves], [jnp.result_type(x) for x in leaves])
+        shardings = [s if explicit(s) else None for s in map(sharding_of, leaves)]
+        return cls([np.shape(x) for x in leaves], [jnp.result_type(x) for x in leaves], shardings)
 
     def one_hot(self, i: jax.Array) -> list[jax.Array]:
-        """Basis vector ``i`` of the flattened vector, split back into the leaves."""
-        return [
-            (jnp.arange(size) == i - offset).reshape(shape).astype(dtype)
-            for size, offset, shape, dtype in zip(
-                self.sizes, self.offsets, self.shapes, self.dtypes, strict=True
-            )
-        ]
+        """Basis vector ``i`` of the flattened vector, split back into the leaves (typed
+        like them on Explicit meshes: tangents and cotangents must match their values)."""
+        out = []
+        for size, offset, shape, dtype, sharding in zip(
+            self.sizes, self.offsets, self.shapes, self.dtypes, self.shardings, strict=True
+        ):
+            e = (jnp.arange(size) == i - offset).reshape(shape).astype(dtype)
+            out.append(e if sharding is None else jax.sharding.reshard(e, sharding))
+        return out
 
     def split(self, arr: jax.Array, other_shape: tuple[int, ...], axis: int = -1) -> list:
         """Split ``arr``'s flattened ``axis`` into one block per leaf.

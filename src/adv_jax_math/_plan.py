@@ -10,18 +10,20 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh
 
 from . import _autotune, _config
 from ._call import Call
-from ._monoid import Monoid, MonoidReduction, identity
-from ._recognize import recognize
-from ._trace import Traced, rows_aval, trace
+from ._monoid import MonoidReduction, identity
+from ._recognize import is_monoid_tree, recognize
+from ._sharding import Lanes, row_sharding
+from ._trace import Traced, rebind, rows_aval, trace
 from ._validate import check_rowwise, mapped_rows
 
 __all__ = [
@@ -66,32 +68,43 @@ class Rejection:
 @dataclass(frozen=True)
 class ShardLayout:
     """How rows are spread over the mesh; ``local`` and ``remainder`` are the plans
-    each device runs on its rows and the one run for the global remainder."""
+    each device runs on its rows and the one run for the global remainder.
 
-    mesh: Mesh
+    ``axes`` are the mesh axes the rows are split over (all of them, or those an
+    already sharded input uses); ``implicit`` when the input's own sharding chose
+    them (``shard=False``, rows already spread over devices).
+    """
+
+    mesh: Any  # jax.sharding.Mesh, or AbstractMesh inside jit (an input's own mesh)
+    axes: tuple[str, ...]
     prefix: int
     local_rows: int
     global_remainder: int
     local: Plan | None
     remainder: Plan | None
+    implicit: bool = False
 
     @property
     def devices(self) -> int:
-        return self.mesh.size
+        return math.prod(self.mesh.shape[a] for a in self.axes)
 
     @property
-    def axis(self) -> str:
-        return self.mesh.axis_names[0]
+    def axis(self) -> str | tuple[str, ...]:
+        """The axis name for collectives (one name, or a tuple of them)."""
+        return self.axes[0] if len(self.axes) == 1 else self.axes
 
     def __str__(self) -> str:
-        text = f"{self.devices} devices on mesh axis {self.axis!r}: "
+        names = ", ".join(map(repr, self.axes))
+        text = f"{self.devices} devices on mesh axis {names}: "
+        if self.implicit:
+            text = f"{self.devices} devices on mesh axis {names}, where fun_input's rows live: "
         if self.local is not None:
             text += f"prefix of {self.prefix} rows, {self.local_rows} per device "
             text += f"({self.local.brief()})"
         else:
             text += "no divisible prefix"
         if self.remainder is not None:
-            text += f"; global remainder of {self.global_remainder} rows on the first device"
+            text += f"; global remainder of {self.global_remainder} rows, replicated"
             text += f" ({self.remainder.brief()})"
         return text
 
@@ -139,8 +152,13 @@ class Plan:
     notes : tuple of str
         Other facts worth knowing.
     shard : ShardLayout or None
-        For ``shard=True``: the mesh, the rows per device and the plans each
-        device runs (``shard.local``) and the global remainder runs.
+        For ``shard=True`` (or rows already spread over devices): the mesh, the
+        rows per device and the plans each device runs (``shard.local``) and the
+        global remainder runs.
+    lanes : Lanes or None
+        A device's plan run by all devices at once (``shard.local``): ``n`` and the
+        chunk fields count one device's rows; each chunk of ``fun`` takes that many
+        rows of every device.
     autotune : Decision or None
         For ``batch_size="auto"``: the memory model (fixed and per-row bytes), the
         candidate sizes with their bytes and times, and why the chosen one won.
@@ -166,8 +184,41 @@ class Plan:
     notes: tuple[str, ...] = ()
     shard: ShardLayout | None = None
     autotune: _autotune.Decision | None = None
+    lanes: Lanes | None = None
     traced: Traced | None = field(default=None, repr=False, compare=False)
+    tail: Traced | None = field(default=None, repr=False, compare=False)  # fun on the remainder
     block_traced: Any = field(default=None, repr=False, compare=False)  # fused engine's jaxpr
+
+    def consts(self) -> list[Any]:
+        """The constants of every trace the engine evaluates (this plan's and, when
+        sharded, the device plans')."""
+        out = [
+            *(self.traced.consts if self.traced else ()),
+            *(self.tail.consts if self.tail else ()),
+        ]
+        if self.block_traced is not None:
+            out += list(self.block_traced[0].consts)
+        for sub in (self.shard.local, self.shard.remainder) if self.shard else ():
+            out += sub.consts() if sub is not None else []
+        return out
+
+    def with_consts(self, values: Mapping[int, Any]) -> Plan:
+        """The plan with each trace constant ``c`` replaced by ``values[id(c)]`` (when
+        present): the same computation on other copies of its constants."""
+        block = self.block_traced
+        if block is not None:
+            block = (rebind(block[0], values), block[1])
+        lay = self.shard
+        if lay is not None:
+            sub = lambda p: p.with_consts(values) if p is not None else None
+            lay = dataclasses.replace(lay, local=sub(lay.local), remainder=sub(lay.remainder))
+        return dataclasses.replace(
+            self,
+            traced=self.traced.with_consts(values) if self.traced else None,
+            tail=self.tail.with_consts(values) if self.tail else None,
+            block_traced=block,
+            shard=lay,
+        )
 
     def __str__(self) -> str:
         what = {Kind.MAP: "none (outputs concatenated)", Kind.GENERIC: "generic (not a monoid)"}
@@ -246,7 +297,7 @@ def _rows_if_reduced(call: Call) -> int | None:
     Monoid passed as reduction reducing the mapped axis); None if not mappable."""
     if call.reduction is None:
         return None
-    if isinstance(call.reduction, Monoid) and call.chunk_reduction is identity:
+    if is_monoid_tree(call.reduction) and call.chunk_reduction is identity:
         return mapped_rows(call.xs)
     try:
         return mapped_rows(jax.tree.map(jnp.asarray, call.xs))
@@ -272,14 +323,16 @@ def make_plan(call: Call, *, mapped: bool = False) -> Plan:
 
     Rows are counted when something is split (``batch_size`` or ``shard``) or when
     ``mapped`` says the input's leading axis is mapped (a device's share of rows).
-    ``fun`` is traced once here, on one chunk; engines reuse that trace.
+    ``fun`` is traced here, once per chunk shape (the chunks and a remainder);
+    engines evaluate those traces and never call ``fun`` again.
     """
     b = call.batch_size
     decision = None
     if b == "auto":
         n: int | None = mapped_rows(call.xs)
-        if call.shard and n:
-            return _sharded_plan(call, n)  # each device's plan chooses for its rows
+        spread = _spread(call, n, mapped)
+        if spread is not None and n:
+            return _sharded_plan(call, n, *spread)  # each device's plan chooses for its rows
         if n:
             decision = _autotune.choose(call, n, target_platform())
         b = decision.batch_size if decision else None
@@ -287,8 +340,9 @@ def make_plan(call: Call, *, mapped: bool = False) -> Plan:
     assert not isinstance(b, str)  # "auto", the only str batch_size, was resolved above
     # A Monoid passed as reduction (default chunk_reduction) reduces the mapped axis.
     n = mapped_rows(call.xs) if b is not None or call.shard or mapped else _rows_if_reduced(call)
-    if call.shard and n:
-        return _sharded_plan(call, n)
+    spread = _spread(call, n, mapped)
+    if spread is not None and n:
+        return _sharded_plan(call, n, *spread)
     if n is None:  # nothing is split: one plain call, as the user wrote it
         kind = Kind.MAP if call.reduction is None else Kind.GENERIC
         return Plan(n, b, kind, None, Policy.SINGLE, 1, 0, platform=target_platform())
@@ -308,24 +362,26 @@ def make_plan(call: Call, *, mapped: bool = False) -> Plan:
     raw = trace(call.fun, avals)
     reduction, how = _recognized(call, raw) if call.reduction is not None else (None, "")
     kind = _kind(call, reduction)
-    traced = raw
-    if reduction is not None and policy is not Policy.EMPTY:
-        traced = trace(reduction.prepare(raw), avals)  # the prologue joins fun's jaxpr
     if policy is Policy.OVERLAP:
         if kind is Kind.MAP and call.chunk_reduction is identity:
-            check_rowwise(traced.out_shape, rows, "fun(chunk)")
+            check_rowwise(raw.out_shape, rows, "fun(chunk)")
         elif kind is not Kind.MONOID:
             # Repeated rows cannot be left out of an unknown reduction or a chunk summary:
             # chunks of at most batch_size rows, then the remainder rows apart.
             policy, chunks = Policy.REMAINDER, n // rows
             notes = [note for note in notes if not note.startswith("remainder=")]
         elif chunks * rows != n and not all(
-            s.shape[:1] == (rows,) for s in jax.tree.leaves(traced.out_shape)
+            s.shape[:1] == (rows,) for s in jax.tree.leaves(raw.out_shape)
         ):
             notes.append("fun's output has no row axis, so repeated rows cannot be left out")
             policy, chunks = Policy.REMAINDER, n // rows
-    if policy is Policy.REMAINDER and kind is not Kind.MONOID:
-        traced = raw  # the engine runs chunk_reduction(fun(chunk)) on fun's own jaxpr
+    remainder = n - chunks * rows if policy is Policy.REMAINDER else 0
+    tail = trace(call.fun, rows_aval(call.xs, remainder)) if remainder else None
+    traced = raw
+    if reduction is not None:
+        # The prologue joins fun's jaxpr (evaluated, not traced again).
+        traced = trace(reduction.prepare(raw), avals)
+        tail = trace(reduction.prepare(tail), rows_aval(call.xs, remainder)) if tail else None
     return Plan(
         n=n,
         batch_size=b,
@@ -336,12 +392,27 @@ def make_plan(call: Call, *, mapped: bool = False) -> Plan:
         chunks=chunks,
         rows_per_chunk=rows,
         masked=chunks * rows - n if policy is Policy.OVERLAP else 0,
-        remainder=n - chunks * rows if policy is Policy.REMAINDER else 0,
+        remainder=remainder,
         platform=target_platform(),
         notes=tuple(notes),
         autotune=decision,
         traced=traced,
+        tail=tail,
     )
+
+
+def _spread(call: Call, n: int | None, mapped: bool) -> tuple[Any, tuple[str, ...], bool] | None:
+    """``(mesh, axes, implicit)`` when the rows are spread over devices: ``shard=True``
+    (the call's mesh, every axis), or an input whose rows already live on several
+    devices (that input's mesh and row axes: each device processes its own rows, as
+    ``jax.vmap`` would); None otherwise (a device's own share, ``mapped``, included)."""
+    if not n or mapped:
+        return None
+    if call.shard:
+        assert call.mesh is not None  # shard=True calls get a mesh (_api._prepare)
+        return call.mesh, tuple(call.mesh.axis_names), False
+    rows = row_sharding(call.xs)
+    return None if rows is None else (rows.mesh, rows.axes, True)
 
 
 def _split_note(n: int, b: int, rows: int, split: str, mode: str) -> str:
@@ -361,22 +432,34 @@ def _split_note(n: int, b: int, rows: int, split: str, mode: str) -> str:
     )
 
 
-def _sharded_plan(call: Call, n: int) -> Plan:
-    mesh = call.mesh
-    assert mesh is not None  # shard=True calls get a mesh (_api._prepare)
-    d = mesh.size
+def _sharded_plan(call: Call, n: int, mesh: Any, axes: tuple[str, ...], implicit: bool) -> Plan:
+    d = math.prod(mesh.shape[a] for a in axes)
     prefix, rest = n - n % d, n % d
-    local = lambda rows: make_plan(call.with_rows(rows_aval(call.xs, rows)), mapped=True)
+    lanes = Lanes(d, mesh, axes)
+    local = remainder = None
+    if prefix:  # a device's share, planned on its rows, then traced for all devices at once
+        local = make_plan(call.with_rows(rows_aval(call.xs, prefix // d)), mapped=True)
+        local = _over_lanes(local, call, lanes)
+    if rest:
+        remainder = make_plan(call.with_rows(rows_aval(call.xs, rest)), mapped=True)
     lay = ShardLayout(
         mesh=mesh,
+        axes=axes,
         prefix=prefix,
         local_rows=prefix // d,
         global_remainder=rest,
-        local=local(prefix // d) if prefix else None,
-        remainder=local(rest) if rest else None,
+        local=local,
+        remainder=remainder,
+        implicit=implicit,
     )
     first = lay.local or lay.remainder
     assert first is not None  # n > 0 rows: a divisible prefix, a remainder or both
+    notes: tuple[str, ...] = ()
+    if implicit:
+        notes = (
+            f"fun_input's rows are sharded over mesh axes {axes}: each device processes "
+            "its own rows, batch_size bounding its chunks (as with shard=True)",
+        )
     return Plan(
         n=n,
         batch_size=call.batch_size,
@@ -387,5 +470,27 @@ def _sharded_plan(call: Call, n: int) -> Plan:
         chunks=0,
         rows_per_chunk=0,
         platform=first.platform,
+        notes=notes,
         shard=lay,
+    )
+
+
+def _over_lanes(plan: Plan, call: Call, lanes: Lanes) -> Plan:
+    """A device's plan run by all devices at once: each chunk of ``fun`` takes the
+    same rows of every device's share (``lanes.count`` times the chunk's rows)."""
+    if plan.policy is Policy.EMPTY or plan.traced is None:
+        return plan
+    d = lanes.count
+
+    def again(traced: Traced | None, rows: int) -> Traced | None:
+        if traced is None:
+            return None
+        fun = call.fun if plan.reduction is None else plan.reduction.prepare(call.fun)
+        return trace(fun, rows_aval(call.xs, d * rows))
+
+    return dataclasses.replace(
+        plan,
+        lanes=lanes,
+        traced=again(plan.traced, plan.rows_per_chunk),
+        tail=again(plan.tail, plan.remainder),
     )

@@ -10,10 +10,8 @@ the matching binary ``add`` / ``max`` / ``min`` / ``logaddexp``. Calls (``jit``,
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,15 +31,14 @@ from ._jaxpr_graph import (
     same_structure,
     same_value,
 )
-from ._monoid import ADD, LOGSUMEXP, MAX, MIN, LeafReduction, Monoid, identity
+from ._monoid import LeafReduction, Monoid, identity
+from ._monoids import ADD, LOGSUMEXP, MAX, MIN
+from ._trace import fresh_jaxpr
 
-__all__ = ["LeafReduction", "Recognition", "recognize"]
+__all__ = ["LeafReduction", "Recognition", "is_monoid_tree", "recognize"]
 
 _REDUCES = {"reduce_sum": ADD, "reduce_max": MAX, "reduce_min": MIN}
 _COMBINES = {"add": ADD, "max": MAX, "min": MIN}
-_CACHE: collections.OrderedDict = collections.OrderedDict()
-_CACHE_SIZE = 256
-_LOCK = threading.Lock()
 
 
 class _Generic(Exception):
@@ -118,12 +115,29 @@ def _prologue(v: Node) -> tuple[frozenset, set]:
     return frozenset(bcasts), free
 
 
+# Reductions a monoid object computes, written by hand: what explain() suggests.
+_LOOKALIKES = {
+    "argmin": "ARGMIN (its indices are global rows; a chunk's argmin is chunk-local)",
+    "argmax": "ARGMAX (its indices are global rows; a chunk's argmax is chunk-local)",
+    "top_k": "top_k(k) (global row indices, no row reported twice)",
+}
+
+
 def _describe(n: Node) -> str:
+    if n.name in _LOOKALIKES:
+        return f"computes {n.name}: not a monoid; use reduction=adv_jax_math.{_LOOKALIKES[n.name]}"
     stack, seen = list(n.args), set()
     while stack:
         a = stack.pop()
+        if a.name in _LOOKALIKES:
+            return f"computes {a.name}: not a monoid; use adv_jax_math.{_LOOKALIKES[a.name]}"
         if a.name in _REDUCES:
-            mean = " (a mean?)" if (n.name, a.name) == ("div", "reduce_sum") else ""
+            mean = (
+                " (a mean? use reduction=adv_jax_math.MEAN: averaging chunk means weights "
+                "chunks unequally)"
+                if (n.name, a.name) == ("div", "reduce_sum")
+                else ""
+            )
             return f"computes {n.name} after {a.name}{mean}: not a monoid"
         if a.k not in seen:
             seen.add(a.k)
@@ -132,7 +146,7 @@ def _describe(n: Node) -> str:
 
 
 def _analyze_chunk(chunk_reduction: Callable, out_shape: Any) -> tuple:
-    """Trace ``chunk_reduction``: (leaves, out_tree, descriptions, prologues, has_tracers)."""
+    """Trace ``chunk_reduction``: (leaves, out_tree, descriptions, prologues)."""
     leaves, tree = jax.tree.flatten(out_shape)
     if not leaves or any(len(s.shape) == 0 for s in leaves):
         raise _Generic("an output leaf of fun has no mapped (leading) axis")
@@ -141,15 +155,14 @@ def _analyze_chunk(chunk_reduction: Callable, out_shape: Any) -> tuple:
     def trace(r: int) -> tuple:
         avals = [jax.ShapeDtypeStruct((r, *s.shape[1:]), s.dtype) for s in leaves]
         try:
-            return jax.make_jaxpr(chunk_reduction, return_shape=True)(
-                jax.tree.unflatten(tree, avals)
-            )
+            return fresh_jaxpr(chunk_reduction, jax.tree.unflatten(tree, avals), return_shape=True)
         except Exception as e:
             raise _Generic(f"tracing chunk_reduction failed: {type(e).__name__}: {e}") from e
 
     closed, shape = trace(rows)
     _, outs, nodes = graph(closed)
-    result, descr, prologues, free = [], [], [], set()
+    result, descr, prologues, sources, free = [], [], [], [], set()
+    monoid: Monoid
     for j, out in enumerate(outs):
         n = peel(out, narrow=True)
         lse = _match_lse(n)
@@ -169,8 +182,9 @@ def _analyze_chunk(chunk_reduction: Callable, out_shape: Any) -> tuple:
         free |= leaf_free
         prologues.append((v, bcasts) if v.name != "in" else None)
         (source,) = deps(v)
-        shape_j, dtype_j = tuple(out.aval.shape), np.dtype(out.aval.dtype)
-        result.append(LeafReduction(source, monoid, axis, shape_j, dtype_j, v.name != "in"))
+        sources.append(source)
+        out_j = jax.ShapeDtypeStruct(tuple(out.aval.shape), np.dtype(out.aval.dtype))
+        result.append(LeafReduction((j,), monoid, axis, out_j, v.name != "in"))
         pro = " of an elementwise prologue" if v.name != "in" else ""
         descr.append(f"{what}{pro} over {'axis 0' if axis == 0 else 'all axes'}")
     if free:  # the prologue's constants must not depend on the number of rows
@@ -190,8 +204,7 @@ def _analyze_chunk(chunk_reduction: Callable, out_shape: Any) -> tuple:
             raise _Generic(
                 "chunk_reduction's prologue changes with the number of rows (or between traces)"
             )
-    tracers = any(isinstance(n.val, jax.core.Tracer) for n in nodes)
-    return tuple(result), jax.tree.structure(shape), descr, tuple(prologues), tracers
+    return tuple(result), jax.tree.structure(shape), descr, tuple(prologues), tuple(sources)
 
 
 @functools.lru_cache(maxsize=64)
@@ -222,7 +235,7 @@ def _analyze_reduction(reduction: Callable, leaves: tuple, tree: Any) -> list[st
     """Check that ``reduction`` combines each leaf with that leaf's monoid."""
     avals = jax.tree.unflatten(tree, [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves])
     try:
-        closed, shape = jax.make_jaxpr(reduction, return_shape=True)(avals, avals)
+        closed, shape = fresh_jaxpr(reduction, avals, avals, return_shape=True)
     except Exception as e:
         raise _Generic(f"tracing reduction failed: {type(e).__name__}: {e}") from e
     if jax.tree.structure(shape) != tree:
@@ -254,6 +267,15 @@ class Recognition:
     _prologues: tuple[tuple[Node, frozenset] | None, ...] = field(
         default=(), compare=False, repr=False
     )
+    # The leaf of fun's output each term's prologue reads (None: the terms read fun's
+    # output leaves themselves, a Monoid object's reduction).
+    _fun_sources: tuple[int, ...] | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def fun_sources(self) -> tuple[int, ...]:
+        """The leaf of ``fun``'s output each term reads (its first, for two-leaf terms)."""
+        assert self.leaves is not None
+        return self._fun_sources or tuple(leaf.sources[0] for leaf in self.leaves)
 
     @property
     def prologue_captures_arrays(self) -> bool:
@@ -270,7 +292,8 @@ class Recognition:
         return False
 
     def prologue(self, ys: Any) -> list[jax.Array]:
-        """Each result leaf's source leaf of ``ys`` with its elementwise prologue applied.
+        """The arrays the terms read: each term's source leaf of ``ys`` with its
+        elementwise prologue applied (or ``ys``'s leaves, for Monoid objects).
 
         Parameters
         ----------
@@ -285,10 +308,12 @@ class Recognition:
         if self.leaves is None:
             raise ValueError(f"not a recognized monoid reduction: {self.how}")
         ys = jax.tree.leaves(ys)
+        if self._fun_sources is None:
+            return ys
         pros = self._prologues or (None,) * len(self.leaves)
         return [
-            ys[leaf.source] if pro is None else evaluate(*pro, ys[leaf.source])
-            for leaf, pro in zip(self.leaves, pros, strict=True)
+            ys[src] if pro is None else evaluate(*pro, ys[src])
+            for src, pro in zip(self._fun_sources, pros, strict=True)
         ]
 
 
@@ -307,33 +332,88 @@ def _leafwise(reduction: Callable) -> Callable:
     return each
 
 
-def _recognize(reduction: Any, chunk_reduction: Callable, out_shape: Any) -> tuple:
-    """(Recognition, whether it holds tracers and must not be cached)."""
+class _Term:
+    """A monoid with the leaves of fun's output it reads (a leaf of the result tree)."""
+
+    def __init__(self, monoid: Monoid, sources: tuple[int, ...]):
+        self.monoid, self.sources = monoid, sources
+
+
+def _monoid_terms(reduction: Any, out_shape: Any) -> Recognition:
+    """A Monoid object, or a pytree of them (a prefix of fun's output structure),
+    with the default chunk_reduction: each monoid reduces the rows of its subtree,
+    one term per leaf (two leaves, scores and values, for SOFTMAX_WEIGHTED)."""
     leaves, tree = jax.tree.flatten(out_shape)
-    if isinstance(reduction, Monoid) and chunk_reduction is identity:
-        if not leaves or any(len(s.shape) == 0 for s in leaves):
-            return Recognition(None, None, "an output leaf of fun has no mapped axis"), False
-        result = []
-        for i, s in enumerate(leaves):
-            dtype = reduction.result_dtype(s.dtype)
-            result.append(LeafReduction(i, reduction, 0, tuple(s.shape[1:]), dtype, False))
-        how = f"reduction={reduction!r}: {reduction.name} over axis 0 of every leaf"
-        return Recognition(tuple(result), tree, how), False
-    if chunk_reduction is identity:
-        return Recognition(None, None, "chunk_reduction is the identity: no reduction"), False
+    if not leaves or any(len(s.shape) == 0 for s in leaves):
+        return Recognition(None, None, "an output leaf of fun has no mapped axis")
+    index = jax.tree.unflatten(tree, list(range(len(leaves))))
+
+    def place(monoid: Monoid, sub: Any) -> Any:
+        where = jax.tree.leaves(sub)
+        if monoid.arity == 1:
+            return jax.tree.map(lambda i: _Term(monoid, (i,)), sub)
+        if len(where) != monoid.arity:
+            raise ValueError(
+                f"reduction={monoid!r} reads {monoid.arity} leaves of fun's output (e.g. "
+                f"(scores, values)), but its part of the output has {len(where)}: "
+                f"{jax.tree.unflatten(jax.tree.structure(sub), [leaves[i] for i in where])}"
+            )
+        return _Term(monoid, tuple(where))
+
+    is_monoid = lambda m: isinstance(m, Monoid)
     try:
-        rec, tree, descr, prologues, tracers = _analyze_chunk(chunk_reduction, out_shape)
+        placed = jax.tree.map(place, reduction, index, is_leaf=is_monoid)
+    except ValueError as e:
+        if "reads" in str(e):
+            raise
+        raise ValueError(
+            f"reduction={reduction!r}: a pytree of monoids must be a prefix of the structure "
+            f"of fun's output, {tree} ({e})"
+        ) from None
+    terms, out_tree = jax.tree.flatten(placed, is_leaf=lambda t: isinstance(t, _Term))
+    result = []
+    for term in terms:
+        items = [
+            jax.ShapeDtypeStruct(tuple(leaves[i].shape[1:]), leaves[i].dtype) for i in term.sources
+        ]
+        m = term.monoid
+        out = jax.eval_shape(lambda m=m, items=items: m.finalize(m.init(items), items))
+        result.append(LeafReduction(term.sources, term.monoid, 0, out, False))
+    names = sorted({repr(t.monoid) for t in terms})
+    how = f"reduction={names[0] if len(names) == 1 else reduction!r}: over axis 0 of " + (
+        "every leaf" if isinstance(reduction, Monoid) else "each subtree"
+    )
+    return Recognition(tuple(result), out_tree, how)
+
+
+def _recognize(reduction: Any, chunk_reduction: Callable, out_shape: Any) -> Recognition:
+    """The monoids of ``(reduction, chunk_reduction)`` (see :func:`recognize`)."""
+    tree = jax.tree.structure(out_shape)
+    if is_monoid_tree(reduction) and chunk_reduction is identity:
+        return _monoid_terms(reduction, out_shape)
+    if is_monoid_tree(reduction) and not (
+        isinstance(reduction, Monoid) and reduction.combine is not None
+    ):
+        raise ValueError(
+            f"reduction={reduction!r} with chunk_reduction={chunk_reduction!r}: a monoid "
+            "whose state is not its result (or a pytree of monoids) reduces the rows "
+            "itself; use the default chunk_reduction"
+        )
+    if chunk_reduction is identity:
+        return Recognition(None, None, "chunk_reduction is the identity: no reduction")
+    try:
+        rec, tree, descr, prologues, sources = _analyze_chunk(chunk_reduction, out_shape)
     except Exception as e:  # _Generic, or anything unexpected: run generically
         if not jax.tree_util.treedef_is_leaf(tree) and isinstance(e.__cause__ or e, TypeError):
             # jnp.sum(dict) raises: a known reduction applied to each leaf of a pytree
             # output (our documented extension; the call as written could not run).
             each = lambda t: jax.tree.map(chunk_reduction, t)
             pair = reduction if isinstance(reduction, Monoid) else _leafwise(reduction)
-            rec_each, tracers = _recognize(pair, each, out_shape)
+            rec_each = _recognize(pair, each, out_shape)
             if rec_each.leaves is not None:
                 how = rec_each.how + " (chunk_reduction applied to each leaf)"
-                return dataclasses.replace(rec_each, how=how), tracers
-        return _generic(e), False
+                return dataclasses.replace(rec_each, how=how)
+        return _generic(e)
     try:
         names = (
             [reduction.name] * len(rec)
@@ -341,7 +421,7 @@ def _recognize(reduction: Any, chunk_reduction: Callable, out_shape: Any) -> tup
             else (_analyze_reduction(reduction, rec, tree))
         )
     except Exception as e:
-        return _generic(e), False
+        return _generic(e)
     for leaf in rec if isinstance(reduction, Monoid) else ():
         if leaf.monoid is not reduction:
             raise ValueError(
@@ -350,7 +430,17 @@ def _recognize(reduction: Any, chunk_reduction: Callable, out_shape: Any) -> tup
             )
     parts = [f"{d} + {c}" for d, c in zip(descr, names, strict=True)]
     how = parts[0] if len(parts) == 1 else "; ".join(f"leaf {j}: {p}" for j, p in enumerate(parts))
-    return Recognition(rec, tree, "traced: " + how, prologues), tracers
+    return Recognition(rec, tree, "traced: " + how, prologues, sources)
+
+
+def is_monoid_tree(reduction: Any) -> bool:
+    """A Monoid object, or a (non-empty) pytree whose leaves are all Monoid objects."""
+    if isinstance(reduction, Monoid):
+        return True
+    if callable(reduction) or reduction is None:
+        return False
+    leaves = jax.tree.leaves(reduction, is_leaf=lambda m: isinstance(m, Monoid))
+    return bool(leaves) and all(isinstance(m, Monoid) for m in leaves)
 
 
 def recognize(reduction: Callable | None, chunk_reduction: Callable, out_shape: Any) -> Recognition:
@@ -377,20 +467,4 @@ def recognize(reduction: Callable | None, chunk_reduction: Callable, out_shape: 
     """
     if reduction is None:
         return Recognition(None, None, "no reduction")
-    leaves, tree = jax.tree.flatten(out_shape)
-    key: Any = (reduction, chunk_reduction, tree, *((tuple(s.shape), s.dtype) for s in leaves))
-    try:
-        hash(key)
-    except TypeError:  # an unhashable callable: not cached
-        key = None
-    with _LOCK:
-        if key in _CACHE:
-            _CACHE.move_to_end(key)
-            return _CACHE[key]
-    rec, tracers = _recognize(reduction, chunk_reduction, out_shape)
-    if key is not None and not tracers:
-        with _LOCK:
-            _CACHE[key] = rec
-            while len(_CACHE) > _CACHE_SIZE:
-                _CACHE.popitem(last=False)
-    return rec
+    return _recognize(reduction, chunk_reduction, out_shape)

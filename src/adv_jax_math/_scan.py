@@ -1,40 +1,54 @@
 """The scan engine: chunks executed by ``lax.scan``. Runs every plan on every
 platform and defines the reference semantics the other engines reproduce.
 
-* overlap (maps and recognized monoids): ``k`` equal chunks in one scan, the last
+* overlap (maps and monoid reductions): ``k`` equal chunks in one scan, the last
   starting at ``n - rows`` so that it shares a few rows with the one before; a map
-  writes them twice (same values), a monoid counts them once
-  (``Monoid.overlapped``). Every row ``fun`` sees is a real input row (no padding
-  that could make NaNs), all chunks have one shape, and ``fun`` is traced once (by
-  the planner) and compiled once.
+  writes them twice (same values), a monoid counts them once (a row of a small
+  constant table weights them: halves for float sums, the last copy left out
+  otherwise). Every row ``fun`` sees is a real input row (no padding that could
+  make NaNs), all chunks have one shape, and ``fun`` is traced once (by the
+  planner) and compiled once.
 * remainder (anything else): full chunks of ``B`` rows, then the remainder rows
   in a separate call, for reductions whose repeated rows could not be discounted.
+* lanes (rows spread over devices): a plan for one device's share run by all
+  devices at once; every array has a leading device axis, each chunk of ``fun``
+  takes the same rows of every share, and each device folds its own rows.
 
-Each chunk's work is wrapped in ``jax.checkpoint``, so a gradient keeps one chunk's
-intermediates alive at a time: O(batch_size) memory (with ``remat`` off, only input
-slices are taken again).
+A monoid's state is folded chunk by chunk (``Monoid.fold``, per device with
+``jax.vmap``), merged across chunks and devices, and finalized by the caller.
+Each chunk's work is wrapped in ``jax.checkpoint``, so a gradient keeps one
+chunk's intermediates alive at a time: O(batch_size) memory (with ``remat`` off,
+only input slices are taken again). The tangent of a reduction that selects rows
+(:func:`tangent_shares`) runs over the same chunks.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
+from jax.custom_derivatives import SymbolicZero
 
 from . import _config, _progress
 from . import _tangent as tangent
-from ._monoid import RECOMPUTED, MonoidReduction
+from ._monoid import LeafReduction, MonoidReduction, index_dtype, merge_stacked
+from ._monoid import identity as identity_fn
 from ._plan import Call, Kind, Plan, Policy, Rejection
-from ._trace import rows_aval, size
+from ._sharding import Lanes, zeros
+from ._trace import Traced, size
 from ._validate import check_rowwise
-from .kernels import native
 
-__all__ = ["ScanEngine"]
+__all__ = ["RECOMPUTED", "ScanEngine", "merge_all", "tangent_shares"]
+
+RECOMPUTED = "adv_jax_math.recomputed"  # checkpoint_name of values a gradient recomputes
+LARGE_FUN = 100  # equations (sub-jaxprs included): a fun this large is materialized
 
 
 class ScanEngine:
@@ -50,24 +64,26 @@ class ScanEngine:
             return _empty_result(plan, call)
         if plan.kind is Kind.MONOID:
             assert plan.reduction is not None
-            return plan.reduction.finish(_reduce(plan, call))
-        if plan.policy is Policy.OVERLAP:
-            return _map_overlapped(plan, call.xs)
-        if plan.policy is Policy.REMAINDER:
-            return _run_remainder(plan, call)
+            return tangent.reduce(plan.reduction, [(plan, call.xs, 0)], states, tangent_shares)
         if plan.traced is None:  # nothing mapped: the call as written
             return call.chunk_reduction(call.fun(call.xs))
-        return call.chunk_reduction(plan.traced(call.xs))
+        if plan.kind is Kind.GENERIC:
+            return _generic(plan, call)
+        return _map(plan, call)
+
+    def states(self, plan: Plan, xs: Any, offset: int) -> list:
+        """Each term's state over ``plan``'s rows (global indices from ``offset``)."""
+        return states(plan, xs, offset)
 
 
 def _empty_result(plan: Plan, call: Call) -> Any:
-    """``n == 0``: a map gives empty outputs, a monoid its identity."""
+    """``n == 0``: a map gives empty outputs, a monoid its empty result."""
+    assert plan.traced is not None  # an EMPTY plan was traced on 1 row
     if plan.kind is Kind.MONOID:
         assert plan.reduction is not None
-        return plan.reduction.identity_result()
+        return plan.reduction.empty_result(plan.traced.out_shape)
     if plan.kind is Kind.GENERIC:
         return call.chunk_reduction(call.fun(call.xs))
-    assert plan.traced is not None  # a map with n == 0 rows was traced on 1 row
     one_row = jax.eval_shape(call.chunk_reduction, plan.traced.out_shape)
     return jax.tree.map(lambda s: jnp.zeros((0, *s.shape[1:]), s.dtype), one_row)
 
@@ -90,37 +106,6 @@ def _save_all_but_recomputed(prim: Any, *_: Any, **params: Any) -> bool:
     return prim.name != "dynamic_slice"
 
 
-def _stack(xs: Any, chunks: int, rows: int) -> Any:
-    """The first ``chunks * rows`` rows of each leaf as ``(chunks, rows, ...)``."""
-    return jax.tree.map(lambda x: x[: chunks * rows].reshape(chunks, rows, *x.shape[1:]), xs)
-
-
-def _map_chunks(f: Callable, stacked: Any) -> Any:
-    """``f`` on every chunk of ``stacked`` in a scan; outputs concatenated by rows."""
-    rows = jax.tree.leaves(stacked)[0].shape[1]
-    _, ys = _progress.scan(lambda carry, x: (carry, f(x)), (), stacked, rows=rows)
-    return jax.tree.map(lambda y: y.reshape(y.shape[0] * y.shape[1], *y.shape[2:]), ys)
-
-
-def _map_overlapped(plan: Plan, xs: Any) -> Any:
-    """A map: ``k`` chunks of ``B`` rows in one scan, the last one starting at
-    ``n - B``, each written into the ``(n, ...)`` outputs where its rows belong (the
-    last chunk writes its repeated rows again, with the same values). One copy of
-    ``fun``, no row mask, no stacked copy of the outputs."""
-    n, b, k = plan.n, plan.rows_per_chunk, plan.chunks
-    traced = plan.traced
-    assert n is not None and traced is not None  # an OVERLAP plan is mapped and traced
-    chunk = _remat(lambda i: traced(_take(xs, _start(i, n, b), b)))
-    shapes = jax.eval_shape(chunk, jnp.int32(0))
-    out = jax.tree.map(lambda s: jnp.zeros((n, *s.shape[1:]), s.dtype), shapes)
-
-    def step(i: jax.Array, out: Any) -> tuple[Any, None]:
-        write = lambda o, y: lax.dynamic_update_slice_in_dim(o, y, _start(i, n, b), 0)
-        return jax.tree.map(write, out, chunk(i)), None
-
-    return _steps(step, out, k, rows=b)[0]
-
-
 def _steps(step: Callable, init: Any, k: int, *, rows: int) -> tuple[Any, Any]:
     """``state, y = step(i, state)`` for ``i`` in ``range(k)`` in a scan; the ``y``
     are stacked. The index is scanned over, not carried: a carried counter would be
@@ -128,126 +113,370 @@ def _steps(step: Callable, init: Any, k: int, *, rows: int) -> tuple[Any, Any]:
     return _progress.scan(lambda state, i: step(i, state), init, jnp.arange(k), rows=rows)
 
 
-def _start(i: jax.Array, n: int, rows: int) -> jax.Array:
-    """The first row of overlapping chunk ``i``: ``i * rows``, the last at ``n - rows``."""
-    return jnp.minimum(i * rows, n - rows)
+# -- the rows of a plan: shares, chunks, indices ---------------------------------------
+@dataclasses.dataclass(frozen=True)
+class _Rows:
+    """How a plan's rows are cut: ``m`` rows per share (``d`` shares, one per device,
+    or one), chunks of ``b`` rows, the last ``r`` of them repeated (overlap) or a
+    remainder of ``r`` rows apart; ``offset`` is the global index of the first row."""
+
+    plan: Plan
+    offset: int
+
+    @property
+    def lanes(self) -> Lanes | None:
+        lanes = self.plan.lanes
+        return lanes if lanes is not None and lanes.count > 1 else None
+
+    @property
+    def d(self) -> int:
+        return self.lanes.count if self.lanes else 1
+
+    @property
+    def m(self) -> int:
+        assert self.plan.n is not None
+        return self.plan.n
+
+    def whole(self, x: Any) -> Any:
+        """A leaf of all the plan's rows (every share, in order)."""
+        return x if not self.lanes else self.lanes.constrain(x)
+
+    def view(self, x: Any) -> Any:
+        """A leaf as ``(d, m, ...)`` (as it is for one share)."""
+        if not self.lanes:
+            return x
+        return self.lanes.constrain(x.reshape(self.d, self.m, *x.shape[1:]))
+
+    def unview(self, y: Any) -> Any:
+        if not self.lanes:
+            return y
+        return self.lanes.constrain(y.reshape(self.d * self.m, *y.shape[2:]))
+
+    def take(self, views: list, start: Any, rows: int, *, named: bool = True) -> list:
+        """``rows`` rows of every share from ``start``, as one chunk for ``fun``
+        (``named``: a slice a gradient takes again, see ``_remat``; not for tangents,
+        which have no transpose through a name)."""
+        axis = 1 if self.lanes else 0
+        out = []
+        for v in views:
+            c = lax.dynamic_slice_in_dim(v, start, rows, axis)
+            c = checkpoint_name(c, RECOMPUTED) if named else c
+            out.append(c if not self.lanes else self.lanes.constrain(c.reshape(-1, *c.shape[2:])))
+        return out
+
+    def shares(self, y: jax.Array, rows: int) -> jax.Array:
+        """A chunk output ``(d * rows, ...)`` as ``(d, rows, ...)``."""
+        if not self.lanes:
+            return y
+        return self.lanes.constrain(y.reshape(self.d, rows, *y.shape[1:]))
+
+    def index(self, start: Any, rows: int) -> jax.Array:
+        """Global row indices of a chunk: ``(rows,)``, or ``(d, rows)`` with lanes."""
+        local = self.offset + start + jnp.arange(rows, dtype=index_dtype())
+        if not self.lanes:
+            return local
+        first = jnp.arange(self.d, dtype=index_dtype())[:, None] * self.m
+        return self.lanes.constrain(first + local[None])
+
+    def per_share(self, f: Callable) -> Callable:
+        """``f`` over one share's arrays, mapped over the device axis with lanes (the
+        other arguments, e.g. the final state, are shared)."""
+        return f if not self.lanes else jax.vmap(f, in_axes=(0, 0, None, None))
 
 
-def _take(xs: Any, start: Any, rows: int) -> Any:
-    take = lambda x: checkpoint_name(lax.dynamic_slice_in_dim(x, start, rows), RECOMPUTED)
-    return jax.tree.map(take, xs)
+def _start(i: jax.Array, m: int, rows: int) -> jax.Array:
+    """The first row of overlapping chunk ``i``: ``i * rows``, the last at ``m - rows``."""
+    return jnp.minimum(i * rows, m - rows)
 
 
-def _reduce(plan: Plan, call: Call) -> list[jax.Array]:
-    """A recognized reduction's totals (accumulator dtypes), one per result leaf.
+def _place(i: jax.Array, k: int) -> jax.Array:
+    """0 for most chunks, 1 for the one before the last, 2 for the last."""
+    return (i == k - 2).astype(jnp.int32) + 2 * (i == k - 1).astype(jnp.int32)
 
-    ``fun``'s jaxpr (traced by the planner, prologue included) is evaluated with its
-    constants passed in, so that max/min can carry the even tie rule of
-    ``Monoid.tangent_*`` in a ``custom_jvp`` (autodiff through ``jnp.maximum`` in
-    the loop would split ties by chunk); add/logsumexp are differentiated as is.
-    """
-    reduction, traced, n = plan.reduction, plan.traced, plan.n
-    # Kind.MONOID plans are mapped (n rows) and traced by the planner.
-    assert reduction is not None and traced is not None and n is not None
+
+def _keep_table(leaf: LeafReduction, dtype: Any, r: int, rows: int) -> np.ndarray:
+    """How much each row of a chunk counts, by place (see :func:`_place`): the ``r``
+    rows the last two chunks share count for half in both, or only in the first."""
+    table = np.ones((3, rows), np.float32)
+    if r:
+        half = leaf.monoid.halves_for(dtype)
+        table[2, :r] = 0.5 if half else 0.0
+        if half:
+            table[1, -r:] = 0.5
+    return table
+
+
+def _weights(
+    rows: _Rows, leaf: LeafReduction, dtypes: list, r: int, place: Any, *, keep: bool
+) -> Any:
+    """This chunk's row weights for ``leaf``: the monoid's encoding (``keep=False``)
+    or the 0/1/half weights themselves; None when every row counts once. A row of a
+    constant table (a mask or a select in the loop measured 8-9x slower on XLA:CPU)."""
+    if not r:
+        return None
+    table = _keep_table(leaf, dtypes[0], r, rows.plan.rows_per_chunk)
+    if not keep:
+        table = leaf.monoid.encode(table, dtypes[0], np)
+        if table is None:
+            return None
+    row = lax.dynamic_index_in_dim(jnp.asarray(table), place, 0, False)
+    return checkpoint_name(row, RECOMPUTED)
+
+
+# -- states ----------------------------------------------------------------------------
+def states(plan: Plan, xs: Any, offset: int = 0) -> list:
+    """Each term's state over the rows of ``plan`` (the shares of a plan with lanes
+    merged), ``fun``'s traces evaluated chunk by chunk."""
+    reduction, traced = plan.reduction, plan.traced
+    assert reduction is not None and traced is not None  # Kind.MONOID plans are traced
+    rows = _Rows(plan, offset)
+    leaves = [rows.whole(x) for x in jax.tree.leaves(xs)]
+    views = [rows.view(x) for x in leaves]
+    b, k = plan.rows_per_chunk, plan.chunks
+    r = plan.masked if plan.policy is Policy.OVERLAP else 0
+
+    def fold(fn: Callable, chunk: list, start: Any, n_rows: int, place: Any, r: int) -> list:
+        ys, idx, out = fn(chunk), rows.index(start, n_rows), []
+        for leaf in reduction.leaves:
+            src = [rows.shares(ys[s], n_rows) for s in leaf.sources]
+            w = _weights(rows, leaf, [y.dtype for y in src], r, place, keep=False)
+            f = lambda src, idx, w, _, leaf=leaf: leaf.fold(src, idx, w, fast=True)
+            out.append(rows.per_share(f)(src, idx, w, None))
+        return out
+
+    fn = _evaluator(traced)
+    if plan.policy is Policy.SINGLE:
+        return merge_all(reduction, fold(fn, leaves, 0, rows.m, 0, 0), rows.lanes)
+    starts = (lambda i: _start(i, rows.m, b)) if r else (lambda i: i * b)
+    chunk = _remat(
+        lambda i: fold(fn, rows.take(views, starts(i), b), starts(i), b, _place(i, k), r)
+    )
+    merge = lambda a, c: [
+        _merge(leaf, u, v, rows.lanes) for leaf, u, v in zip(reduction.leaves, a, c, strict=True)
+    ]
+    start = identity_states(reduction, traced.out_shape, rows.lanes)
+    state, _ = _steps(lambda i, st: (merge(st, chunk(i)), None), start, k, rows=b)
+    if plan.policy is Policy.REMAINDER and plan.remainder:
+        assert plan.tail is not None  # a remainder's rows are traced by the planner
+        tail = rows.take(views, k * b, plan.remainder)
+        state = merge(state, fold(_evaluator(plan.tail), tail, k * b, plan.remainder, 0, 0))
+    return merge_all(reduction, state, rows.lanes)
+
+
+def _evaluator(traced: Traced) -> Callable[[list], list]:
+    """A chunk's prepared outputs from ``fun``'s trace; a large ``fun`` is materialized
+    before it is reduced: XLA would fuse it into every reduction reading it and
+    compile and run it several times (360 equations: compile 15 s -> 0.5 s, run
+    1400 -> 22 ms). Cheap funs stay fused: materializing cost 9x on XLA:CPU."""
     closed = traced.jaxpr
-    # A large fun's chunk output is materialized before it is reduced: XLA would fuse
-    # fun into every reduction reading it (logsumexp's max and sum, two slices) and
-    # compile and run it 2-4 times (360 equations: compile 15 s -> 0.5 s, run
-    # 1400 -> 22 ms). Cheap funs stay fused: materializing cost 9x on XLA:CPU.
     large = size(closed.jaxpr) >= LARGE_FUN
     barrier: Callable = lax.optimization_barrier if large else (lambda y: y)
-    tail_closed = None
-    if plan.policy is Policy.REMAINDER and plan.remainder:
-        rest = jax.tree.map(lambda x: x[n - plan.remainder :], call.xs)
-        tail_closed = jax.make_jaxpr(reduction.prepare(call.fun))(rest)
-    leaves, tree = jax.tree.flatten(call.xs)
-
-    def forward(consts: list, leaves: list, tail_consts: list) -> list[jax.Array]:
-        fn = lambda x: barrier(jax.core.eval_jaxpr(closed.jaxpr, consts, *jax.tree.leaves(x)))
-        xs = jax.tree.unflatten(tree, leaves)
-        if plan.policy is Policy.SINGLE:
-            return reduction.reduce_rows(fn(xs), reduce=native.reducer)
-        b, k, r = plan.rows_per_chunk, plan.chunks, plan.masked
-        if plan.policy is Policy.OVERLAP:  # the last two chunks share r rows
-            overlapped = lambda i: reduction.reduce_overlapped(
-                fn(_take(xs, _start(i, n, b), b)),
-                r,
-                (i == k - 2).astype(jnp.int32) + 2 * (i == k - 1).astype(jnp.int32),
-                native.reducer,
-            )
-            return _accumulate(reduction, _remat(overlapped), k, rows=b)
-        tail = None
-        if tail_closed is not None:
-            rest = jax.tree.leaves(jax.tree.map(lambda x: x[k * b :], xs))
-            tail = reduction.reduce_rows(
-                jax.core.eval_jaxpr(tail_closed.jaxpr, tail_consts, *rest), reduce=native.reducer
-            )
-        chunk = lambda i: reduction.reduce_rows(fn(_take(xs, i * b, b)), reduce=native.reducer)
-        return _accumulate(reduction, _remat(chunk), k, tail, rows=b)
-
-    consts = list(closed.consts)
-    tail_consts = list(tail_closed.consts) if tail_closed is not None else []
-    if not tangent.SUPPORTED or not any(leaf.monoid.selects for leaf in reduction.leaves):
-        # (before jax 0.10, max/min gradients split ties by chunk: see _tangent.SUPPORTED)
-        return forward(consts, leaves, tail_consts)
-    monoids = [(leaf.monoid, leaf.axis) for leaf in reduction.leaves]
-    run = tangent.even_ties(forward, closed.jaxpr, monoids, n, plan.rows_per_chunk, 1)
-    return run(consts, leaves, tail_consts)  # the tail's constants are the same values
+    return lambda leaves: barrier(jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *leaves))
 
 
-LARGE_FUN = 100  # equations (sub-jaxprs included): a fun this large is materialized
+def _items(reduction: MonoidReduction, leaf: LeafReduction, out_shape: Any) -> tuple:
+    """One row of each leaf ``leaf`` reads, from the prepared outputs' shapes."""
+    return leaf.items(reduction.reads(jax.tree.leaves(out_shape), leaf))
 
 
-def _accumulate(
-    reduction: MonoidReduction,
-    partials: Callable,
-    k: int,
-    tail: list | None = None,
-    *,
-    rows: int = 1,
-) -> list[jax.Array]:
-    """Combine ``partials(i)`` for ``i`` in ``range(k)`` in a scan, compensated per
-    leaf, then the ``tail`` partials (a remainder evaluated apart), if any."""
-    shapes = jax.eval_shape(partials, jnp.int32(0))
-    monoids = [leaf.monoid for leaf in reduction.leaves]
-    start = [m.acc_init(s.shape, s.dtype) for m, s in zip(monoids, shapes, strict=True)]
-    update = lambda state, parts: [
-        m.acc_update(a, p) for m, a, p in zip(monoids, state, parts, strict=True)
+def identity_states(reduction: MonoidReduction, out_shape: Any, lanes: Lanes | None) -> list:
+    """Each term's identity state for rows like ``out_shape`` (the prepared outputs of
+    a chunk), with a leading device axis for ``lanes``."""
+    out = []
+    for leaf in reduction.leaves:
+        state = leaf.monoid.init(_items(reduction, leaf, out_shape))
+        if lanes is not None:
+            spread = lambda a: lanes.constrain(jnp.broadcast_to(a, (lanes.count, *a.shape)))
+            state = jax.tree.map(spread, state)
+        out.append(state)
+    return out
+
+
+def _merge(leaf: LeafReduction, a: Any, b: Any, lanes: Lanes | None) -> Any:
+    merge = leaf.monoid.merge
+    return merge(a, b) if lanes is None else jax.vmap(merge)(a, b)
+
+
+def merge_all(reduction: MonoidReduction, state: list, lanes: Lanes | None) -> list:
+    """States with a leading device axis merged into one (gathered, then merged
+    pairwise, lower devices, i.e. lower rows, on the left); without lanes, as they
+    are."""
+    if lanes is None:
+        return state
+    return [
+        merge_stacked(leaf.monoid.merge, jax.tree.map(lanes.gather, s))
+        for leaf, s in zip(reduction.leaves, state, strict=True)
     ]
-    state, _ = _steps(lambda i, state: (update(state, partials(i)), None), start, k, rows=rows)
-    if tail is not None:
-        state = update(state, tail)
-    return [m.acc_final(a) for m, a in zip(monoids, state, strict=True)]
 
 
-def _run_remainder(plan: Plan, call: Call) -> Any:
-    """Full chunks of ``B`` rows, then the remainder in a separate call.
+# -- the tangent of a reduction: a sum over rows, chunk by chunk ------------------------
+def tangent_shares(
+    plan: Plan, dconsts: dict[int, Any], xs: Any, dxs: Any, final: list, offset: int = 0
+) -> list:
+    """Each term's share of the result's tangent from the rows of ``plan``:
+    ``Monoid.tangent`` of every chunk (per device with lanes), with the tangents of
+    ``fun``'s outputs from ``jax.jvp``, summed (``None`` for a term with no tangent).
 
-    A generic ``reduction`` is seeded with the first chunk's result (never with
-    zeros) and receives whole output pytrees, as in the original library.
+    ``dconsts`` maps ``id`` of a constant of the plan's traces to its tangent (only
+    nonzero ones), ``dxs`` are the inputs' tangents (symbolic zeros allowed),
+    ``final`` the final states over all rows.
     """
-    k, b, r = plan.chunks, plan.rows_per_chunk, plan.remainder
-    reduction, chunk_reduction, xs = call.reduction, call.chunk_reduction, call.xs
-    traced = plan.traced
-    assert traced is not None  # a REMAINDER plan is traced (fun's own jaxpr)
-    step = lambda x: chunk_reduction(traced(x))
-    if reduction is None:
-        check_rowwise(jax.eval_shape(step, rows_aval(xs, b)), b, "chunk_reduction(fun(chunk))")
-    step = _remat(step)
-    stacked = _stack(xs, k, b)
+    reduction, traced = plan.reduction, plan.traced
+    assert reduction is not None and traced is not None
+    leaves = [rows_x for rows_x in jax.tree.leaves(xs)]
+    dleaves = jax.tree.leaves(dxs, is_leaf=lambda t: isinstance(t, SymbolicZero))
+    x_idx = [i for i, t in enumerate(dleaves) if tangent.nonzero(t)]
+    if not x_idx and not dconsts:
+        return [None] * len(reduction.leaves)
+    rows = _Rows(plan, offset)
+    leaves = [rows.whole(x) for x in leaves]
+    dflat = [rows.whole(dleaves[i]) for i in x_idx]
+    views, dviews = [rows.view(x) for x in leaves], [rows.view(t) for t in dflat]
+    b, k = plan.rows_per_chunk, plan.chunks
+    r = plan.masked if plan.policy is Policy.OVERLAP else 0
 
-    if reduction is None:
-        out = _map_chunks(step, stacked)
-    else:
-        out = step(jax.tree.map(lambda x: x[0], stacked))
-        if k > 1:
-            body = lambda acc, x: (reduction(acc, step(x)), None)
-            rest = jax.tree.map(lambda x: x[1:], stacked)
-            out, _ = _progress.scan(body, out, rest, rows=b)
+    def shares(
+        tr: Traced, chunk: list, dchunk: list, start: Any, n_rows: int, place: Any, r: int
+    ) -> list:
+        closed = tr.jaxpr
+        c_idx = [j for j, c in enumerate(closed.consts) if id(c) in dconsts]
+
+        def fun_chunk(c_nz: list, x_nz: list) -> list:
+            cvals, xvals = list(closed.consts), list(chunk)
+            for j, v in zip(c_idx, c_nz, strict=True):
+                cvals[j] = v
+            for i, v in zip(x_idx, x_nz, strict=True):
+                xvals[i] = v
+            return jax.core.eval_jaxpr(closed.jaxpr, cvals, *xvals)
+
+        primal = ([closed.consts[j] for j in c_idx], [chunk[i] for i in x_idx])
+        tangents = ([dconsts[id(closed.consts[j])] for j in c_idx], dchunk)
+        ys, dys = jax.jvp(fun_chunk, primal, tangents)
+        idx, out = rows.index(start, n_rows), list[Any]()
+        for leaf, state in zip(reduction.leaves, final, strict=True):
+            src = [rows.shares(ys[s], n_rows) for s in leaf.sources]
+            dsrc = [rows.shares(dys[s], n_rows) for s in leaf.sources]
+            if any(d.dtype == jax.dtypes.float0 for d in dsrc):
+                out.append(None)
+                continue
+            keep = _weights(rows, leaf, [y.dtype for y in src], r, place, keep=True)
+            items = _items(reduction, leaf, traced.out_shape)
+            f = lambda pair, idx, keep, state, leaf=leaf, items=items: leaf.tangent(
+                pair[0], pair[1], idx, keep, state, items
+            )
+            share = rows.per_share(f)((src, dsrc), idx, keep, state)
+            out.append(share if not rows.lanes else jax.tree.map(lambda a: jnp.sum(a, 0), share))
+        return out
+
+    if plan.policy is Policy.SINGLE:
+        return shares(traced, leaves, dflat, 0, rows.m, 0, 0)
+    starts = (lambda i: _start(i, rows.m, b)) if r else (lambda i: i * b)
+    step = functools.partial(jax.checkpoint, prevent_cse=False)(
+        lambda i: shares(
+            traced, rows.take(views, starts(i), b), rows.take(dviews, starts(i), b, named=False),
+            starts(i), b, _place(i, k), r,
+        )
+    )  # fmt: skip
+    shape = jax.eval_shape(step, jnp.int32(0))
+    total = jax.tree.map(lambda s: zeros(s.shape, s.dtype, like=s), shape)
+    add = lambda a, c: jax.tree.map(jnp.add, a, c)
+    total, _ = _steps(lambda i, acc: (add(acc, step(i)), None), total, k, rows=b)
+    if plan.policy is Policy.REMAINDER and plan.remainder:
+        assert plan.tail is not None
+        at = k * b
+        chunk = rows.take(views, at, plan.remainder)
+        dchunk = rows.take(dviews, at, plan.remainder, named=False)
+        total = add(total, shares(plan.tail, chunk, dchunk, at, plan.remainder, 0, 0))
+    return total
+
+
+# -- maps and generic reductions --------------------------------------------------------
+def _map(plan: Plan, call: Call) -> Any:
+    """A map: chunks written into the ``(n, ...)`` outputs where their rows belong
+    (the last chunk writes its repeated rows again, with the same values). One copy
+    of ``fun``, no row mask, no stacked copy of the outputs. A ``chunk_reduction``
+    other than the identity is applied to every chunk (it must keep the rows)."""
+    traced = plan.traced
+    assert traced is not None and plan.n is not None
+    rows = _Rows(plan, 0)
+    per_chunk = lambda out: call.chunk_reduction(out)
+    if plan.policy is Policy.SINGLE:
+        out = per_chunk(traced(call.xs))
+        return jax.tree.map(rows.whole, out)
+    leaves = [rows.whole(x) for x in jax.tree.leaves(call.xs)]
+    views = [rows.view(x) for x in leaves]
+    b, k = plan.rows_per_chunk, plan.chunks
+    r = plan.masked if plan.policy is Policy.OVERLAP else 0
+    starts = (lambda i: _start(i, rows.m, b)) if r else (lambda i: i * b)
+    out_tree = jax.tree.structure(traced.out_shape)
+
+    def outputs(tr: Traced, chunk: list, n_rows: int) -> list:
+        ys = jax.tree.unflatten(
+            out_tree if tr is traced else jax.tree.structure(tr.out_shape), _evaluator(tr)(chunk)
+        )
+        out = per_chunk(ys)
+        what = (
+            "fun(chunk)" if call.chunk_reduction is identity_fn else "chunk_reduction(fun(chunk))"
+        )
+        check_rowwise(jax.eval_shape(lambda: out), rows.d * n_rows, what)
+        return [rows.shares(y, n_rows) for y in jax.tree.leaves(out)]
+
+    chunk = _remat(lambda i: outputs(traced, rows.take(views, starts(i), b), b))
+    shapes = jax.eval_shape(chunk, jnp.int32(0))
+    axis = 1 if rows.lanes else 0
+    size = (rows.d, rows.m) if rows.lanes else (rows.m,)
+    out = [zeros((*size, *s.shape[axis + 1 :]), s.dtype, like=s) for s in shapes]
+    write = lambda o, y, at: lax.dynamic_update_slice_in_dim(o, y, at, axis)
+
+    def step(i: jax.Array, out: list) -> tuple[list, None]:
+        return [write(o, y, starts(i)) for o, y in zip(out, chunk(i), strict=True)], None
+
+    out = _steps(step, out, k, rows=b)[0]
+    if plan.policy is Policy.REMAINDER and plan.remainder:
+        assert plan.tail is not None
+        ys = outputs(plan.tail, rows.take(views, k * b, plan.remainder), plan.remainder)
+        out = [write(o, y, k * b) for o, y in zip(out, ys, strict=True)]
+    tree = jax.tree.structure(jax.eval_shape(per_chunk, traced.out_shape))
+    return jax.tree.unflatten(tree, [rows.unview(o) for o in out])
+
+
+def _generic(plan: Plan, call: Call) -> Any:
+    """A reduction that is not a monoid: full chunks of ``B`` rows (of every share),
+    then the remainder in a separate call; seeded with the first chunk's result
+    (never with zeros) and combined whole, as in the original library."""
+    traced = plan.traced
+    assert traced is not None and plan.n is not None
+    reduction, chunk_reduction = call.reduction, call.chunk_reduction
+    assert reduction is not None
+    rows = _Rows(plan, 0)
+    views = [rows.view(x) for x in jax.tree.leaves(call.xs)]
+    tree = jax.tree.structure(call.xs)
+    b, k, r = plan.rows_per_chunk, plan.chunks, plan.remainder
+    if plan.policy is Policy.SINGLE:
+        return chunk_reduction(traced(call.xs))
+    step = _remat(
+        lambda i: chunk_reduction(traced(jax.tree.unflatten(tree, rows.take(views, i * b, b))))
+    )
+    out = step(jnp.int32(0))
+    if k > 1:
+        out, _ = _steps(lambda i, acc: (reduction(acc, step(i + 1)), None), out, k - 1, rows=b)
     if not r:
         return out
-    rest = chunk_reduction(call.fun(jax.tree.map(lambda x: x[k * b :], xs)))
-    if reduction is not None:
-        return reduction(out, rest)
-    check_rowwise(jax.eval_shape(lambda: rest), r, "chunk_reduction(fun(remainder))")
-    return jax.tree.map(lambda a, c: jnp.concatenate([a, c]), out, rest)
+    assert plan.tail is not None
+    rest = chunk_reduction(plan.tail(jax.tree.unflatten(tree, rows.take(views, k * b, r))))
+    _check_same_shapes(out, rest, b, r, reduction)
+    return reduction(out, rest)
+
+
+def _check_same_shapes(out: Any, rest: Any, b: int, r: int, reduction: Callable) -> None:
+    """A generic reduction combines results of equal structure: a chunk's and the
+    remainder's must agree (they do not when ``chunk_reduction`` keeps the rows)."""
+    shapes = lambda t: jax.tree.map(lambda v: (jnp.shape(v), jnp.result_type(v)), t)
+    if shapes(out) != shapes(rest):
+        raise ValueError(
+            f"reduction={reduction!r} would combine chunk_reduction's result for a chunk of "
+            f"{b} rows, {shapes(out)}, with its result for the last {r} rows (the remainder), "
+            f"{shapes(rest)}; they differ, so chunk_reduction keeps the rows (the default "
+            "chunk_reduction is the identity). Pass a chunk_reduction that reduces the rows "
+            "(e.g. jnp.sum), or a batch_size that divides the number of rows"
+        )

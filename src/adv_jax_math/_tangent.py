@@ -1,27 +1,27 @@
-"""The tangent of a chunked monoid reduction: a checkpointed scan over chunks of
-``jax.jvp(fun)``, each row weighted by its leaf's monoid (see ``Monoid.tangent_*``).
+"""The result of a monoid reduction, and its derivative as a sum over rows.
 
-Used as the JVP rule of a ``jax.custom_jvp`` around a forward pass that has no
-transpose of its own (the Pallas kernel), or whose autodiff would not split ties
-evenly (max/min through a scan). Forward mode uses it as is; reverse mode
-transposes it, recomputing every chunk, so gradient memory is O(rows per chunk).
+:func:`reduce` finalizes the states of every part of a call (a device's share and
+a global remainder are parts) into the result. Where differentiating the forward
+pass itself would not give the plain-JAX derivative (a reduction that selects
+rows: ties must share it evenly, as ``jax.grad(jnp.max)``), or cannot (a Pallas
+kernel has no transpose), the result is a :func:`jax.custom_jvp` whose tangent is
+``Monoid.tangent`` summed over the rows, chunk by chunk with ``jax.jvp(fun)``.
+Forward mode uses it as is; reverse mode transposes it, recomputing every chunk,
+so gradient memory is O(rows per chunk).
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
-from ._monoid import Monoid
+from ._monoid import MonoidReduction
 
-__all__ = ["SUPPORTED", "UNSUPPORTED", "chunked_tangent", "even_ties", "nonzero"]
+__all__ = ["SUPPORTED", "UNSUPPORTED", "nonzero", "reduce"]
 
 SUPPORTED = jax.__version_info__ >= (0, 10, 0)
 """Whether this jax can differentiate a ``custom_jvp`` whose tangent runs a scan."""
@@ -30,137 +30,121 @@ UNSUPPORTED = (
     "(fixed in jax 0.10.0)"
 )
 
+Part = tuple[Any, Any, int]  # (plan, inputs, global index of its first row)
+
 
 def nonzero(t: Any) -> bool:
     """A tangent that is neither a symbolic zero nor float0."""
     return not isinstance(t, SymbolicZero) and getattr(t, "dtype", None) != jax.dtypes.float0
 
 
-def _pad_rows(x: Any, rows: int) -> Any:
-    """Pad the leading axis to ``rows`` by repeating the last row (no NaNs from padding)."""
-    extra = rows - x.shape[0]
-    if not extra:
-        return x
-    return jnp.concatenate([x, jnp.broadcast_to(x[-1:], (extra, *x.shape[1:]))])
+def _tangent_like(t: Any, s: jax.ShapeDtypeStruct) -> Any:
+    """A term's tangent in its result's shape and dtype (float0 for integers)."""
+    if not jax.numpy.issubdtype(s.dtype, jax.numpy.inexact):
+        return np.zeros(s.shape, jax.dtypes.float0)
+    if t is None or getattr(t, "dtype", None) == jax.dtypes.float0:
+        return jax.numpy.zeros(s.shape, s.dtype)
+    return jax.numpy.asarray(t).astype(s.dtype).reshape(s.shape)
 
 
-def _pad_zeros(t: Any, rows: int) -> Any:
-    extra = rows - t.shape[0]
-    return t if not extra else jnp.pad(t, [(0, extra)] + [(0, 0)] * (t.ndim - 1))
+def reduce(
+    reduction: MonoidReduction,
+    parts: Sequence[Part],
+    states_of: Callable[[Any, Any, int], list],
+    shares_of: Callable[..., list] | None = None,
+    *,
+    custom: bool = False,
+    differentiable_states_of: Callable[[Any, Any, int], list] | None = None,
+) -> Any:
+    """``reduction``'s result over the rows of ``parts``.
 
+    ``states_of(plan, xs, offset)`` gives each term's state over a part;
+    ``shares_of(plan, dconsts, xs, dxs, final, offset)`` each term's share of the
+    tangent (``_scan.tangent_shares``). The result is a ``custom_jvp`` with those
+    shares when a term selects rows or ``custom`` is set (the fused kernel); the
+    constants of the parts' traces are its explicit arguments, so the tangents of
+    values ``fun`` closes over are kept. When ``states_of`` cannot be differentiated
+    (a kernel), ``differentiable_states_of`` (the scan engine's) gives the states'
+    own tangents, needed from the second order on (the rule's states are
+    differentiated by the outer transformation).
+    """
+    first = parts[0][0]
+    items = [
+        leaf.items(reduction.reads(jax.tree.leaves(first.traced.out_shape), leaf))
+        for leaf in reduction.leaves
+    ]
+    consts = list({id(c): c for p, _, _ in parts for c in p.consts()}.values())
 
-def even_ties(
-    forward: Callable,
-    jaxpr: Any,
-    monoids: Sequence[tuple[Monoid, int | None]],
-    n: int,
-    rows: int,
-    blocks: int,
-) -> Callable:
-    """``forward(consts, leaves, extra)`` whose tangent is :func:`chunked_tangent` of
-    ``jaxpr`` (``fun`` on a block, its constants first): every row tied for a
-    max/min shares its derivative evenly, as in ``jax.grad(jnp.max)``. ``extra`` is
-    passed through without a tangent (values that repeat ``consts``)."""
-    block_fun = lambda consts, xb: jax.core.eval_jaxpr(jaxpr, consts, *xb)
+    def rebound(values: list) -> list:
+        mapping = {id(c): v for c, v in zip(consts, values, strict=True)}
+        return [p.with_consts(mapping) for p, _, _ in parts]
+
+    def forward(plans: list, xss: list, states_of: Callable = states_of) -> list:
+        """Each term's state over all parts, merged in the order of the rows."""
+        out = None
+        for plan, xs, (_, _, offset) in zip(plans, xss, parts, strict=True):
+            part = states_of(plan, xs, offset)
+            out = (
+                part
+                if out is None
+                else [
+                    leaf.monoid.merge(a, b)
+                    for leaf, a, b in zip(reduction.leaves, out, part, strict=True)
+                ]
+            )
+        assert out is not None
+        return out
+
+    def finish(states: list) -> Any:
+        return reduction.finish(
+            [
+                leaf.result(s, it)
+                for leaf, s, it in zip(reduction.leaves, states, items, strict=True)
+            ]
+        )
+
+    xss = [xs for _, xs, _ in parts]
+    if not SUPPORTED or not (custom or reduction.selects):
+        return finish(forward([p for p, _, _ in parts], xss))
+    assert shares_of is not None
+
+    def all_states(values: list, xss: list) -> list:
+        return forward(rebound(values), xss)
+
+    if differentiable_states_of is not None:
+        opaque = all_states
+        all_states = jax.custom_jvp(lambda values, xss: opaque(values, xss))
+
+        def states_rule(primals: tuple, tangents: tuple) -> tuple:
+            again = lambda v, x: forward(rebound(v), x, differentiable_states_of)
+            return jax.jvp(again, primals, tangents)
+
+        all_states.defjvp(states_rule)
 
     @jax.custom_jvp
-    def run(consts: list, leaves: list, extra: list) -> Any:
-        return forward(consts, leaves, extra)
+    def run(values: list, xss: list) -> Any:
+        return finish(all_states(values, xss))
 
-    def run_jvp(primals: tuple, tangents: tuple) -> tuple:
-        totals = run(*primals)
-        dt = chunked_tangent(block_fun, monoids, n, rows, blocks, primals[:2], tangents[:2], totals)
-        return totals, dt
+    def rule(primals: tuple, tangents: tuple) -> tuple:
+        (values, xss), (dvalues, dxss) = primals, tangents
+        plans = rebound(values)
+        states = all_states(values, xss)
+        dmap = {id(v): t for v, t in zip(values, dvalues, strict=True) if nonzero(t)}
+        raw: list = [None] * len(reduction.leaves)
+        for plan, xs, dxs, (_, _, offset) in zip(plans, xss, dxss, parts, strict=True):
+            share = shares_of(plan, dmap, xs, dxs, states, offset)
+            raw = [
+                s if r is None else r if s is None else jax.tree.map(jax.numpy.add, r, s)
+                for r, s in zip(raw, share, strict=True)
+            ]
+        douts = []
+        for leaf, r, state, it in zip(reduction.leaves, raw, states, items, strict=True):
+            d = None if r is None else leaf.monoid.tangent_finish(r, state, it)
+            if d is None:
+                douts.append(jax.tree.map(lambda s: _tangent_like(None, s), leaf.out))
+            else:
+                douts.append(jax.tree.map(_tangent_like, d, leaf.out))
+        return finish(states), reduction.finish(douts)
 
-    run.defjvp(run_jvp, symbolic_zeros=True)
-    return run
-
-
-def chunked_tangent(
-    block_fun: Callable[[Sequence[Any], Sequence[Any]], list[Any]],
-    monoids: Sequence[tuple[Monoid, int | None]],
-    n: int,
-    rows: int,
-    blocks: int,
-    primals: tuple[Sequence[Any], Sequence[Any]],
-    tangents: tuple[Sequence[Any], Sequence[Any]],
-    totals: Sequence[Any],
-) -> list[Any]:
-    """Tangent of ``[reduce_i(fun(xs)_i)]`` given the primal ``totals``.
-
-    Parameters
-    ----------
-    block_fun : callable
-        ``block_fun(consts, xs_block)``: the prepared ``fun`` (one array per result
-        leaf) on a block of exactly ``rows`` rows.
-    monoids : sequence of (Monoid, axis)
-        Per result leaf.
-    n, rows, blocks : int
-        Rows in all; rows per block; blocks evaluated (vmapped) per scan step.
-    primals, tangents : (consts, xs)
-        Primal and tangent values; tangents may be symbolic zeros or float0.
-    totals : sequence of arrays
-        The reduced primal outputs (accumulator dtypes).
-    """
-    consts, leaves = primals
-    dconsts, dleaves = tangents
-    c_idx = [i for i, t in enumerate(dconsts) if nonzero(t)]
-    x_idx = [i for i, t in enumerate(dleaves) if nonzero(t)]
-    zeros = [
-        jnp.zeros(t.shape, t.dtype)
-        if jnp.issubdtype(t.dtype, jnp.inexact)
-        else np.zeros(t.shape, jax.dtypes.float0)
-        for t in totals
-    ]
-    if not c_idx and not x_idx:
-        return zeros
-    chunk = blocks * rows
-    steps = -(-n // chunk)
-    padded = steps * chunk
-
-    def chunks(x):
-        return x.reshape(steps, blocks, rows, *x.shape[1:])
-
-    xs = [chunks(_pad_rows(x, padded)) for x in leaves]
-    dxs = [chunks(_pad_zeros(dleaves[i], padded)) for i in x_idx]
-    dcs = [jnp.asarray(dconsts[i], jnp.result_type(consts[i])) for i in c_idx]
-
-    @functools.partial(jax.checkpoint, prevent_cse=False)
-    def contributions(consts, x_chunk, dc, dx, totals, step):
-        def fun_chunk(c_nz, x_nz):
-            cvals, xvals = list(consts), list(x_chunk)
-            for i, v in zip(c_idx, c_nz, strict=True):
-                cvals[i] = v
-            for i, v in zip(x_idx, x_nz, strict=True):
-                xvals[i] = v
-            return jax.vmap(lambda *xb: block_fun(cvals, xb))(*xvals)
-
-        primals = ([consts[i] for i in c_idx], [x_chunk[i] for i in x_idx])
-        ys, dys = jax.jvp(fun_chunk, primals, (dc, dx))
-        valid = step * chunk + lax.iota(jnp.int32, chunk) < n
-        parts = []
-        for y, dy, (monoid, axis), t in zip(ys, dys, monoids, totals, strict=True):
-            if dy.dtype == jax.dtypes.float0:
-                parts.append(())
-                continue
-            y = y.reshape(chunk, *y.shape[2:]).astype(t.dtype)
-            dy = dy.reshape(chunk, *dy.shape[2:]).astype(t.dtype)
-            parts.append(monoid.tangent_part(y, dy, valid, t, 0 if axis == 0 else None))
-        return parts
-
-    def step_fn(carry, inp):
-        x_chunk, dx_chunk, step = inp
-        new = contributions(consts, x_chunk, dcs, dx_chunk, list(totals), step)
-        return [
-            m.tangent_merge(a, b) for (m, _), a, b in zip(monoids, carry, new, strict=True)
-        ], None
-
-    inputs = (xs, dxs, jnp.arange(steps, dtype=jnp.int32))
-    first = jax.tree.map(lambda v: v[0], inputs)
-    shapes = jax.eval_shape(contributions, consts, first[0], dcs, first[1], list(totals), first[2])
-    start = [m.tangent_start(s) for (m, _), s in zip(monoids, shapes, strict=True)]
-    sums, _ = lax.scan(step_fn, start, inputs)
-    return [
-        m.tangent_finish(parts) if parts else zero
-        for (m, _), parts, zero in zip(monoids, sums, zeros, strict=True)
-    ]
+    run.defjvp(rule, symbolic_zeros=True)
+    return run(consts, xss)

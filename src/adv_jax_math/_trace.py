@@ -1,21 +1,28 @@
-"""Trace a user function once and reuse its jaxpr.
+"""Trace a user function once per call and reuse its jaxpr.
 
 Every engine needs the output structure of ``fun`` before it runs the loop (to
 seed a carry, to check row counts, to hoist constants into a kernel). Tracing
 ``fun`` for that and again inside the loop would run the user's Python twice;
-instead we trace it once to a closed jaxpr and evaluate that jaxpr everywhere.
+instead the planner traces it once per chunk shape to a closed jaxpr, and every
+chunk of the call evaluates that jaxpr.
+
+Each call traces afresh: ``jax.make_jaxpr`` keeps a cache keyed on the function
+object, so a ``fun`` whose closure changed between two eager calls would otherwise
+mix an old trace (the chunks) with a new one (a remainder), a result neither
+version of ``fun`` computes. Under ``jax.jit`` the whole call is cached by JAX, as
+any jitted code is.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import jax
 from jax.extend.core import ClosedJaxpr, Jaxpr, jaxpr_as_fun
 
-__all__ = ["Traced", "rows_aval", "size", "sub_jaxprs", "trace"]
+__all__ = ["Traced", "fresh_jaxpr", "rebind", "rows_aval", "size", "sub_jaxprs", "trace"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -29,10 +36,34 @@ class Traced:
         flat = jaxpr_as_fun(self.jaxpr)(*jax.tree.leaves(x))
         return jax.tree.unflatten(jax.tree.structure(self.out_shape), flat)
 
+    @property
+    def consts(self) -> list[Any]:
+        return list(self.jaxpr.consts)
+
+    def with_consts(self, values: Mapping[int, Any]) -> Traced:
+        """The same jaxpr with each constant ``c`` replaced by ``values[id(c)]`` (if
+        present): e.g. a device's copies inside ``shard_map``."""
+        return Traced(rebind(self.jaxpr, values), self.out_shape)
+
+
+def rebind(closed: ClosedJaxpr, values: Mapping[int, Any]) -> ClosedJaxpr:
+    """``closed`` with its constants looked up in ``values`` by ``id``."""
+    consts = [values.get(id(c), c) for c in closed.consts]
+    return ClosedJaxpr(closed.jaxpr, consts)
+
+
+def fresh_jaxpr(fun: Callable, *args: Any, return_shape: bool = False) -> Any:
+    """``jax.make_jaxpr(fun, return_shape=...)(*args)``, tracing ``fun`` now (never a
+    cached trace of the same function object: see the module docstring)."""
+    fresh = lambda *a: fun(*a)
+    if return_shape:
+        return jax.make_jaxpr(fresh, return_shape=True)(*args)
+    return jax.make_jaxpr(fresh)(*args)
+
 
 def trace(fun: Callable, x_aval: Any) -> Traced:
     """Trace ``fun`` on the pytree of ``jax.ShapeDtypeStruct`` ``x_aval``."""
-    closed, out_shape = jax.make_jaxpr(fun, return_shape=True)(x_aval)
+    closed, out_shape = fresh_jaxpr(fun, x_aval, return_shape=True)
     return Traced(closed, out_shape)
 
 

@@ -13,6 +13,8 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
+from ._sharding import context_mesh
+
 __all__ = [
     "batch_size_from",
     "check_callable",
@@ -51,7 +53,7 @@ def batch_size_from(batch_size: Any, kwargs: Mapping[str, Any]) -> int | Literal
     unexpected = sorted(set(kwargs) - {"chunk_size"})
     if unexpected:
         raise ValueError(
-            f"unexpected keyword argument(s) {', '.join(map(repr, unexpected))}; "
+            f"Unexpected keyword argument(s) {', '.join(map(repr, unexpected))}; "
             "the only extra keyword accepted is 'chunk_size' (an alias of batch_size)"
         )
     name = "batch_size"
@@ -127,10 +129,17 @@ def check_rowwise(out_shape: Any, rows: int, what: str) -> None:
         raise ValueError(problem)
 
 
-def resolve_mesh(mesh: Any) -> Mesh:
-    """``mesh`` checked to be one-dimensional and ``AxisType.Auto``; by default a
-    mesh over every device of every process."""
+def resolve_mesh(mesh: Any) -> Any:
+    """The mesh ``shard=True`` spreads rows over: ``mesh`` checked to be
+    one-dimensional and ``AxisType.Auto`` (the original library's contract); else
+    the mesh set with ``jax.set_mesh`` (any axis types; rows are split over all its
+    axes); else an Auto mesh over every device of every process (inputs typed on
+    another mesh are put on it replicated: no Explicit mesh leaks into the
+    cotangents of an eager ``jax.grad``, as in the original library)."""
     if mesh is None:
+        context = context_mesh()
+        if context is not None:
+            return context
         return jax.make_mesh((jax.device_count(),), ("devices",), axis_types=(AxisType.Auto,))
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh must be a jax.sharding.Mesh or None, got {type(mesh).__name__}")
@@ -138,11 +147,13 @@ def resolve_mesh(mesh: Any) -> Mesh:
         raise ValueError(
             f"shard=True needs a one-dimensional mesh, got axes {mesh.axis_names} with shape "
             f"{dict(mesh.shape)}; make one with jax.make_mesh((n,), ('x',), "
-            "axis_types=(jax.sharding.AxisType.Auto,))"
+            "axis_types=(jax.sharding.AxisType.Auto,)), or set a mesh of any shape with "
+            "jax.set_mesh and pass mesh=None"
         )
     if tuple(mesh.axis_types) != (AxisType.Auto,):
         raise ValueError(
             f"shard=True needs the mesh axis to be AxisType.Auto, got {mesh.axis_types}; "
-            "make the mesh with axis_types=(jax.sharding.AxisType.Auto,)"
+            "make the mesh with axis_types=(jax.sharding.AxisType.Auto,), or set it with "
+            "jax.set_mesh and pass mesh=None"
         )
     return mesh

@@ -28,9 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import _config
-from .._monoid import LOGSUMEXP, Monoid
 
-__all__ = ["ENV_LIB", "TARGET", "logsumexp", "reducer", "status", "worth_it"]
+__all__ = ["ENV_LIB", "TARGET", "logsumexp", "status", "worth_it"]
 
 TARGET = "adv_jax_math_logsumexp"
 """Name of the FFI target; it appears in the lowered text of a call that uses it."""
@@ -240,11 +239,3 @@ def logsumexp(x: Any, axis: int | None = 0) -> jax.Array:
     if not _usable(x.dtype):
         return jax.nn.logsumexp(x, axis=axis)
     return _logsumexp(x, axis)
-
-
-def reducer(y: jax.Array, monoid: Monoid, axis: int | None) -> jax.Array | None:
-    """An engine's chunk reduction hook: the native logsumexp where it pays off
-    (float32/float64 chunks of at least ``MIN_ELEMENTS``), else None (use XLA)."""
-    if monoid is not LOGSUMEXP or not worth_it(y.shape, y.dtype):
-        return None
-    return logsumexp(y, axis)

@@ -4,8 +4,10 @@ kernel (GPU: Triton; TPU: Mosaic; CPU: interpret mode).
 ``fun`` (prepared: one array per result leaf, see ``MonoidReduction.prepare``) is
 traced on a block of ``Bk`` rows to a jaxpr whose constants (concrete arrays,
 integer constants, tracers of enclosing transformations) become whole-array
-kernel inputs. ``pallas_call`` has no transpose rule, so the kernel is wrapped in
-a :func:`jax.custom_jvp` whose tangent is the chunked scan of ``_tangent``.
+kernel inputs. The kernel folds each term's monoid state per program; the states
+are merged in XLA (``kernel.forward``). ``pallas_call`` has no transpose rule, so
+the engine wraps it in a :func:`jax.custom_jvp` whose tangent is the monoid's
+row tangent summed chunk by chunk (``_tangent.reduce``).
 
 Modules: ``targets`` (platforms, defaults, devices to lower for), ``blocks``
 (block sizing), ``rules`` (what the kernel supports), ``kernel`` (the kernel
@@ -22,13 +24,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import pallas as pl
 
-from ..._monoid import MonoidReduction
-from ..._tangent import even_ties
+from ..._monoid import MonoidReduction, index_dtype
 from ..._validate import mapped_rows, rowwise_problem
 from .blocks import choose_block, choose_steps, row_stats, tpu_block
-from .kernel import Kernel, Out, forward, kernel_const_aval
+from .kernel import Kernel, Term, forward, kernel_const_aval
 from .probe import probe
 from .rules import analyze, dtype_problem, triton_size_problem
 from .targets import (
@@ -38,9 +38,10 @@ from .targets import (
     silence_triton_deprecation,
     target,
     tpu_vmem_limit,
+    triton_problem,
 )
 
-__all__ = ["KERNEL_NAME", "Check", "check", "fused_reduce"]
+__all__ = ["KERNEL_NAME", "Check", "check", "fused_states"]
 
 
 _ROWWISE = "the kernel needs one output row per input row"
@@ -75,12 +76,25 @@ def _trace(fun: Callable, xs: Any, rows: int) -> tuple[Any, list[Any]]:
     return closed, jax.tree.leaves(out)
 
 
+def _terms(reduction: MonoidReduction, out_shape: Sequence[Any], rows: int) -> tuple[Term, ...]:
+    """Each term as the kernel folds it, with its state on a block of ``rows`` rows."""
+    terms = []
+    for leaf in reduction.leaves:
+        src = reduction.reads(out_shape, leaf)
+        items = tuple(jax.ShapeDtypeStruct(tuple(s.shape[1:]), s.dtype) for s in src)
+        rows_leaf = dataclasses.replace(leaf, axis=0)
+        block = [jax.ShapeDtypeStruct((rows, *it.shape), it.dtype) for it in items]
+        idx = jax.ShapeDtypeStruct((rows,), index_dtype())
+        state = jax.eval_shape(lambda ys, i, rl=rows_leaf: rl.fold(ys, i, None), block, idx)
+        terms.append(Term(leaf, items, state))
+    return tuple(terms)
+
+
 def _kernel(
     traced: tuple[Any, Sequence[Any]],
     xs: Any,
     reduction: MonoidReduction,
     block: tuple[int, int],
-    max_rows: int | None,
     target: Target,
     interpret: bool,
 ) -> Kernel:
@@ -88,23 +102,16 @@ def _kernel(
     of ``block = (rows, steps)``."""
     (closed, out_shape), (rows, steps) = traced, block
     leaves = jax.tree.leaves(xs)
-    n = int(leaves[0].shape[0])
-    outs = tuple(
-        Out(leaf.monoid, leaf.axis, tuple(y.shape[1:]), leaf.monoid.acc_dtype(y.dtype))
-        for y, leaf in zip(out_shape, reduction.leaves, strict=True)
-    )
-    grid = pl.cdiv(n, rows)
     return Kernel(
         jaxpr=closed.jaxpr,
         const_avals=tuple(
             jax.ShapeDtypeStruct(np.shape(c), jnp.result_type(c)) for c in closed.consts
         ),
         in_avals=tuple(jax.ShapeDtypeStruct(tuple(x.shape), x.dtype) for x in leaves),
-        outs=outs,
-        n=n,
+        terms=_terms(reduction, out_shape, rows),
+        n=int(leaves[0].shape[0]),
         rows=rows,
         steps=steps,
-        chunk_blocks=grid if max_rows is None else max(1, min(grid, max_rows // rows)),
         target=target,
         interpret=interpret,
     )
@@ -154,7 +161,8 @@ def check(
     leaves = jax.tree.leaves(xs)
     if n < 1:
         return Check("no rows (n == 0): the result is the identity")
-    problem = dtype_problem(tgt, [x.dtype for x in leaves], "the inputs")
+    problem = triton_problem() if tgt.triton else None
+    problem = problem or dtype_problem(tgt, [x.dtype for x in leaves], "the inputs")
     if problem:
         return Check(problem)
     one_d = any(len(x.shape) == 1 for x in leaves)
@@ -172,10 +180,11 @@ def check(
     if problem:
         return Check(problem)
     analysis = analyze(closed.jaxpr, small)
-    acc = [
-        leaf.monoid.acc_dtype(y.dtype) for y, leaf in zip(out_shape, reduction.leaves, strict=True)
-    ]
-    problem = dtype_problem(tgt, [dt for _, dt in analysis.avals] + acc, "fun")
+    terms = _terms(reduction, out_shape, small)
+    states = [a for t in terms for a in jax.tree.leaves(t.state)]
+    problem = dtype_problem(
+        tgt, [dt for _, dt in analysis.avals] + [a.dtype for a in states], "fun"
+    )
     if problem:
         return Check(problem)
     if tgt.triton:
@@ -191,9 +200,7 @@ def check(
             consts=[
                 kernel_const_aval(jax.ShapeDtypeStruct(np.shape(c), c.dtype)) for c in closed.consts
             ],
-            partials=[
-                ((1, *(y.shape[1:] or (1,))), dt) for y, dt in zip(out_shape, acc, strict=True)
-            ],
+            partials=[((1, *(a.shape or (1,))), a.dtype) for a in states],
             body=analysis.avals,
             traced_rows=small,
             elementwise=analysis.elementwise,
@@ -210,9 +217,7 @@ def check(
         return Check(rows)
     steps = choose_steps(tgt, n, rows)
     closed, out_shape = _traced_at(fun, xs, rows, known)
-    k = _kernel(
-        (closed, out_shape), xs, reduction, (rows, steps), max_rows, tgt, tgt.platform == "cpu"
-    )
+    k = _kernel((closed, out_shape), xs, reduction, (rows, steps), tgt, tgt.platform == "cpu")
     verdict = probe(k)
     traced_block = (closed, out_shape)
     return Check(
@@ -220,51 +225,47 @@ def check(
     )
 
 
-def fused_reduce(
-    fun: Callable,
+def fused_states(
+    traced: tuple[Any, list[Any]],
     xs: Any,
     reduction: MonoidReduction,
     *,
     rows: int,
     steps: int = 1,
-    max_rows: int | None,
     interpret: bool,
     platform: str | None = None,
-    traced: tuple[Any, list[Any]] | None = None,
-) -> Any:
-    """``reduction`` of ``fun(xs)`` computed by one Pallas kernel.
+    offset: Any = 0,
+) -> list[Any]:
+    """Each term's state of ``reduction`` over the rows of ``xs``, computed by one
+    Pallas kernel (the programs' states merged in XLA).
 
     Parameters
     ----------
-    fun : callable
-        The prepared function (see :func:`check`); traced once, on one block.
+    traced : (ClosedJaxpr, list of ShapeDtypeStruct)
+        The prepared ``fun`` traced on a block of ``rows`` rows (:attr:`Check.traced`);
+        its constants are the kernel's constant inputs.
     xs : pytree
         Arrays sharing a leading size ``n >= 1`` (the mapped rows).
     reduction : MonoidReduction
-        Per-leaf monoids and axes; the result has its structure, shapes and dtypes.
+        Per-term monoids and axes.
     rows, steps : int
         Rows per kernel block and blocks per kernel program (from :func:`check`).
-    max_rows : int or None
-        Most rows processed at once (the user's ``batch_size``): bounds the chunks
-        of the differentiation scan.
     interpret : bool
         Run the kernel in Pallas interpret mode (any platform, e.g. CPU).
     platform : str, optional
         Compiled lowering target when ``interpret`` is False; defaults to
         ``jax.default_backend()``.
-    traced : (ClosedJaxpr, list of ShapeDtypeStruct), optional
-        ``fun`` already traced on a block (:attr:`Check.traced`), not traced again.
+    offset : int or traced int
+        The global index of the first row (row indices of ARGMIN, top-k).
     """
     tgt = target("cpu" if interpret else platform or jax.default_backend())
     if tgt.triton:
         silence_triton_deprecation()
     leaves = jax.tree.leaves(xs)
     mapped_rows(xs, "xs")  # validates the inputs
-    closed, out_shape = traced or _trace(fun, xs, rows)
+    closed, out_shape = traced
     problem = rowwise_problem(out_shape, rows, "fun's output", _ROWWISE)
     if problem:
         raise ValueError(problem)
-    k = _kernel((closed, out_shape), xs, reduction, (rows, steps), max_rows, tgt, interpret)
-    monoids = [(o.monoid, o.axis) for o in k.outs]
-    run = even_ties(lambda c, x, _: forward(k, c, x), k.jaxpr, monoids, k.n, k.rows, k.chunk_blocks)
-    return reduction.finish(run(list(closed.consts), list(leaves), []))
+    k = _kernel((closed, out_shape), xs, reduction, (rows, steps), tgt, interpret)
+    return forward(k, list(closed.consts), list(leaves), offset)

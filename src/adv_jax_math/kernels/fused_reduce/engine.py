@@ -5,11 +5,18 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from ... import _config
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.extend.core import ClosedJaxpr
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+from ... import _config, _scan
 from ... import _tangent as tangent
 from ..._monoid import MonoidReduction
 from ..._plan import Call, Kind, Plan, Policy, Rejection
-from . import check, fused_reduce
+from ..._sharding import Lanes
+from . import check, fused_states
 
 __all__ = ["FusedEngine"]
 
@@ -74,18 +81,66 @@ class FusedEngine:
         )
 
     def run(self, plan: Plan, call: Call) -> Any:
-        reduction, max_rows = _monoid(plan)
-        return fused_reduce(
-            reduction.prepare(call.fun),
-            call.xs,
+        reduction, _ = _monoid(plan)
+        parts = [(plan, call.xs, 0)]
+        return tangent.reduce(
+            reduction,
+            parts,
+            self.states,
+            _scan.tangent_shares,
+            custom=True,
+            differentiable_states_of=_scan.states,
+        )
+
+    def states(self, plan: Plan, xs: Any, offset: int) -> list:
+        """Each term's state over ``plan``'s rows, from the kernel (its tangent: the
+        scan engine's chunks, see ``_tangent.reduce``). With the rows spread over
+        devices (``plan.lanes``) every device runs the kernel on its own rows under
+        ``shard_map``, and the devices' states are merged."""
+        reduction, _ = _monoid(plan)
+        assert plan.block_traced is not None  # set by accept()
+        closed, out_shape = plan.block_traced
+        run = lambda cs, rows, first: fused_states(
+            (ClosedJaxpr(closed.jaxpr, cs), out_shape),
+            rows,
             reduction,
             rows=plan.block_rows,
             steps=plan.block_steps,
-            max_rows=max_rows,
             interpret=self.interpret,
             platform=plan.platform,
-            traced=plan.block_traced,
+            offset=first,
         )
+        lanes = plan.lanes
+        if lanes is None or lanes.count == 1:
+            mesh = jax.sharding.get_abstract_mesh()
+            if mesh.empty or AxisType.Explicit not in tuple(mesh.axis_types):
+                return run(list(closed.consts), xs, offset)
+            # A kernel runs with manual mesh axes only: under an Explicit context mesh,
+            # on every device, replicated (rows spread over devices use lanes).
+            lanes = Lanes(1, mesh, tuple(mesh.axis_names))
+        m, spec = plan.n, lanes.spec() if lanes.count > 1 else PartitionSpec()
+        assert m is not None
+
+        def per_device(cs: list, rows: Any) -> list:
+            first = offset + (lax.axis_index(lanes.axes) * m if lanes.count > 1 else 0)
+            return jax.tree.map(lambda a: a[None], run(cs, rows, first))
+
+        # The kernel's constants are arguments (replicated): shard_map takes no
+        # closed-over values typed on Explicit axes.
+        everywhere = lambda a: _replicated(jnp.asarray(a), lanes.mesh)
+        cs = [everywhere(c) for c in closed.consts]
+        if lanes.count == 1:
+            xs = jax.tree.map(everywhere, xs)
+        states = jax.shard_map(
+            per_device,
+            mesh=lanes.mesh,
+            in_specs=(PartitionSpec(), spec),
+            out_specs=spec if lanes.count > 1 else PartitionSpec(),
+            check_vma=False,
+        )(cs, xs)
+        if lanes.count == 1:
+            return jax.tree.map(lambda a: a[0], states)
+        return _scan.merge_all(reduction, states, lanes)
 
 
 def _monoid(plan: Plan) -> tuple[MonoidReduction, int | None]:
@@ -93,3 +148,8 @@ def _monoid(plan: Plan) -> tuple[MonoidReduction, int | None]:
     shard engine) keep batch_size="auto"; every other plan has an int or None."""
     assert plan.reduction is not None and not isinstance(plan.batch_size, str)
     return plan.reduction, plan.batch_size
+
+
+def _replicated(a: jax.Array, mesh: Any) -> jax.Array:
+    """``a`` whole on every device of ``mesh`` (a kernel argument inside shard_map)."""
+    return jax.sharding.reshard(a, NamedSharding(mesh, PartitionSpec()))

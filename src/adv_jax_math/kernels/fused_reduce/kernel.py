@@ -1,9 +1,12 @@
-"""The kernel: ``fun`` on one block of rows plus each leaf's monoid reduction.
+"""The kernel: ``fun`` on one block of rows plus each term's monoid fold.
 
 Each of the ``cdiv(n, T)`` programs takes a tile of ``T = steps * Bk`` rows of
 every input leaf and loops over its blocks: evaluate ``fun``'s jaxpr on ``Bk``
-rows, replace rows past ``n`` with the identity, reduce the rows, combine into one
-partial per output leaf. The partials are combined by the monoid in XLA.
+rows, fill rows past ``n`` with values that change nothing (weighted 0 where the
+monoid counts rows), fold each term's state (``Monoid.fold``) with the rows'
+global indices, merge into one state per program. The programs' states are merged
+in XLA. A term over every axis folds the rows in the kernel and merges the
+trailing elements in XLA (no reshape in the kernel).
 """
 
 from __future__ import annotations
@@ -19,21 +22,28 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from ..._monoid import Monoid
+from ..._monoid import LeafReduction, index_dtype, merge_stacked
 from .interpreter import evaluate
-from .targets import KERNEL_NAME, Target, tpu_vmem_limit
+from .targets import KERNEL_NAME, Target, pallas_triton, tpu_vmem_limit
 
-__all__ = ["Kernel", "Out", "forward", "kernel_const_aval", "pallas_call"]
+__all__ = ["Kernel", "Term", "forward", "kernel_const_aval", "pallas_call"]
 
 
 @dataclasses.dataclass(frozen=True)
-class Out:
-    """One output leaf of the fused reduction."""
+class Term:
+    """One term of the reduction as the kernel folds it: over the rows (axis 0)."""
 
-    monoid: Monoid
-    axis: int | None  # 0: reduce the rows only; None: every axis
-    trailing: tuple[int, ...]  # shape of one row of the prepared leaf
-    acc_dtype: np.dtype  # dtype of partials and of the custom_jvp outputs
+    leaf: LeafReduction  # the term (its axis: 0, or None merged over elements in XLA)
+    items: tuple[jax.ShapeDtypeStruct, ...]  # one row of each source
+    state: Any  # pytree of ShapeDtypeStruct: one block's state
+
+    @property
+    def rows_leaf(self) -> LeafReduction:
+        return dataclasses.replace(self.leaf, axis=0)
+
+    def key(self) -> tuple:
+        leaf = self.leaf
+        return (repr(leaf.monoid), leaf.axis, leaf.sources, self.items)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,11 +53,10 @@ class Kernel:
     jaxpr: Any  # prepared fun on a block of ``rows`` rows, constants as constvars
     const_avals: tuple[jax.ShapeDtypeStruct, ...]
     in_avals: tuple[jax.ShapeDtypeStruct, ...]  # full (n, ...) inputs
-    outs: tuple[Out, ...]
+    terms: tuple[Term, ...]
     n: int
     rows: int  # Bk: rows of fun evaluated at once
     steps: int  # blocks of Bk rows each kernel program reduces in a loop
-    chunk_blocks: int  # blocks per step of the tangent scan
     target: Target
     interpret: bool
 
@@ -59,6 +68,10 @@ class Kernel:
     @property
     def grid(self) -> int:
         return pl.cdiv(self.n, self.tile)
+
+    def state_avals(self) -> list[jax.ShapeDtypeStruct]:
+        """Every state leaf of every term, flat (the kernel's outputs, per program)."""
+        return [a for t in self.terms for a in jax.tree.leaves(t.state)]
 
 
 def kernel_const_aval(a: Any) -> jax.ShapeDtypeStruct:
@@ -84,16 +97,28 @@ def _load_const(ref: Any, aval: Any) -> Any:
     return value
 
 
-def _block_partial(k: Kernel, y: Any, out: Out, first_row: Any) -> Any:
-    """Reduce the rows of one block's output leaf, masking rows >= n."""
-    y = y.astype(out.acc_dtype)
+def _term_state(k: Kernel, term: Term, ys: Sequence[Any], first_row: Any, offset: Any) -> Any:
+    """One block's state of ``term``; rows past ``n`` filled and weighted 0; ``offset``
+    is the global index of the kernel's first row."""
+    src = [ys[s] for s in term.leaf.sources]
+    rows = src[0].shape[0]
+    local = lax.broadcasted_iota(jnp.int32, (rows,), 0)
+    w = None
     if k.n % k.tile:
-        y = out.monoid.mask(y, first_row + lax.broadcasted_iota(jnp.int32, y.shape, 0) < k.n)
-    return out.monoid.reduce_stable(y, axis=0)
+        valid = first_row + local < k.n
+        fills = term.leaf.monoid.fills([y.dtype for y in src])
+        src = [
+            jnp.where(valid.reshape((rows,) + (1,) * (y.ndim - 1)), y, jnp.asarray(f, y.dtype))
+            for y, f in zip(src, fills, strict=True)
+        ]
+        w = term.leaf.monoid.encode(valid.astype(jnp.float32), src[0].dtype, jnp)
+    idx = (offset + first_row + local).astype(index_dtype())
+    return term.rows_leaf.fold(src, idx, w)
 
 
-def _partial_shape(out: Out) -> tuple[int, ...]:
-    return (1, *(out.trailing or (1,)))
+def _state_shape(aval: jax.ShapeDtypeStruct) -> tuple[int, ...]:
+    """A state leaf's block in the kernel's outputs (no 0-d blocks)."""
+    return (1, *(aval.shape or (1,)))
 
 
 def _compiler_params(k: Kernel) -> Any:
@@ -105,19 +130,18 @@ def _compiler_params(k: Kernel) -> Any:
         # TPUCompilerParams: older jax (not in this jax's stubs)
         params = getattr(pltpu, "CompilerParams", None) or cast(Any, pltpu).TPUCompilerParams
         return params(vmem_limit_bytes=tpu_vmem_limit(k.target.device_kind))
-    from jax.experimental.pallas import triton as pltriton
-
-    biggest = k.rows * max(1, *(math.prod(o.trailing) for o in k.outs))
+    biggest = k.rows * max(1, *(math.prod(a.shape) for a in k.state_avals()))
     biggest = max(biggest, k.rows * max(math.prod(a.shape[1:]) for a in k.in_avals))
-    return pltriton.CompilerParams(num_warps=8 if biggest >= 1 << 13 else 4)
+    return pallas_triton().CompilerParams(num_warps=8 if biggest >= 1 << 13 else 4)
 
 
 def pallas_call(k: Kernel) -> Callable[..., Any]:
     nc, nx = len(k.const_avals), len(k.in_avals)
 
-    def kernel(*refs):
+    def kernel(offset_ref, *refs):
         c_refs, x_refs, o_refs = refs[:nc], refs[nc : nc + nx], refs[nc + nx :]
         consts = [_load_const(r, a) for r, a in zip(c_refs, k.const_avals, strict=True)]
+        offset = offset_ref[...].reshape(())
         tile_start = pl.program_id(0) * k.tile  # outside the loop: interpret mode needs that
 
         def block(j):
@@ -130,47 +154,46 @@ def pallas_call(k: Kernel) -> Callable[..., Any]:
                     for r, a in zip(x_refs, k.in_avals, strict=True)
                 ]
             ys = evaluate(k.jaxpr, consts, xs, upcast=k.target.triton)
-            first_row = tile_start + start
-            return [_block_partial(k, y, o, first_row) for y, o in zip(ys, k.outs, strict=True)]
+            return [_term_state(k, t, ys, tile_start + start, offset) for t in k.terms]
 
         def step(j, acc):
             new = block(j)
-            return [o.monoid.combine_stable(a, b) for o, a, b in zip(k.outs, acc, new, strict=True)]
+            return [t.leaf.monoid.merge(a, b) for t, a, b in zip(k.terms, acc, new, strict=True)]
 
         parts = block(0)
         if k.steps > 1:
             parts = lax.fori_loop(1, k.steps, step, parts)
-        for part, o_ref in zip(parts, o_refs, strict=True):
-            o_ref[...] = part.reshape(o_ref.shape)
+        flat = [leaf for part in parts for leaf in jax.tree.leaves(part)]
+        for part, o_ref in zip(flat, o_refs, strict=True):
+            o_ref[...] = part.reshape(o_ref.shape).astype(o_ref.dtype)
 
-    def index_map(first, ndim):
-        return lambda i: (i if first else 0,) + (0,) * (ndim - 1)
+    index_map = lambda first, ndim: lambda i: (i if first else 0,) + (0,) * (ndim - 1)
+    whole = lambda shape: pl.BlockSpec(shape, index_map(False, len(shape)))
+    rows = lambda shape: pl.BlockSpec((k.tile, *shape[1:]), index_map(True, len(shape)))
 
-    def whole(shape):
-        return pl.BlockSpec(shape, index_map(False, len(shape)))
-
-    def rows(shape):
-        return pl.BlockSpec((k.tile, *shape[1:]), index_map(True, len(shape)))
-
-    def partial(out):
-        shape = _partial_shape(out)
+    def partial(aval: jax.ShapeDtypeStruct) -> Any:
+        shape = _state_shape(aval)
         return pl.BlockSpec((None, *shape), index_map(True, len(shape) + 1))
 
+    avals = k.state_avals()
     return pl.pallas_call(
         kernel,
-        out_shape=[jax.ShapeDtypeStruct((k.grid, *_partial_shape(o)), o.acc_dtype) for o in k.outs],
+        out_shape=[jax.ShapeDtypeStruct((k.grid, *_state_shape(a)), a.dtype) for a in avals],
         grid=(k.grid,),
-        in_specs=[whole(kernel_const_aval(a).shape) for a in k.const_avals]
+        in_specs=[whole((1, 1))]
+        + [whole(kernel_const_aval(a).shape) for a in k.const_avals]
         + [rows(a.shape) for a in k.in_avals],
-        out_specs=[partial(o) for o in k.outs],
+        out_specs=[partial(a) for a in avals],
         interpret=k.interpret,
         compiler_params=_compiler_params(k),
         name=KERNEL_NAME,
     )
 
 
-def forward(k: Kernel, consts: Sequence[Any], leaves: Sequence[Any]) -> list[Any]:
-    """The fused kernel plus the XLA combine of its partials (in the acc dtypes)."""
+def forward(k: Kernel, consts: Sequence[Any], leaves: Sequence[Any], offset: Any = 0) -> list[Any]:
+    """Each term's state over all rows: the fused kernel, then the programs' states
+    merged in XLA (and, for a term over every axis, its elements). ``offset`` is the
+    global index of the first row (traced inside ``shard_map``)."""
     call = pallas_call(k)
 
     def kernel_call(*args):
@@ -179,11 +202,17 @@ def forward(k: Kernel, consts: Sequence[Any], leaves: Sequence[Any]) -> list[Any
     # A named jit makes the kernel visible in lowered text on every platform
     # (``func.func private @adv_jax_math_fused_reduce``), interpret mode included.
     kernel_call.__name__ = kernel_call.__qualname__ = KERNEL_NAME
-    partials = jax.jit(kernel_call)(*map(_to_kernel_const, consts), *leaves)
-    totals = []
-    for p, out in zip(partials, k.outs, strict=True):
-        total = out.monoid.reduce_stable(p.reshape(k.grid, *out.trailing), axis=0)
-        if out.axis is None and total.ndim:
-            total = out.monoid.reduce_stable(total, axis=None)
-        totals.append(total)
-    return totals
+    first = jnp.asarray(offset, jnp.int32).reshape(1, 1)
+    flat = iter(jax.jit(kernel_call)(first, *map(_to_kernel_const, consts), *leaves))
+    out = []
+    for term in k.terms:
+        avals = jax.tree.leaves(term.state)
+        parts = [next(flat).reshape(k.grid, *a.shape) for a in avals]
+        state = merge_stacked(
+            term.leaf.monoid.merge, jax.tree.unflatten(jax.tree.structure(term.state), parts)
+        )
+        if term.leaf.axis is None:  # every axis: the elements' states merged too
+            state = jax.tree.map(lambda a: a.reshape(-1), state)
+            state = merge_stacked(term.leaf.monoid.merge, state)
+        out.append(state)
+    return out

@@ -17,10 +17,11 @@ import re
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from .kernel import Kernel, kernel_const_aval, pallas_call
-from .targets import abstract_mesh, compile_mesh, quiet_triton
+from .targets import PLATFORMS, abstract_mesh, compile_mesh, context_mesh, quiet_triton
 
 __all__ = ["Verdict", "probe"]
 
@@ -34,31 +35,50 @@ class Verdict:
     compiled: bool  # False: only lowered (no compiler for the target here)
 
 
-def _build(k: Kernel) -> bool:
-    """Compile (True) or lower (False) the kernel alone for ``k.target``."""
-    args = [kernel_const_aval(a) for a in k.const_avals] + list(k.in_avals)
+def _build(k: Kernel, context: jax.sharding.Mesh | None, tracing: bool) -> bool:
+    """Compile (True) or lower (False) the kernel alone for ``k.target``; ``context``
+    and ``tracing`` as :func:`context_mesh` returns them."""
+    offset = jax.ShapeDtypeStruct((1, 1), np.int32)
+    args = [offset] + [kernel_const_aval(a) for a in k.const_avals] + list(k.in_avals)
     call = pallas_call(k)
     platform = k.target.platform
     if platform == "cpu":
         jax.jit(call).trace(*args).lower(lowering_platforms=("cpu",))
         return False
-    mesh = compile_mesh(platform)
     with quiet_triton():
+        if context is not None and _of(context, platform):
+            # Under jax.set_mesh, inside jax.jit or not: compile as the caller's jit will,
+            # for the context mesh's own devices (jit refuses others there, even ones of
+            # the same kind from another topology).
+            jax.jit(call).lower(*args).compile()
+            return True
+        current = jax.sharding.get_abstract_mesh()
+        in_context = _of(current, platform) and current.size > 1  # cannot be swapped in jit
+        mesh = None if tracing and in_context else compile_mesh(platform)
         if mesh is not None:
-            try:
-                _compile(call, args, mesh)
-                return True
-            except ValueError as e:  # another instance of the device is in context
-                if "incompatible devices" not in str(e):
-                    raise
+            _compile(call, args, mesh)
+            return True
+        if in_context:
+            jax.jit(call).trace(*args).lower(lowering_platforms=(platform,))
+            return False
         with jax.sharding.use_abstract_mesh(abstract_mesh(platform, k.target.device_kind)):
             jax.jit(call).trace(*args).lower(lowering_platforms=(platform,))
         return False
 
 
+def _of(mesh: Any, platform: str) -> bool:
+    """Whether ``mesh`` (concrete or abstract) holds devices of ``platform``."""
+    try:
+        device = mesh.devices.flat[0]
+    except Exception:  # an AbstractMesh, or an empty mesh
+        device = getattr(mesh, "abstract_device", None)
+    return PLATFORMS.get(getattr(device, "platform", None) or "") == platform
+
+
 def _compile(call: Any, args: list, mesh: jax.sharding.Mesh) -> None:
-    """Compile ``call`` on ``mesh``'s device: under ``jax.set_mesh`` outside ``jit``;
-    inside, where ``set_mesh`` is refused, under the mesh's abstract mesh."""
+    """Compile ``call`` on ``mesh``'s device (no concrete mesh is set): under
+    ``jax.set_mesh`` outside ``jit``; inside, where ``set_mesh`` is refused, under
+    the mesh's abstract mesh."""
     context: contextlib.AbstractContextManager[Any]
     try:
         context = jax.set_mesh(mesh)
@@ -74,13 +94,20 @@ def _compile(call: Any, args: list, mesh: jax.sharding.Mesh) -> None:
 
 
 def probe(k: Kernel) -> Verdict:
-    """Whether the kernel builds for its target (cached)."""
-    key = (k.target, str(k.jaxpr), k.const_avals, k.in_avals, k.outs, k.n, k.rows, k.steps)
+    """Whether the kernel builds for its target (cached).
+
+    The verdict depends on the context too: under a mesh of several devices the
+    kernel is compiled over all of them, as the caller's jit will; with no concrete
+    mesh set, it may only be lowered."""
+    context, tracing = context_mesh() if k.target.platform != "cpu" else (None, False)
+    where = (jax.sharding.get_abstract_mesh(), context is not None)
+    terms = tuple(t.key() for t in k.terms)
+    key = (k.target, where, str(k.jaxpr), k.const_avals, k.in_avals, terms, k.n, k.rows, k.steps)
     if key in _PROBES:
         _PROBES.move_to_end(key)
         return _PROBES[key]
     try:
-        verdict = Verdict(None, _build(k))
+        verdict = Verdict(None, _build(k, context, tracing))
     except Exception as e:  # compilers report problems with many exception types
         message = " ".join(str(e).split())
         message = re.sub(r"\s*(Please file an issue|Traceback|File \").*", "", message)[:400]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import importlib
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -18,15 +19,20 @@ import numpy as np
 
 __all__ = [
     "KERNEL_NAME",
+    "PLATFORMS",
     "Target",
     "abstract_mesh",
     "compile_mesh",
+    "context_mesh",
     "device_kind",
+    "gpu_target_config",
     "has_devices",
+    "pallas_triton",
     "quiet_triton",
     "target",
     "target_mesh",
     "tpu_vmem_limit",
+    "triton_problem",
 ]
 
 KERNEL_NAME = "adv_jax_math_fused_reduce"
@@ -37,7 +43,7 @@ jaxprs and in lowered text (``func.func private @adv_jax_math_fused_reduce``).""
 # of Mosaic GPU; the warning is about JAX's roadmap, not the user's code.
 _TRITON_DEPRECATION = r"The Pallas Triton backend is deprecated"
 
-_PLATFORMS = {"cpu": "cpu", "gpu": "cuda", "cuda": "cuda", "rocm": "rocm", "tpu": "tpu"}
+PLATFORMS = {"cpu": "cpu", "gpu": "cuda", "cuda": "cuda", "rocm": "rocm", "tpu": "tpu"}
 
 
 # VMEM a Mosaic kernel may use, per TPU generation (device_kind). The default scoped
@@ -99,10 +105,10 @@ TARGETS = {
 def target(platform: str) -> Target:
     """The target for ``platform``, for the device kind being compiled for."""
     try:
-        base = TARGETS[_PLATFORMS[platform]]
+        base = TARGETS[PLATFORMS[platform]]
     except (KeyError, TypeError):
         raise ValueError(
-            f"platform={platform!r} is not one of {sorted(_PLATFORMS)} "
+            f"platform={platform!r} is not one of {sorted(PLATFORMS)} "
             "('cpu' runs the kernel in interpret mode)"
         ) from None
     if base.platform == "cpu":
@@ -110,13 +116,44 @@ def target(platform: str) -> Target:
     return dataclasses.replace(base, device_kind=device_kind(base.platform))
 
 
+def _no_args() -> Any:
+    return np.int8(0)
+
+
+_PROBE_CONTEXT = jax.jit(_no_args)  # compiled for the context mesh's devices (JAX caches it)
+
+
+def context_mesh() -> tuple[jax.sharding.Mesh | None, bool]:
+    """``(mesh, tracing)``: the concrete mesh set with ``jax.set_mesh`` (None without
+    one) and whether this runs inside a ``jax.jit`` trace.
+
+    Inside ``jit``, ``jax.sharding.get_mesh`` is refused and only the abstract mesh
+    is visible, yet ``jit`` compiles only for the context mesh's own devices (a
+    compile-only device of the same kind from another topology is "incompatible").
+    So there the mesh is read from what it assigns to a computation of no arguments:
+    the output sharding of that computation, compiled once per context by JAX."""
+    mesh: Any
+    try:
+        mesh, tracing = jax.sharding.get_mesh(), False
+    except ValueError:  # "`get_mesh` can only be used outside of `jax.jit`"
+        tracing = True
+        try:
+            mesh = getattr(_PROBE_CONTEXT.lower().compile().output_shardings, "mesh", None)
+        except Exception:  # e.g. inside shard_map's manual axes
+            mesh = None
+    except Exception:  # jax without get_mesh
+        return None, False
+    if isinstance(mesh, jax.sharding.Mesh) and not mesh.empty:
+        return mesh, tracing
+    return None, tracing
+
+
 def _mesh_device(platform: str) -> Any:
     """The first device of the active mesh (``jax.set_mesh``/``use_abstract_mesh``)
-    when it is of ``platform``: a real or compile-only device, or an abstract one.
-    Inside ``jax.jit`` only the abstract mesh is visible."""
-    meshes: list[jax.sharding.Mesh | jax.sharding.AbstractMesh] = [jax.sharding.get_abstract_mesh()]
-    with contextlib.suppress(Exception):  # get_mesh raises inside jit (or is missing)
-        meshes.insert(0, jax.sharding.get_mesh())
+    when it is of ``platform``: a real or compile-only device (also inside
+    ``jax.jit``, see :func:`context_mesh`), or an abstract one."""
+    concrete, _ = context_mesh()
+    meshes = [m for m in (concrete, jax.sharding.get_abstract_mesh()) if m is not None]
     for mesh in meshes:
         try:
             devices = mesh.devices  # a concrete mesh's devices; AbstractMesh raises
@@ -126,7 +163,7 @@ def _mesh_device(platform: str) -> Any:
             device = devices.flat[0]
         else:
             device = getattr(mesh, "abstract_device", None)
-        if device is not None and _PLATFORMS.get(getattr(device, "platform", "")) == platform:
+        if device is not None and PLATFORMS.get(getattr(device, "platform", "")) == platform:
             return device
     return None
 
@@ -170,6 +207,13 @@ TPU_TOPOLOGIES = {
 }
 
 
+def gpu_target_config(kind: str) -> str:
+    """The ``GpuTargetConfig`` text proto of an NVIDIA GPU of ``kind`` (one of
+    ``GPU_SPECS``), for ``jax.experimental.topologies.get_topology_desc("aot", "cuda",
+    target_config=..., topology="1x1x1")``."""
+    return _GPU_CONFIG.format(kind=kind, **GPU_SPECS[kind])
+
+
 def _topology_device(platform: str, kind: str) -> Any:
     """A compile-only device of ``kind``, or None where no compiler for it is installed."""
     return _topology(platform, kind)[0]
@@ -184,9 +228,8 @@ def _topology(platform: str, kind: str) -> tuple[Any, str]:
         if platform == "tpu" and kind in TPU_TOPOLOGIES:
             desc = topologies.get_topology_desc(TPU_TOPOLOGIES[kind], platform="tpu")
         elif platform == "cuda" and kind in GPU_SPECS:
-            config = _GPU_CONFIG.format(kind=kind, **GPU_SPECS[kind])
             desc = topologies.get_topology_desc(
-                "aot", "cuda", target_config=config, topology="1x1x1"
+                "aot", "cuda", target_config=gpu_target_config(kind), topology="1x1x1"
             )
         else:
             return None, f"no compile-only topology known for {kind!r}"
@@ -235,6 +278,25 @@ def compile_mesh(platform: str) -> jax.sharding.Mesh | None:
     if device is None:
         return None
     return jax.sharding.Mesh(np.array([device]), ("x",))
+
+
+def pallas_triton() -> Any:
+    """``jax.experimental.pallas.triton``, imported when first needed: it is deprecated
+    since jax 0.11 and may be missing from a later jax (see :func:`triton_problem`)."""
+    return importlib.import_module("jax.experimental.pallas.triton")
+
+
+def triton_problem() -> str | None:
+    """Why the GPU kernel cannot be built with this jax (None: it can)."""
+    try:
+        pallas_triton()
+    except ImportError as e:
+        return (
+            f"Pallas Triton is missing from this jax ({jax.__version__}): "
+            f"jax.experimental.pallas.triton cannot be imported ({type(e).__name__}: {e}); "
+            "it is deprecated since jax 0.11, so the GPU kernel is not available"
+        )
+    return None
 
 
 @contextlib.contextmanager

@@ -1,0 +1,694 @@
+"""The monoids: sums, extrema, logsumexp, arg-extrema, top-k, softmax-weighted sums,
+means and variances. Each is one object of :class:`~._monoid.Monoid`; its
+docstring names the plain-JAX expression it equals.
+
+Written with operations every engine lowers (Pallas kernels included: reductions
+over the rows, elementwise ops, comparisons, ``dot_general``), stable and
+compensated: float sums carry the rounding error of every merge (TwoSum), so a
+chunked sum is as exact as ``jnp.sum``; logsumexp and softmax-weighted sums shift
+by their running maximum; means and variances merge by Chan's update.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from ._monoid import Monoid, _col, index_dtype
+from .kernels import native
+
+__all__ = [
+    "ADD",
+    "ARGMAX",
+    "ARGMIN",
+    "LOGSUMEXP",
+    "MAX",
+    "MAX_ARGMAX",
+    "MEAN",
+    "MEAN_VAR",
+    "MIN",
+    "MIN_ARGMIN",
+    "MONOIDS",
+    "SOFTMAX_WEIGHTED",
+    "VAR",
+    "nan_weights",
+    "softmax_weighted",
+    "top_k",
+    "var",
+]
+
+Items = Sequence[jax.ShapeDtypeStruct]
+
+
+# -- numerics ---------------------------------------------------------------------------
+def _two_sum(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(a + b, the rounding error of a + b)`` (Knuth's TwoSum: exact in floating
+    point). The error carries no derivative: ``d(a + b)`` is the whole tangent."""
+    t = a + b
+    z = t - a
+    return t, lax.stop_gradient((a - (t - z)) + (b - z))
+
+
+@jax.custom_jvp
+def _bound(y: jax.Array, high: jax.Array) -> jax.Array:
+    """``min(y, high)``, where ``high`` passes a row (inf) or drops it (-inf)."""
+    return jnp.minimum(y, high)
+
+
+@_bound.defjvp
+def _bound_jvp(primals: tuple, tangents: tuple) -> tuple:
+    # A row passes with its derivative or is dropped: one multiply (the JVP of
+    # min would add comparisons and selects to every chunk's gradient).
+    y, high = primals
+    return _bound(y, high), tangents[0] * (high == np.inf).astype(y.dtype)
+
+
+def _finite_or_zero(top: jax.Array) -> jax.Array:
+    # Shift for a stable exponential: all -inf (or +inf) rows shift by 0, not NaN.
+    return jnp.where(jnp.abs(top) < jnp.inf, top, jnp.zeros_like(top))
+
+
+def nan_weights(hit: jax.Array, total: jax.Array) -> jax.Array:
+    """The weights of the rows tied for a max/min ``total`` (``hit``: 1 or 0), NaN for
+    every row when the total is NaN: then no row ties, and ``jax.grad(jnp.max)`` is NaN
+    everywhere (0/0). Written as a NaN weight, not left to ``0 * (1 / 0)``: XLA may
+    rewrite a product with a 0/1 indicator as a select, which drops the NaN."""
+    return jnp.where(jnp.isnan(total), jnp.nan, hit).astype(hit.dtype)
+
+
+def _inexact(dtype: Any) -> bool:
+    return bool(jnp.issubdtype(dtype, jnp.inexact))
+
+
+def _wide(dtype: Any) -> np.dtype:
+    """16-bit floats accumulate in float32 (as ``jnp.sum`` does)."""
+    dtype = np.dtype(dtype)
+    low = jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4
+    return np.dtype(np.float32) if low else dtype
+
+
+def _float(dtype: Any) -> np.dtype:
+    """The float type a mean or a softmax of ``dtype`` values has."""
+    return np.dtype(dtype) if _inexact(dtype) else np.dtype(jnp.result_type(dtype, 1.0))
+
+
+def _lowest(dtype: Any) -> Any:
+    dtype = np.dtype(dtype)
+    if _inexact(dtype):
+        return -np.inf
+    return False if dtype == np.bool_ else jnp.iinfo(dtype).min
+
+
+def _highest(dtype: Any) -> Any:
+    dtype = np.dtype(dtype)
+    if _inexact(dtype):
+        return np.inf
+    return True if dtype == np.bool_ else jnp.iinfo(dtype).max
+
+
+def _drop(keep: Any, dtype: Any, xp: Any) -> Any:
+    """Weights as bounds: ``inf`` keeps a row, ``-inf`` drops it (any weight > 0 keeps)."""
+    return xp.where(xp.asarray(keep) > 0, np.inf, -np.inf).astype(dtype)
+
+
+def _full(item: jax.ShapeDtypeStruct, value: Any, dtype: Any = None) -> jax.Array:
+    return jnp.full(item.shape, value, dtype or item.dtype)
+
+
+# -- sum ----------------------------------------------------------------------------
+class Sum(Monoid):
+    """``jnp.sum(y, 0)``: promotes like ``jnp.sum`` (bool and narrow integers to the
+    default integer), accumulates 16-bit floats in float32, compensated."""
+
+    name, halves, axes_all = "add", True, True
+    combine, reduce = staticmethod(jnp.add), staticmethod(jnp.sum)
+
+    def result_dtype(self, dtype: Any) -> np.dtype:
+        return np.dtype(jax.eval_shape(jnp.sum, jax.ShapeDtypeStruct((1,), dtype)).dtype)
+
+    def _acc(self, dtype: Any) -> np.dtype:
+        return _wide(self.result_dtype(dtype))
+
+    def init(self, items: Items) -> Any:
+        acc = self._acc(items[0].dtype)
+        zero = _full(items[0], 0, acc)
+        return (zero, jnp.zeros_like(zero)) if _inexact(acc) else (zero,)
+
+    def encode(self, keep: Any, dtype: Any, xp: Any = np) -> Any:
+        return xp.asarray(keep).astype(self._acc(dtype))
+
+    def fold(self, ys: Sequence[jax.Array], idx: jax.Array, w: jax.Array | None) -> Any:
+        y = ys[0].astype(self._acc(ys[0].dtype))
+        s = jnp.sum(y if w is None else y * _col(w, y), axis=0)
+        return (s, jnp.zeros_like(s)) if _inexact(s.dtype) else (s,)
+
+    def merge(self, a: Any, b: Any) -> Any:
+        if len(a) == 1:
+            return (a[0] + b[0],)
+        t, lost = _two_sum(a[0], b[0])
+        return t, a[1] + b[1] + lost
+
+    def finalize(self, state: Any, items: Items) -> Any:
+        out = state[0]
+        if len(state) == 2:  # once infinite or NaN, the compensation means nothing
+            out = out + lax.stop_gradient(jnp.where(jnp.isfinite(out), state[1], 0))
+        return out.astype(self.result_dtype(items[0].dtype))
+
+    def tangent(self, ys, dys, idx, keep, state, items) -> Any:
+        dy = dys[0].astype(state[0].dtype)
+        return jnp.sum(dy if keep is None else dy * _col(keep, dy), axis=0)
+
+
+# -- max / min --------------------------------------------------------------------------
+class Extremum(Monoid):
+    """``jnp.max(y, 0)`` (``largest``) or ``jnp.min(y, 0)``; the derivative is shared
+    evenly by every tied row, as ``jax.grad(jnp.max)``, and is NaN everywhere when
+    the result is NaN."""
+
+    selects, axes_all = True, True
+
+    def __init__(self, largest: bool):
+        self.largest = largest
+        self.name = "max" if largest else "min"
+        self._join, self._pick = (jnp.maximum, jnp.max) if largest else (jnp.minimum, jnp.min)
+        self.combine, self.reduce = self._join, self._pick
+
+    def result_dtype(self, dtype: Any) -> np.dtype:
+        return np.dtype(dtype)
+
+    def fill(self, dtype: Any) -> Any:
+        return np.asarray(_lowest(dtype) if self.largest else _highest(dtype), dtype)[()]
+
+    def init(self, items: Items) -> Any:
+        return (_full(items[0], self.fill(items[0].dtype)),)
+
+    def encode(self, keep: Any, dtype: Any, xp: Any = np) -> Any:
+        return None  # idempotent: a row seen twice changes nothing
+
+    def fold(self, ys, idx, w) -> Any:
+        return (self._pick(ys[0], axis=0),)
+
+    def merge(self, a: Any, b: Any) -> Any:
+        return (self._join(a[0], b[0]),)
+
+    def finalize(self, state: Any, items: Items) -> Any:
+        return state[0]
+
+    def tangent(self, ys, dys, idx, keep, state, items) -> Any:
+        return _tie_shares(ys[0], dys[0], keep, state[0])
+
+    def tangent_finish(self, raw: Any, state: Any, items: Items) -> Any:
+        return raw[0] / raw[1]
+
+
+def _tie_shares(y: jax.Array, dy: jax.Array, keep: Any, total: jax.Array) -> tuple:
+    """``(sum of dy over the rows equal to total, their count)``."""
+    hit = (y == total[None]).astype(dy.dtype)
+    if keep is not None:
+        hit = hit * _col(keep, hit).astype(dy.dtype)
+    return jnp.sum(dy * nan_weights(hit, total[None]), axis=0), jnp.sum(hit, axis=0)
+
+
+# -- logsumexp --------------------------------------------------------------------------
+class LogSumExp(Monoid):
+    """``jax.nn.logsumexp(y, 0)``: shifted by the running maximum, compensated; ints
+    become floats."""
+
+    name, axes_all = "logsumexp", True
+    combine, reduce = staticmethod(jnp.logaddexp), staticmethod(jax.nn.logsumexp)
+
+    def result_dtype(self, dtype: Any) -> np.dtype:
+        return _float(dtype)
+
+    def fill(self, dtype: Any) -> Any:
+        return np.asarray(-np.inf, self.result_dtype(dtype))[()]
+
+    def init(self, items: Items) -> Any:
+        acc = _wide(self.result_dtype(items[0].dtype))
+        return (_full(items[0], -np.inf, acc), _full(items[0], 0, acc), _full(items[0], 0, acc))
+
+    def encode(self, keep: Any, dtype: Any, xp: Any = np) -> Any:
+        return _drop(keep, _wide(self.result_dtype(dtype)), xp)
+
+    def fold_fast(self, ys, idx, w) -> Any:
+        y = ys[0].astype(_wide(self.result_dtype(ys[0].dtype)))
+        if w is not None:
+            y = _bound(y, _col(w, y))
+        if not native.worth_it(y.shape, y.dtype):
+            return self.fold([y], idx, None)
+        top = native.logsumexp(y, 0)  # one native pass (CPU), as a state of one row
+        return top, jnp.ones_like(top), jnp.zeros_like(top)
+
+    def fold(self, ys, idx, w) -> Any:
+        y = ys[0].astype(_wide(self.result_dtype(ys[0].dtype)))
+        if w is not None:
+            y = _bound(y, _col(w, y))
+        top = jnp.max(y, axis=0)
+        s = jnp.sum(jnp.exp(y - _finite_or_zero(top)[None]), axis=0)
+        return top, s, jnp.zeros_like(s)
+
+    def merge(self, a: Any, b: Any) -> Any:
+        top = jnp.maximum(a[0], b[0])
+        shift = _finite_or_zero(top)
+        ea, eb = jnp.exp(_finite_or_zero(a[0]) - shift), jnp.exp(_finite_or_zero(b[0]) - shift)
+        t, lost = _two_sum(a[1] * ea, b[1] * eb)
+        return top, t, a[2] * ea + b[2] * eb + lost
+
+    def finalize(self, state: Any, items: Items) -> Any:
+        m, s, c = state
+        out = jnp.where(jnp.isfinite(m), jnp.log(s + c) + _finite_or_zero(m), m)
+        return out.astype(self.result_dtype(items[0].dtype))
+
+    def tangent(self, ys, dys, idx, keep, state, items) -> Any:
+        total = LogSumExp.finalize(self, state, [jax.ShapeDtypeStruct((), state[0].dtype)])
+        y, dy = ys[0].astype(total.dtype), dys[0].astype(total.dtype)
+        weight = jnp.exp(y - total[None])
+        if keep is not None:
+            weight = weight * _col(keep, weight).astype(weight.dtype)
+        return jnp.sum(weight * dy, axis=0)
+
+
+# -- argmin / argmax --------------------------------------------------------------------
+class ArgExtremum(Monoid):
+    """``jnp.argmin(y, 0)`` / ``jnp.argmax`` (indices: global rows, the first on
+    ties, the first NaN if any), with ``values`` also ``(jnp.min(y, 0), indices)``."""
+
+    selects = True
+
+    def __init__(self, largest: bool, values: bool):
+        self.largest, self.values = largest, values
+        base = "max" if largest else "min"
+        self.name = f"{base}_arg{base}" if values else f"arg{base}"
+
+    def _extreme(self, y: jax.Array) -> jax.Array:
+        return jnp.max(y, axis=0) if self.largest else jnp.min(y, axis=0)
+
+    def fill(self, dtype: Any) -> Any:
+        return np.asarray(_lowest(dtype) if self.largest else _highest(dtype), dtype)[()]
+
+    def init(self, items: Items) -> Any:
+        big = np.iinfo(index_dtype()).max
+        return _full(items[0], self.fill(items[0].dtype)), _full(items[0], big, index_dtype())
+
+    def encode(self, keep: Any, dtype: Any, xp: Any = np) -> Any:
+        return None  # a repeated row has the same index: it changes nothing
+
+    def fold(self, ys, idx, w) -> Any:
+        y = ys[0]
+        big = np.iinfo(index_dtype()).max
+        rows = jnp.broadcast_to(_col(idx.astype(index_dtype()), y), y.shape)
+        best = self._extreme(y)
+        first = jnp.min(jnp.where(y == best[None], rows, big), axis=0)
+        if _inexact(y.dtype):  # NaN wins (numpy's rule): the first NaN
+            nan = jnp.isnan(y)
+            first = jnp.where(
+                jnp.any(nan, axis=0), jnp.min(jnp.where(nan, rows, big), axis=0), first
+            )
+        return best, first
+
+    def merge(self, a: Any, b: Any) -> Any:
+        (va, ia), (vb, ib) = a, b
+        better = (va > vb) if self.largest else (va < vb)
+        same = va == vb
+        if _inexact(va.dtype):
+            na, nb = jnp.isnan(va), jnp.isnan(vb)
+            better = (na & ~nb) | (better & ~nb)
+            same = same | (na & nb)
+        take_a = better | (same & (ia < ib))
+        return jnp.where(take_a, va, vb), jnp.where(take_a, ia, ib)
+
+    def finalize(self, state: Any, items: Items) -> Any:
+        return state if self.values else state[1]
+
+    def check_rows(self, n: int) -> None:
+        if n == 0:
+            raise ValueError(
+                f"{self!r} of zero rows is undefined (jnp.{self.name.split('_')[-1]} of an "
+                "empty array raises); give at least one row"
+            )
+
+    def tangent(self, ys, dys, idx, keep, state, items) -> Any:
+        if not self.values or not _inexact(dys[0].dtype):
+            return ()
+        return _tie_shares(ys[0], dys[0], keep, state[0])
+
+    def tangent_finish(self, raw: Any, state: Any, items: Items) -> Any:
+        index = np.zeros(state[1].shape, jax.dtypes.float0)
+        if not self.values:
+            return index
+        if not raw:
+            return np.zeros(state[0].shape, jax.dtypes.float0), index
+        return raw[0] / raw[1], index
+
+
+# -- top-k ------------------------------------------------------------------------------
+def _order_key(y: jax.Array) -> jax.Array:
+    """Integers ordered as XLA's total order of ``y`` (NaN above inf, -NaN below -inf,
+    -0 below +0), the order ``lax.top_k`` selects by."""
+    if not _inexact(y.dtype):
+        return y.astype(jnp.int32) if y.dtype == np.bool_ else y
+    wide, ints = (np.float64, np.int64) if y.dtype == np.float64 else (np.float32, np.int32)
+    bits = lax.bitcast_convert_type(y.astype(wide), ints)
+    return jnp.where(bits < 0, bits ^ np.iinfo(ints).max, bits)
+
+
+def _from_key(key: jax.Array, dtype: Any) -> jax.Array:
+    if not _inexact(dtype):
+        return key.astype(dtype)
+    ints = key.dtype
+    bits = jnp.where(key < 0, key ^ np.iinfo(ints).max, key)
+    wide = np.float64 if ints == np.int64 else np.float32
+    return lax.bitcast_convert_type(bits, wide).astype(dtype)
+
+
+class TopK(Monoid):
+    """``lax.top_k`` along the rows: the ``k`` largest rows per trailing element,
+    largest first, ties to the lower row (``smallest=True``: ``lax.top_k`` of ``-y``,
+    the values given as they are); ``(values, indices)``, each ``(k, *t)``. The
+    derivative goes to the selected rows, as ``jax.grad`` of ``lax.top_k``."""
+
+    selects = True
+
+    def __init__(self, k: int, smallest: bool = False):
+        if isinstance(k, bool) or not isinstance(k, int | np.integer) or k < 1:
+            raise ValueError(f"top_k(k={k!r}): k must be a positive int")
+        self.k, self.smallest = int(k), bool(smallest)
+        self.name = f"top_k({self.k}{', smallest=True' if smallest else ''})"
+
+    def __repr__(self) -> str:
+        return f"adv_jax_math.{self.name}"
+
+    def _key(self, y: jax.Array) -> jax.Array:
+        return _order_key(-y if self.smallest else y)
+
+    def _key_min(self, dtype: Any) -> Any:
+        return np.iinfo(jax.eval_shape(self._key, jax.ShapeDtypeStruct((1,), dtype)).dtype).min
+
+    def fill(self, dtype: Any) -> Any:
+        return np.zeros((), dtype)[()]  # never selected: fold leaves out weight-0 rows
+
+    def init(self, items: Items) -> Any:
+        key_dtype = jax.eval_shape(self._key, jax.ShapeDtypeStruct((1,), items[0].dtype)).dtype
+        big = np.iinfo(index_dtype()).max
+        keys = tuple(
+            _full(items[0], self._key_min(items[0].dtype), key_dtype) for _ in range(self.k)
+        )
+        return keys, tuple(_full(items[0], big, index_dtype()) for _ in range(self.k))
+
+    def fold(self, ys, idx, w) -> Any:
+        y = ys[0]
+        key = self._key(y)
+        rows = jnp.broadcast_to(_col(idx.astype(index_dtype()), y), y.shape)
+        alive = jnp.ones(y.shape, bool) if w is None else jnp.broadcast_to(_col(w > 0, y), y.shape)
+        return _select(self.k, [(key, rows, alive, 0)], self._key_min(y.dtype))
+
+    def merge(self, a: Any, b: Any) -> Any:
+        lists = [(k, i, i < np.iinfo(i.dtype).max, None) for k, i in zip(*a, strict=True)]
+        lists += [(k, i, i < np.iinfo(i.dtype).max, None) for k, i in zip(*b, strict=True)]
+        return _select(self.k, lists, np.iinfo(a[0][0].dtype).min)
+
+    def finalize(self, state: Any, items: Items) -> Any:
+        keys, rows = (jnp.stack(part) for part in state)
+        values = _from_key(keys, items[0].dtype)
+        return (-values if self.smallest else values), rows
+
+    def check_rows(self, n: int) -> None:
+        if n < self.k:
+            raise ValueError(
+                f"{self!r} needs at least k={self.k} rows, got {n} (lax.top_k raises too); "
+                "use a smaller k"
+            )
+
+    def tangent(self, ys, dys, idx, keep, state, items) -> Any:
+        dy = dys[0]
+        if not _inexact(dy.dtype):
+            return ()
+        rows = _col(idx.astype(index_dtype()), dy)
+        if keep is not None:  # a repeated row's copy adds nothing
+            dy = dy * _col(keep > 0, dy).astype(dy.dtype)
+        return tuple(jnp.sum(jnp.where(rows == sel[None], dy, 0), axis=0) for sel in state[1])
+
+    def tangent_finish(self, raw: Any, state: Any, items: Items) -> Any:
+        index = np.zeros((self.k, *state[1][0].shape), jax.dtypes.float0)
+        if not raw:
+            return np.zeros((self.k, *state[1][0].shape), jax.dtypes.float0), index
+        return jnp.stack(raw), index
+
+
+def _select(k: int, lists: list, key_min: Any) -> tuple:
+    """The ``k`` best ``(key, row)`` pairs of candidate ``lists`` (each ``(keys, rows,
+    alive, axis)``: ``axis`` 0 for a block of rows, None for one slot of a state),
+    highest key first, the lower row on ties; k passes of max-and-remove."""
+    big = np.iinfo(lists[0][1].dtype).max
+
+    def over(values: jax.Array, axis: int | None, reduce: Any) -> jax.Array:
+        return reduce(values, axis=axis) if axis is not None else values
+
+    keys, rows = [], []
+    for _ in range(k):
+        top = functools.reduce(
+            jnp.maximum,
+            [over(jnp.where(al, kk, key_min), ax, jnp.max) for kk, rr, al, ax in lists],
+        )
+        level = lambda ax, top=top: top if ax is None else top[None]
+        sel = functools.reduce(
+            jnp.minimum,
+            [
+                over(jnp.where(al & (kk == level(ax)), rr, big), ax, jnp.min)
+                for kk, rr, al, ax in lists
+            ],
+        )
+        keys.append(top)
+        rows.append(sel)
+        gone = lambda ax, sel=sel: sel if ax is None else sel[None]
+        lists = [(kk, rr, al & (rr != gone(ax)), ax) for kk, rr, al, ax in lists]
+    return tuple(keys), tuple(rows)
+
+
+# -- softmax-weighted sums --------------------------------------------------------------
+class SoftmaxWeighted(Monoid):
+    """``jnp.tensordot(jax.nn.softmax(scores, 0), values, ([0], [0]))`` for ``fun``
+    returning ``(scores (n, *s), values (n, *v))``: the result is ``(*s, *v)``
+    (attention for ``s = (queries,)``); with ``return_lse=True`` also
+    ``jax.nn.logsumexp(scores, 0)``, to combine partial results across calls. An
+    online softmax (Milakov & Gimelshein 2018), compensated."""
+
+    arity = 2
+
+    def __init__(self, return_lse: bool = False):
+        self.return_lse = bool(return_lse)
+        self.name = "softmax_weighted" + ("(return_lse=True)" if return_lse else "")
+
+    def __repr__(self) -> str:
+        return "adv_jax_math." + (
+            "softmax_weighted(return_lse=True)" if self.return_lse else "SOFTMAX_WEIGHTED"
+        )
+
+    def _dtypes(self, items: Items) -> tuple[np.dtype, np.dtype]:
+        out = _float(jnp.result_type(items[0].dtype, items[1].dtype))
+        return out, _wide(out)
+
+    def fills(self, dtypes: Sequence[Any]) -> tuple:
+        return np.asarray(-np.inf, _float(dtypes[0]))[()], np.zeros((), dtypes[1])[()]
+
+    def init(self, items: Items) -> Any:
+        _, acc = self._dtypes(items)
+        s, v = items
+        both = jax.ShapeDtypeStruct(s.shape + v.shape, acc)
+        zero = lambda it: _full(it, 0, acc)
+        return _full(s, -np.inf, acc), zero(s), zero(s), zero(both), zero(both)
+
+    def encode(self, keep: Any, dtype: Any, xp: Any = np) -> Any:
+        return _drop(keep, _wide(_float(dtype)), xp)
+
+    def fold(self, ys, idx, w) -> Any:
+        acc = self._dtypes([jax.ShapeDtypeStruct((), y.dtype) for y in ys])[1]
+        s, v = (y.astype(acc) for y in ys)
+        if w is not None:
+            s = _bound(s, _col(w, s))
+        top = jnp.max(s, axis=0)
+        e = jnp.exp(s - _finite_or_zero(top)[None])
+        weighted = jnp.tensordot(e, v, axes=([0], [0]))
+        return top, jnp.sum(e, axis=0), jnp.zeros_like(top), weighted, jnp.zeros_like(weighted)
+
+    def merge(self, a: Any, b: Any) -> Any:
+        top = jnp.maximum(a[0], b[0])
+        shift = _finite_or_zero(top)
+        ea, eb = jnp.exp(_finite_or_zero(a[0]) - shift), jnp.exp(_finite_or_zero(b[0]) - shift)
+        spread = lambda e, x: e.reshape(e.shape + (1,) * (x.ndim - e.ndim))
+        norm, lost = _two_sum(a[1] * ea, b[1] * eb)
+        acc, lost2 = _two_sum(a[3] * spread(ea, a[3]), b[3] * spread(eb, b[3]))
+        lc = a[2] * ea + b[2] * eb + lost
+        ac = a[4] * spread(ea, a[4]) + b[4] * spread(eb, b[4]) + lost2
+        return top, norm, lc, acc, ac
+
+    def _parts(self, state: Any) -> tuple[jax.Array, jax.Array]:
+        m, norm, lc, acc, ac = state
+        total = norm + lc
+        out = (acc + ac) / total.reshape(total.shape + (1,) * (acc.ndim - total.ndim))
+        lse = jnp.where(jnp.isfinite(m), jnp.log(total) + _finite_or_zero(m), m)
+        return out, lse
+
+    def finalize(self, state: Any, items: Items) -> Any:
+        dtype = self._dtypes(items)[0]
+        out, lse = self._parts(state)
+        return (out.astype(dtype), lse.astype(dtype)) if self.return_lse else out.astype(dtype)
+
+    def empty(self, items: Items) -> Any:
+        dtype = self._dtypes(items)[0]
+        out = jnp.zeros(items[0].shape + items[1].shape, dtype)  # a sum over no rows
+        return (out, jnp.full(items[0].shape, -jnp.inf, dtype)) if self.return_lse else out
+
+    def tangent(self, ys, dys, idx, keep, state, items) -> Any:
+        out, lse = self._parts(state)
+        s, v = (y.astype(out.dtype) for y in ys)
+        ds, dv = (d.astype(out.dtype) for d in dys)
+        p = jnp.exp(s - lse[None])
+        if keep is not None:
+            p = p * _col(keep, p).astype(p.dtype)
+        pds = p * ds
+        dot = lambda a, b: jnp.tensordot(a, b, axes=([0], [0]))
+        return dot(p, dv), dot(pds, v), jnp.sum(pds, axis=0)
+
+    def tangent_finish(self, raw: Any, state: Any, items: Items) -> Any:
+        out, _ = self._parts(state)
+        via_v, via_s, d_lse = raw
+        d_out = via_v + via_s - d_lse.reshape(d_lse.shape + (1,) * (out.ndim - d_lse.ndim)) * out
+        return (d_out, d_lse) if self.return_lse else d_out
+
+
+# -- mean and variance ------------------------------------------------------------------
+class Moments(Monoid):
+    """``jnp.mean(y, 0)`` and ``jnp.var(y, 0, ddof=ddof)``: Welford per block, Chan's
+    merge between blocks (stable for data with a large offset), compensated."""
+
+    halves = True
+
+    def __init__(self, mean: bool, variance: bool, ddof: int = 0):
+        if isinstance(ddof, bool) or not isinstance(ddof, int | np.integer) or ddof < 0:
+            raise ValueError(f"var(ddof={ddof!r}): ddof must be a non-negative int")
+        self.mean, self.variance, self.ddof = mean, variance, int(ddof)
+        parts = (["mean"] if mean else []) + (["var"] if variance else [])
+        self.name = "_".join(parts) + (f"(ddof={self.ddof})" if self.ddof else "")
+
+    def __repr__(self) -> str:
+        if self.ddof:
+            return f"adv_jax_math.var(ddof={self.ddof})"
+        return f"adv_jax_math.{self.name.upper()}"
+
+    def result_dtype(self, dtype: Any) -> np.dtype:
+        return np.dtype(jax.eval_shape(jnp.mean, jax.ShapeDtypeStruct((1,), dtype)).dtype)
+
+    def _acc(self, dtype: Any) -> np.dtype:
+        return _wide(self.result_dtype(dtype))
+
+    def init(self, items: Items) -> Any:
+        acc = self._acc(items[0].dtype)
+        zero = _full(items[0], 0, acc)
+        return jnp.zeros((), index_dtype()), zero, zero, zero, zero
+
+    def encode(self, keep: Any, dtype: Any, xp: Any = np) -> Any:
+        return xp.asarray(keep).astype(self._acc(dtype))
+
+    def fold(self, ys, idx, w) -> Any:
+        y = ys[0].astype(self._acc(ys[0].dtype))
+        rows = y.shape[0]
+        if w is None:
+            halves, wy = jnp.asarray(2 * rows, index_dtype()), y
+            count = jnp.asarray(rows, y.dtype)
+        else:  # weights are 0, 1/2 or 1: counted in half rows, exactly
+            halves = jnp.sum(jnp.round(2 * w).astype(index_dtype()))
+            wy, count = y * _col(w, y), jnp.sum(w)
+        safe = jnp.where(count > 0, count, 1)
+        mean = jnp.sum(wy, axis=0) / safe
+        d = y - mean[None]
+        m2 = jnp.sum(d * d if w is None else d * d * _col(w, y), axis=0)
+        return halves, mean, jnp.zeros_like(mean), m2, jnp.zeros_like(m2)
+
+    def merge(self, a: Any, b: Any) -> Any:
+        ha, ma, ca, qa, cqa = a
+        hb, mb, cb, qb, cqb = b
+        h = ha + hb
+        na, nb = ha.astype(ma.dtype) / 2, hb.astype(ma.dtype) / 2
+        n = jnp.where(h > 0, h.astype(ma.dtype) / 2, 1)
+        delta = (mb - ma) + (cb - ca)
+        mean, lost = _two_sum(ma, delta * (nb / n))
+        m2, lost2 = _two_sum(qa, qb + delta * delta * (na * nb / n))
+        return h, mean, ca + lost, m2, cqa + cqb + lost2
+
+    def _stats(self, state: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
+        h, m, c, q, cq = state
+        n = h.astype(m.dtype) / 2
+        mean = jnp.where(n > 0, m + c, jnp.nan)
+        var = (q + cq) / jnp.maximum(n - self.ddof, 0)
+        return n, mean, var
+
+    def finalize(self, state: Any, items: Items) -> Any:
+        dtype = self.result_dtype(items[0].dtype)
+        _, mean, var = self._stats(state)
+        parts = ([mean.astype(dtype)] if self.mean else []) + (
+            [var.astype(dtype)] if self.variance else []
+        )
+        return tuple(parts) if len(parts) == 2 else parts[0]
+
+    def tangent(self, ys, dys, idx, keep, state, items) -> Any:
+        _, mean, _ = self._stats(state)
+        y, dy = ys[0].astype(mean.dtype), dys[0].astype(mean.dtype)
+        if keep is not None:
+            dy = dy * _col(keep, dy).astype(dy.dtype)
+        return jnp.sum(dy, axis=0), jnp.sum((y - mean[None]) * dy, axis=0)
+
+    def tangent_finish(self, raw: Any, state: Any, items: Items) -> Any:
+        n, _, _ = self._stats(state)
+        d_mean = raw[0] / n
+        d_var = 2 * raw[1] / jnp.maximum(n - self.ddof, 0)
+        parts = ([d_mean] if self.mean else []) + ([d_var] if self.variance else [])
+        return tuple(parts) if len(parts) == 2 else parts[0]
+
+
+ADD = Sum()
+MAX = Extremum(largest=True)
+MIN = Extremum(largest=False)
+LOGSUMEXP = LogSumExp()
+ARGMIN = ArgExtremum(largest=False, values=False)
+ARGMAX = ArgExtremum(largest=True, values=False)
+MIN_ARGMIN = ArgExtremum(largest=False, values=True)
+MAX_ARGMAX = ArgExtremum(largest=True, values=True)
+SOFTMAX_WEIGHTED = SoftmaxWeighted()
+MEAN = Moments(mean=True, variance=False)
+VAR = Moments(mean=False, variance=True)
+MEAN_VAR = Moments(mean=True, variance=True)
+MONOIDS = (ADD, MAX, MIN, LOGSUMEXP)  # the ones recognized from plain-JAX reductions
+
+
+def top_k(k: int, smallest: bool = False) -> TopK:
+    """The ``k`` largest rows (``smallest=True``: smallest) per trailing element with
+    their global row indices, as ``lax.top_k`` along axis 0; see :class:`TopK`.
+
+    Examples
+    --------
+    >>> import jax.numpy as jnp
+    >>> import adv_jax_math as ajm
+    >>> d = jnp.array([4.0, 1.0, 3.0, 0.5, 2.0])
+    >>> ajm.batch_map(lambda r: r, d, 2, reduction=ajm.top_k(2, smallest=True))
+    (Array([0.5, 1. ], dtype=float32), Array([3, 1], dtype=int32))
+    """
+    return TopK(k, smallest)
+
+
+def softmax_weighted(return_lse: bool = False) -> SoftmaxWeighted:
+    """Softmax-weighted sums of ``fun``'s ``(scores, values)``; with ``return_lse``
+    also the logsumexp of the scores; see :class:`SoftmaxWeighted`."""
+    return SOFTMAX_WEIGHTED if not return_lse else SoftmaxWeighted(return_lse=True)
+
+
+def var(ddof: int = 0) -> Moments:
+    """The variance over the rows with ``ddof`` delta degrees of freedom, as
+    ``jnp.var(y, 0, ddof=ddof)``; see :class:`Moments`."""
+    return VAR if ddof == 0 else Moments(mean=False, variance=True, ddof=ddof)

@@ -1,0 +1,189 @@
+"""Shardings of the user's arrays: where rows live, and placing values on a mesh.
+
+With sharding in types (``AxisType.Explicit``, the default of ``jax.make_mesh`` in
+jax 0.12) every array carries its mesh and partition spec, and operations whose
+operands disagree raise. These helpers read an input's sharding (its type, or a
+concrete array's ``NamedSharding``) and build values that agree with it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from collections.abc import Iterator
+from typing import Any, TypeGuard
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+__all__ = [
+    "Lanes",
+    "RowSharding",
+    "context_mesh",
+    "explicit",
+    "place",
+    "row_sharding",
+    "sharding_of",
+    "typed_mesh",
+    "zeros",
+]
+
+
+def sharding_of(x: Any) -> NamedSharding | None:
+    """``x``'s named sharding: a concrete array's own (Auto axes too), else its type's
+    (tracers; only Explicit axes appear in types); None for host values."""
+    sharding = getattr(x, "sharding", None)
+    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+        return sharding if isinstance(sharding, NamedSharding) else None
+    if isinstance(x, jax.ShapeDtypeStruct | jax.core.Tracer):
+        try:
+            sharding = jax.typeof(x).sharding if isinstance(x, jax.core.Tracer) else sharding
+        except Exception:  # no aval (an exotic tracer)
+            return None
+        return sharding if isinstance(sharding, NamedSharding) else None
+    return None
+
+
+def explicit(sharding: Any) -> TypeGuard[NamedSharding]:
+    """A named sharding on a mesh with an Explicit axis (sharding in types)."""
+    return isinstance(sharding, NamedSharding) and AxisType.Explicit in tuple(
+        sharding.mesh.axis_types
+    )
+
+
+def _axes(entry: Any) -> tuple[str, ...]:
+    if entry is None:
+        return ()
+    return tuple(entry) if isinstance(entry, tuple | list) else (entry,)
+
+
+class RowSharding:
+    """The mesh axes an input's rows are split over (more than one device)."""
+
+    def __init__(self, mesh: Any, axes: tuple[str, ...]):
+        self.mesh, self.axes = mesh, axes
+
+    @property
+    def devices(self) -> int:
+        return math.prod(self.mesh.shape[a] for a in self.axes)
+
+    def __repr__(self) -> str:
+        return f"RowSharding({dict(self.mesh.shape)}, axes={self.axes})"
+
+
+def row_sharding(xs: Any) -> RowSharding | None:
+    """Where the rows of ``xs`` live: the mesh axes the first leaf whose leading axis
+    is split over several devices uses, or None when every leaf has its rows whole
+    on each device (replicated, single-device, host values)."""
+    for x in jax.tree.leaves(xs):
+        sharding = sharding_of(x)
+        if sharding is None or not np.ndim(x) or not len(sharding.spec):
+            continue
+        axes = _axes(sharding.spec[0])
+        if axes and math.prod(sharding.mesh.shape[a] for a in axes) > 1:
+            return RowSharding(sharding.mesh, axes)
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Lanes:
+    """Rows spread over devices within one program: ``count`` equal shares, share
+    ``d`` living on device ``d`` of the mesh axes ``axes``. Arrays of a share's shape
+    with a leading ``count`` axis are kept sharded along it: in their types on
+    Explicit axes, by a sharding constraint on Auto axes."""
+
+    count: int
+    mesh: Any = dataclasses.field(compare=False)
+    axes: tuple[str, ...] = ()
+
+    def spec(self) -> PartitionSpec:
+        return PartitionSpec(self.axes[0] if len(self.axes) == 1 else self.axes)
+
+    def constrain(self, a: jax.Array) -> jax.Array:
+        """``a`` with its leading axis split over the lanes' devices (on the mesh,
+        also for one device)."""
+        sharding = NamedSharding(self.mesh, self.spec())
+        if AxisType.Explicit in tuple(self.mesh.axis_types):
+            return jax.sharding.reshard(a, sharding)
+        return jax.lax.with_sharding_constraint(a, sharding)
+
+    def gather(self, a: jax.Array) -> jax.Array:
+        """``a`` (a device axis first) whole on every device: small states to merge."""
+        sharding = NamedSharding(self.mesh, PartitionSpec())
+        if AxisType.Explicit in tuple(self.mesh.axis_types):
+            return jax.sharding.reshard(a, sharding)
+        return jax.lax.with_sharding_constraint(a, sharding)
+
+
+def context_mesh() -> Any:
+    """The mesh set with ``jax.set_mesh`` (inside ``jit``: its abstract mesh), or None."""
+    mesh: Any
+    try:
+        mesh = jax.sharding.get_mesh()
+        if not getattr(mesh, "empty", True):
+            return mesh
+    except Exception:  # inside jit get_mesh raises: the abstract mesh is what is visible
+        pass
+    mesh = jax.sharding.get_abstract_mesh()
+    return None if getattr(mesh, "empty", True) else mesh
+
+
+def place(x: Any, mesh: Any, spec: PartitionSpec) -> Any:
+    """``x`` as an argument ``shard_map`` over ``mesh`` takes with ``spec``: on
+    Explicit axes shard_map requires the argument's type to match ``spec``, so the
+    value is resharded (it must be on ``mesh`` already, or unsharded); on Auto axes
+    it passes as it is (shard_map moves it)."""
+    if explicit(sharding_of(x)) or AxisType.Explicit in tuple(mesh.axis_types):
+        return jax.sharding.reshard(x, NamedSharding(mesh, spec))
+    return x
+
+
+def zeros(shape: tuple[int, ...], dtype: Any, like: Any = None, fill: Any = 0) -> jax.Array:
+    """``jnp.full(shape, fill, dtype)`` with the sharding of ``like`` (a
+    ``ShapeDtypeStruct`` or array of the same rank) when that is in its type, so
+    that it can be updated with, or carried next to, values of that type."""
+    out = jnp.full(shape, fill, dtype)
+    sharding = sharding_of(like) if like is not None else None
+    if explicit(sharding) and len(sharding.spec) <= len(shape):
+        out = jax.sharding.reshard(out, sharding)
+    return out
+
+
+@contextlib.contextmanager
+def typed_mesh(*values: Any) -> Iterator[None]:
+    """The mesh of the first of ``values`` typed on Explicit axes, made the context
+    mesh when none is set: JAX builds values that must agree with typed operands
+    (zeros for cotangents, buffers) on the context mesh, and without one they come
+    out unsharded. Outside ``jit`` a concrete mesh is set (``jax.set_mesh``), inside
+    its abstract mesh (``use_abstract_mesh``); the enclosing ``jit`` records it."""
+    mesh = None
+    if context_mesh() is None:
+        for x in jax.tree.leaves(values):
+            sharding = sharding_of(x)
+            if explicit(sharding):
+                concrete = getattr(x, "sharding", None)
+                mesh = getattr(concrete, "mesh", None) or sharding.mesh
+                break
+    if mesh is None:
+        yield
+        return
+    context: contextlib.AbstractContextManager[Any]
+    try:
+        if not isinstance(mesh, jax.sharding.Mesh):
+            raise ValueError("an abstract mesh")
+        context = jax.set_mesh(mesh)
+        context.__enter__()
+    except ValueError:  # inside jit (set_mesh refuses), or only the abstract mesh is known
+        context = jax.sharding.use_abstract_mesh(_abstract(mesh))
+        context.__enter__()
+    try:
+        yield
+    finally:
+        context.__exit__(None, None, None)
+
+
+def _abstract(mesh: Any) -> Any:
+    return mesh.abstract_mesh if isinstance(mesh, jax.sharding.Mesh) else mesh
