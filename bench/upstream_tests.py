@@ -11,7 +11,7 @@ adapted in the cache, nothing else changed:
   (sharded batching is always supported here);
 - ``import equinox as eqx`` uses ``upstream_equinox.py`` (``tree_equal`` only).
 
-Tests of the original's private internals, and one documented difference, are
+Tests of the original's private internals, and two documented differences, are
 deselected (``DESELECTED``, with reasons); everything else runs. pytest runs in a
 subprocess rooted in the cache (its own ``pytest.ini``: the ``unit`` marker; none of
 our pytest settings), without our conftest's 4-device XLA flag: these tests expect

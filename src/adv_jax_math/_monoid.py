@@ -110,8 +110,9 @@ class Monoid:
 
     def fold(self, ys: Sequence[jax.Array], idx: jax.Array, w: jax.Array | None) -> State:
         """The state of a block: ``ys`` one ``(rows, *t)`` array per leaf read,
-        ``idx`` the rows' global indices ``(rows,)``, ``w`` per-row weights in this
-        monoid's :meth:`encode` (None: every row counts once)."""
+        ``idx`` the rows' global indices, ``w`` the rows' weights in this monoid's
+        :meth:`encode` (None: every row counts once). ``idx`` and ``w`` are ``(rows,)``
+        or already broadcast to the shape of ``ys[0]`` (inside a kernel)."""
         raise NotImplementedError
 
     def fold_fast(self, ys: Sequence[jax.Array], idx: jax.Array, w: jax.Array | None) -> State:

@@ -591,7 +591,7 @@ class Moments(Monoid):
     def init(self, items: Items) -> Any:
         acc = self._acc(items[0].dtype)
         zero = _full(items[0], 0, acc)
-        return jnp.zeros((), index_dtype()), zero, zero, zero, zero
+        return _full(items[0], 0, index_dtype()), zero, zero, zero, zero
 
     def encode(self, keep: Any, dtype: Any, xp: Any = np) -> Any:
         return xp.asarray(keep).astype(self._acc(dtype))
@@ -599,16 +599,17 @@ class Moments(Monoid):
     def fold(self, ys, idx, w) -> Any:
         y = ys[0].astype(self._acc(ys[0].dtype))
         rows = y.shape[0]
-        if w is None:
-            halves, wy = jnp.asarray(2 * rows, index_dtype()), y
-            count = jnp.asarray(rows, y.dtype)
+        if w is None:  # the count per trailing element (the same for all of them)
+            halves = jnp.full(y.shape[1:], 2 * rows, index_dtype())
+            wy, count = y, jnp.full(y.shape[1:], rows, y.dtype)
         else:  # weights are 0, 1/2 or 1: counted in half rows, exactly
-            halves = jnp.sum(jnp.round(2 * w).astype(index_dtype()))
-            wy, count = y * _col(w, y), jnp.sum(w)
+            w = jnp.broadcast_to(_col(w, y), y.shape).astype(y.dtype)
+            halves = jnp.sum(jnp.round(2 * w).astype(index_dtype()), axis=0)
+            wy, count = y * w, jnp.sum(w, axis=0)
         safe = jnp.where(count > 0, count, 1)
         mean = jnp.sum(wy, axis=0) / safe
         d = y - mean[None]
-        m2 = jnp.sum(d * d if w is None else d * d * _col(w, y), axis=0)
+        m2 = jnp.sum(d * d if w is None else d * d * w, axis=0)
         return halves, mean, jnp.zeros_like(mean), m2, jnp.zeros_like(m2)
 
     def merge(self, a: Any, b: Any) -> Any:

@@ -241,7 +241,10 @@ def states(plan: Plan, xs: Any, offset: int = 0) -> list:
             src = [rows.shares(ys[s], n_rows) for s in leaf.sources]
             w = _weights(rows, leaf, [y.dtype for y in src], r, place, keep=False)
             f = lambda src, idx, w, _, leaf=leaf: leaf.fold(src, idx, w, fast=True)
-            out.append(rows.per_share(f)(src, idx, w, None))
+            state = rows.per_share(f)(src, idx, w, None)
+            # (a part of a state that is the same for every device, e.g. a count, is
+            # broadcast by vmap: kept on the devices' axis like the rest)
+            out.append(state if not rows.lanes else jax.tree.map(rows.lanes.constrain, state))
         return out
 
     fn = _evaluator(traced)

@@ -96,7 +96,15 @@ def mapped_rows(xs: Any, what: str = "fun_input") -> int:
                 f"{name} is 0-d (shape ()), but mapping needs a leading axis to split; "
                 "give it a leading axis, or close over it in fun instead of mapping it"
             )
-        sizes[name] = int(shape[0])
+        if not is_int(shape[0]):
+            raise ValueError(
+                f"{name} has the symbolic leading dimension {shape[0]!r} (from "
+                "jax.export.symbolic_shape?), but batch_map needs the number of rows to "
+                "plan its chunks; export with a concrete leading size (batch_size=None "
+                "with a plain-JAX chunk_reduction such as jnp.sum makes one call of fun, "
+                "at any size)"
+            )
+        sizes[name] = operator.index(shape[0])
     if len(set(sizes.values())) > 1:
         listing = ", ".join(f"{k}: {v}" for k, v in sizes.items())
         raise ValueError(

@@ -99,21 +99,20 @@ def _load_const(ref: Any, aval: Any) -> Any:
 
 def _term_state(k: Kernel, term: Term, ys: Sequence[Any], first_row: Any, offset: Any) -> Any:
     """One block's state of ``term``; rows past ``n`` filled and weighted 0; ``offset``
-    is the global index of the kernel's first row."""
+    is the global index of the kernel's first row. Row indices and weights have the
+    block's full shape (Mosaic cannot reshape a vector of rows into a column)."""
     src = [ys[s] for s in term.leaf.sources]
-    rows = src[0].shape[0]
-    local = lax.broadcasted_iota(jnp.int32, (rows,), 0)
+    row = lambda y: first_row + lax.broadcasted_iota(jnp.int32, y.shape, 0)
+    rows = row(src[0])
     w = None
     if k.n % k.tile:
-        valid = first_row + local < k.n
         fills = term.leaf.monoid.fills([y.dtype for y in src])
         src = [
-            jnp.where(valid.reshape((rows,) + (1,) * (y.ndim - 1)), y, jnp.asarray(f, y.dtype))
+            jnp.where(row(y) < k.n, y, jnp.asarray(f, y.dtype))
             for y, f in zip(src, fills, strict=True)
         ]
-        w = term.leaf.monoid.encode(valid.astype(jnp.float32), src[0].dtype, jnp)
-    idx = (offset + first_row + local).astype(index_dtype())
-    return term.rows_leaf.fold(src, idx, w)
+        w = term.leaf.monoid.encode((rows < k.n).astype(jnp.float32), src[0].dtype, jnp)
+    return term.rows_leaf.fold(src, (offset + rows).astype(index_dtype()), w)
 
 
 def _state_shape(aval: jax.ShapeDtypeStruct) -> tuple[int, ...]:
