@@ -306,10 +306,9 @@ class ArgExtremum(Monoid):
         best = self._extreme(y)
         first = jnp.min(jnp.where(y == best[None], rows, big), axis=0)
         if _inexact(y.dtype):  # NaN wins (numpy's rule): the first NaN
-            nan = jnp.isnan(y)
-            first = jnp.where(
-                jnp.any(nan, axis=0), jnp.min(jnp.where(nan, rows, big), axis=0), first
-            )
+            # No jnp.any over the rows: Pallas Triton has no reduce_or.
+            first_nan = jnp.min(jnp.where(jnp.isnan(y), rows, big), axis=0)
+            first = jnp.where(first_nan < big, first_nan, first)
         return best, first
 
     def merge(self, a: Any, b: Any) -> Any:
@@ -416,7 +415,8 @@ class TopK(Monoid):
     def finalize(self, state: Any, items: Items) -> Any:
         keys, rows = (jnp.stack(part) for part in state)
         values = _from_key(keys, items[0].dtype)
-        return (-values if self.smallest else values), rows
+        # int32 indices, as lax.top_k gives them (also under x64)
+        return (-values if self.smallest else values), rows.astype(np.int32)
 
     def check_rows(self, n: int) -> None:
         if n < self.k:
@@ -604,7 +604,8 @@ class Moments(Monoid):
             wy, count = y, jnp.full(y.shape[1:], rows, y.dtype)
         else:  # weights are 0, 1/2 or 1: counted in half rows, exactly
             w = jnp.broadcast_to(_col(w, y), y.shape).astype(y.dtype)
-            halves = jnp.sum(jnp.round(2 * w).astype(index_dtype()), axis=0)
+            # 2w is 0, 1 or 2 exactly (no jnp.round: Pallas Triton has no round)
+            halves = jnp.sum((2 * w + 0.5).astype(index_dtype()), axis=0)
             wy, count = y * w, jnp.sum(w, axis=0)
         safe = jnp.where(count > 0, count, 1)
         mean = jnp.sum(wy, axis=0) / safe

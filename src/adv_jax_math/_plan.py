@@ -361,6 +361,8 @@ def make_plan(call: Call, *, mapped: bool = False) -> Plan:
     avals = rows_aval(call.xs, rows)
     raw = trace(call.fun, avals)
     reduction, how = _recognized(call, raw) if call.reduction is not None else (None, "")
+    if reduction is not None and not mapped:  # (a device's share: checked on all rows)
+        reduction.check_rows(n)
     kind = _kind(call, reduction)
     if policy is Policy.OVERLAP:
         if kind is Kind.MAP and call.chunk_reduction is identity:
@@ -454,6 +456,8 @@ def _sharded_plan(call: Call, n: int, mesh: Any, axes: tuple[str, ...], implicit
     )
     first = lay.local or lay.remainder
     assert first is not None  # n > 0 rows: a divisible prefix, a remainder or both
+    if first.reduction is not None:
+        first.reduction.check_rows(n)
     notes: tuple[str, ...] = ()
     if implicit:
         notes = (
