@@ -167,13 +167,23 @@ class Monoid:
         state: State,
         items: Sequence[jax.Array],
     ) -> Any:
-        """One block's share of the result's tangent, linear in ``dys``; shares of
-        all blocks are summed, then :meth:`tangent_finish` applies. ``keep`` are the
-        0/1/half row weights (None: all 1), ``state`` the final state of all rows."""
+        """One block's share of the result's tangent, linear in ``dys`` (with parts
+        that do not depend on them, e.g. a max's tied rows); shares of all blocks are
+        merged (:meth:`tangent_merge`, a sum by default), then :meth:`tangent_finish`
+        applies. ``keep`` are the 0/1/half row weights (None: all 1), ``state`` the
+        final state of all rows."""
         raise NotImplementedError
 
+    def tangent_init(self, raw: Any) -> Any:
+        """The identity of :meth:`tangent_merge`, shaped like ``raw`` (default: zeros)."""
+        return jax.tree.map(jnp.zeros_like, raw)
+
+    def tangent_merge(self, a: Any, b: Any) -> Any:
+        """Two blocks' shares combined (default: their sum; ``a`` holds lower rows)."""
+        return jax.tree.map(jnp.add, a, b)
+
     def tangent_finish(self, raw: Any, state: State, items: Sequence[Any]) -> Any:
-        """The result's tangent from the summed shares (default: the sum itself)."""
+        """The result's tangent from the merged shares (default: the sum itself)."""
         return raw
 
 

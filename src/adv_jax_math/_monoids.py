@@ -201,18 +201,45 @@ class Extremum(Monoid):
         return state[0]
 
     def tangent(self, ys, dys, idx, keep, state, items) -> Any:
-        return _tie_shares(ys[0], dys[0], keep, state[0])
+        return _tie_shares(self._pick, ys[0], dys[0], keep, state[0])
+
+    def tangent_init(self, raw: Any) -> Any:
+        return _tie_init(self.fill, raw)
+
+    def tangent_merge(self, a: Any, b: Any) -> Any:
+        return _merge_ties(self._join, a, b)
 
     def tangent_finish(self, raw: Any, state: Any, items: Items) -> Any:
-        return raw[0] / raw[1]
+        return raw[1] / raw[2]
 
 
-def _tie_shares(y: jax.Array, dy: jax.Array, keep: Any, total: jax.Array) -> tuple:
-    """``(sum of dy over the rows equal to total, their count)``."""
-    hit = (y == total[None]).astype(dy.dtype)
+# The derivative of a max (min): every row equal to it shares the derivative evenly,
+# as jax.grad(jnp.max) shares it. The tied rows are found among the values the tangent
+# pass computes itself (a block's top, merged across blocks), never by comparing them
+# with the forward pass's result: two compilations of fun may differ in the last bit.
+def _tie_shares(pick: Any, y: jax.Array, dy: jax.Array, keep: Any, total: jax.Array) -> tuple:
+    """``(top, sum of dy over the rows equal to top, their count)`` of one block (a
+    repeated row's copy, keep 0, counts 0); every row is NaN when the forward result
+    is NaN (then no row ties and the derivative is NaN everywhere, 0/0)."""
+    top = pick(y, axis=0)
+    hit = (y == top[None]).astype(dy.dtype)
     if keep is not None:
         hit = hit * _col(keep, hit).astype(dy.dtype)
-    return jnp.sum(dy * nan_weights(hit, total[None]), axis=0), jnp.sum(hit, axis=0)
+    weights = nan_weights(hit, jnp.broadcast_to(total[None], hit.shape))
+    return top, jnp.sum(dy * weights, axis=0), jnp.sum(hit, axis=0)
+
+
+def _tie_init(fill: Any, raw: Any) -> Any:
+    top, s, n = raw
+    return jnp.full(top.shape, fill(top.dtype), top.dtype), jnp.zeros_like(s), jnp.zeros_like(n)
+
+
+def _merge_ties(join: Any, a: Any, b: Any) -> tuple:
+    (ta, sa, na), (tb, sb, nb) = a, b
+    top = join(ta, tb)
+    in_a = (ta == top).astype(sa.dtype)  # both when tied across blocks
+    in_b = (tb == top).astype(sb.dtype)
+    return top, sa * in_a + sb * in_b, na * in_a + nb * in_b
 
 
 # -- logsumexp --------------------------------------------------------------------------
@@ -285,9 +312,7 @@ class ArgExtremum(Monoid):
         self.largest, self.values = largest, values
         base = "max" if largest else "min"
         self.name = f"{base}_arg{base}" if values else f"arg{base}"
-
-    def _extreme(self, y: jax.Array) -> jax.Array:
-        return jnp.max(y, axis=0) if self.largest else jnp.min(y, axis=0)
+        self._join, self._pick = (jnp.maximum, jnp.max) if largest else (jnp.minimum, jnp.min)
 
     def fill(self, dtype: Any) -> Any:
         return np.asarray(_lowest(dtype) if self.largest else _highest(dtype), dtype)[()]
@@ -303,7 +328,7 @@ class ArgExtremum(Monoid):
         y = ys[0]
         big = np.iinfo(index_dtype()).max
         rows = jnp.broadcast_to(_col(idx.astype(index_dtype()), y), y.shape)
-        best = self._extreme(y)
+        best = self._pick(y, axis=0)
         first = jnp.min(jnp.where(y == best[None], rows, big), axis=0)
         if _inexact(y.dtype):  # NaN wins (numpy's rule): the first NaN
             # No jnp.any over the rows: Pallas Triton has no reduce_or.
@@ -335,7 +360,13 @@ class ArgExtremum(Monoid):
     def tangent(self, ys, dys, idx, keep, state, items) -> Any:
         if not self.values or not _inexact(dys[0].dtype):
             return ()
-        return _tie_shares(ys[0], dys[0], keep, state[0])
+        return _tie_shares(self._pick, ys[0], dys[0], keep, state[0])
+
+    def tangent_init(self, raw: Any) -> Any:
+        return _tie_init(self.fill, raw) if raw else raw
+
+    def tangent_merge(self, a: Any, b: Any) -> Any:
+        return _merge_ties(self._join, a, b) if a else a
 
     def tangent_finish(self, raw: Any, state: Any, items: Items) -> Any:
         index = np.zeros(state[1].shape, jax.dtypes.float0)
@@ -343,7 +374,7 @@ class ArgExtremum(Monoid):
             return index
         if not raw:
             return np.zeros(state[0].shape, jax.dtypes.float0), index
-        return raw[0] / raw[1], index
+        return raw[1] / raw[2], index
 
 
 # -- top-k ------------------------------------------------------------------------------

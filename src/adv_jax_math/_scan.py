@@ -45,7 +45,7 @@ from ._sharding import Lanes, zeros
 from ._trace import Traced, size
 from ._validate import check_rowwise
 
-__all__ = ["RECOMPUTED", "ScanEngine", "merge_all", "tangent_shares"]
+__all__ = ["RECOMPUTED", "ScanEngine", "merge_all", "merge_shares", "tangent_shares"]
 
 RECOMPUTED = "adv_jax_math.recomputed"  # checkpoint_name of values a gradient recomputes
 LARGE_FUN = 100  # equations (sub-jaxprs included): a fun this large is materialized
@@ -368,7 +368,11 @@ def tangent_shares(
                 pair[0], pair[1], idx, keep, state, items
             )
             share = rows.per_share(f)((src, dsrc), idx, keep, state)
-            out.append(share if not rows.lanes else jax.tree.map(lambda a: jnp.sum(a, 0), share))
+            if rows.lanes:  # the devices' shares merged, lower rows first
+                share = merge_stacked(
+                    leaf.monoid.tangent_merge, jax.tree.map(rows.lanes.gather, share)
+                )
+            out.append(share)
         return out
 
     if plan.policy is Policy.SINGLE:
@@ -381,8 +385,13 @@ def tangent_shares(
         )
     )  # fmt: skip
     shape = jax.eval_shape(step, jnp.int32(0))
-    total = jax.tree.map(lambda s: zeros(s.shape, s.dtype, like=s), shape)
-    add = lambda a, c: jax.tree.map(jnp.add, a, c)
+    total = [
+        None
+        if sh is None
+        else leaf.monoid.tangent_init(jax.tree.map(lambda s: zeros(s.shape, s.dtype, like=s), sh))
+        for leaf, sh in zip(reduction.leaves, shape, strict=True)
+    ]
+    add = lambda a, c: merge_shares(reduction, a, c)
     total, _ = _steps(lambda i, acc: (add(acc, step(i)), None), total, k, rows=b)
     if plan.policy is Policy.REMAINDER and plan.remainder:
         assert plan.tail is not None
@@ -391,6 +400,14 @@ def tangent_shares(
         dchunk = rows.take(dviews, at, plan.remainder, named=False)
         total = add(total, shares(plan.tail, chunk, dchunk, at, plan.remainder, 0, 0))
     return total
+
+
+def merge_shares(reduction: MonoidReduction, a: list, b: list) -> list:
+    """Two parts' tangent shares merged per term (``None``: a term with no tangent)."""
+    return [
+        x if y is None else y if x is None else leaf.monoid.tangent_merge(x, y)
+        for leaf, x, y in zip(reduction.leaves, a, b, strict=True)
+    ]
 
 
 # -- maps and generic reductions --------------------------------------------------------

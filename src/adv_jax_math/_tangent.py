@@ -134,8 +134,8 @@ def reduce(
         for plan, xs, dxs, (_, _, offset) in zip(plans, xss, dxss, parts, strict=True):
             share = shares_of(plan, dmap, xs, dxs, states, offset)
             raw = [
-                s if r is None else r if s is None else jax.tree.map(jax.numpy.add, r, s)
-                for r, s in zip(raw, share, strict=True)
+                s if r is None else r if s is None else leaf.monoid.tangent_merge(r, s)
+                for leaf, r, s in zip(reduction.leaves, raw, share, strict=True)
             ]
         douts = []
         for leaf, r, state, it in zip(reduction.leaves, raw, states, items, strict=True):
