@@ -224,7 +224,7 @@ def explain(fun: Callable, fun_input: Any, /, *args: Any, **kwargs: Any) -> Plan
     reduction, chunk_reduction = options["reduction"], options["chunk_reduction"]
     shard, mesh = options["shard"], options["mesh"]
     call = _prepare(fun, fun_input, batch_size, reduction, chunk_reduction, shard, mesh, extra)
-    return _engines.plan(call)
+    return _engines.explain(call)
 
 
 def _axes_per_leaf(in_axes: Any, args: tuple) -> list[int | None]:

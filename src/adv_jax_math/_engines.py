@@ -23,7 +23,7 @@ from ._sharding import typed_mesh
 from ._trace import rows_aval
 from .kernels.fused_reduce.engine import FusedEngine
 
-__all__ = ["ENGINES", "Engine", "plan", "run"]
+__all__ = ["ENGINES", "Engine", "explain", "plan", "run"]
 
 
 class Engine(Protocol):
@@ -91,6 +91,16 @@ def _why_not(rejected: list[tuple[str, Rejection]], requested: str) -> str:
 def plan(call: Call, *, mapped: bool = False) -> Plan:
     """The full plan for ``call``: chunks, reduction and engine."""
     return select(make_plan(call, mapped=mapped), call)
+
+
+def explain(call: Call) -> Plan:
+    """:func:`plan`, with how its reverse mode would run where the engine says
+    (``describe_reverse``: building the backward kernels as a gradient would)."""
+    out = plan(call)
+    describe = getattr(_BY_NAME.get(out.engine), "describe_reverse", None)
+    if describe is None or out.error:
+        return out
+    return dataclasses.replace(out, backward=describe(out, call))
 
 
 def run(plan: Plan, call: Call) -> Any:

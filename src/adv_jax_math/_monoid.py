@@ -174,6 +174,31 @@ class Monoid:
         final state of all rows."""
         raise NotImplementedError
 
+    # -- reverse mode, row by row (the fused backward kernel) -------------------------
+    tally: Monoid | None = None
+    """A monoid folded over the same rows (per element, along the rows) before the
+    reverse pass when :meth:`cotangent` needs more than the final state: a max/min's
+    tied rows. Its state, with each element's share appended, is ``tally``."""
+
+    def cotangent(
+        self,
+        ct: Any,
+        ys: Sequence[jax.Array],
+        idx: Any,
+        keep: Any,
+        state: State,
+        items: Sequence[Any],
+        tally: Any = None,
+    ) -> tuple:
+        """The cotangent of each row of ``ys`` (one ``(rows, *t)`` array per leaf
+        read; None for integer leaves) from the result's cotangent ``ct`` (its float
+        parts; None for integer ones): the transpose of :meth:`tangent` then
+        :meth:`tangent_finish`, written elementwise (no reshape: it runs in kernels).
+        ``state`` is the final state (scalar parts for a term over every axis),
+        ``idx`` the rows' global indices and ``keep`` their weights, both in the
+        shape of ``ys[0]``; ``tally`` as :attr:`tally` describes."""
+        raise NotImplementedError
+
     def tangent_init(self, raw: Any) -> Any:
         """The identity of :meth:`tangent_merge`, shaped like ``raw`` (default: zeros)."""
         return jax.tree.map(jnp.zeros_like, raw)

@@ -117,6 +117,16 @@ def _drop(keep: Any, dtype: Any, xp: Any) -> Any:
     return xp.where(xp.asarray(keep) > 0, np.inf, -np.inf).astype(dtype)
 
 
+def _weigh(ct_y: jax.Array, keep: Any) -> jax.Array:
+    """A row cotangent times its weight (None: every row counts once)."""
+    return ct_y if keep is None else ct_y * _col(keep, ct_y).astype(ct_y.dtype)
+
+
+def _spread(a: jax.Array, like: jax.Array) -> jax.Array:
+    """A per-element value ``(*t)`` (or a scalar) against rows ``(rows, *t)``."""
+    return jnp.broadcast_to(a[None] if a.ndim else a, like.shape)
+
+
 def _full(item: jax.ShapeDtypeStruct, value: Any, dtype: Any = None) -> jax.Array:
     return jnp.full(item.shape, value, dtype or item.dtype)
 
@@ -160,6 +170,12 @@ class Sum(Monoid):
             out = out + lax.stop_gradient(jnp.where(jnp.isfinite(out), state[1], 0))
         return out.astype(self.result_dtype(items[0].dtype))
 
+    def cotangent(self, ct, ys, idx, keep, state, items, tally=None) -> tuple:
+        y = ys[0]
+        if ct is None:
+            return (None,)
+        return (_weigh(_spread(ct, y).astype(y.dtype), keep),)
+
     def tangent(self, ys, dys, idx, keep, state, items) -> Any:
         dy = dys[0].astype(state[0].dtype)
         return jnp.sum(dy if keep is None else dy * _col(keep, dy), axis=0)
@@ -199,6 +215,18 @@ class Extremum(Monoid):
 
     def finalize(self, state: Any, items: Items) -> Any:
         return state[0]
+
+    @property
+    def tally(self) -> Tally:
+        return Tally(self.largest)
+
+    def cotangent(self, ct, ys, idx, keep, state, items, tally=None) -> tuple:
+        y = ys[0]
+        if ct is None or not _inexact(y.dtype):
+            return (None,)
+        share = nan_weights(self.tally.selected(y, idx, tally), _spread(state[0], y))
+        share = share * _spread(tally[3], y)
+        return (_weigh(_spread(ct, y) * share.astype(y.dtype), keep),)
 
     def tangent(self, ys, dys, idx, keep, state, items) -> Any:
         return _tie_shares(self._pick, ys[0], dys[0], keep, state[0])
@@ -240,6 +268,76 @@ def _merge_ties(join: Any, a: Any, b: Any) -> tuple:
     in_a = (ta == top).astype(sa.dtype)  # both when tied across blocks
     in_b = (tb == top).astype(sb.dtype)
     return top, sa * in_a + sb * in_b, na * in_a + nb * in_b
+
+
+class Tally(Monoid):
+    """Per element, the extremum of the rows, the first row holding it and how many
+    rows do: what a max/min's reverse pass selects rows by (``Monoid.tally``). A
+    row is selected by its index when it alone holds the extremum, and only among
+    ties by its value (the reverse pass recomputes ``fun``, possibly a last bit off:
+    see :meth:`selected`)."""
+
+    def __init__(self, largest: bool):
+        self.largest = largest
+        self.name = "tally_max" if largest else "tally_min"
+        self._join, self._pick = (jnp.maximum, jnp.max) if largest else (jnp.minimum, jnp.min)
+
+    def fill(self, dtype: Any) -> Any:
+        return np.asarray(_lowest(dtype) if self.largest else _highest(dtype), dtype)[()]
+
+    def init(self, items: Items) -> Any:
+        big = np.iinfo(index_dtype()).max
+        count = _full(items[0], 0, _wide(_float(items[0].dtype)))
+        return (
+            _full(items[0], self.fill(items[0].dtype)),
+            _full(items[0], big, index_dtype()),
+            count,
+        )
+
+    def encode(self, keep: Any, dtype: Any, xp: Any = np) -> Any:
+        return xp.asarray(keep).astype(_wide(_float(dtype)))
+
+    def fold(self, ys, idx, w) -> Any:
+        y = ys[0]
+        big = np.iinfo(index_dtype()).max
+        rows = jnp.broadcast_to(_col(idx.astype(index_dtype()), y), y.shape)
+        top = self._pick(y, axis=0)
+        hit = y == top[None]
+        first = jnp.min(jnp.where(hit, rows, big), axis=0)
+        count = hit.astype(_wide(_float(y.dtype)))
+        count = jnp.sum(count if w is None else count * _col(w, count), axis=0)
+        return top, first, count
+
+    def merge(self, a: Any, b: Any) -> Any:
+        (ta, fa, na), (tb, fb, nb) = a, b
+        top = self._join(ta, tb)
+        big = np.iinfo(index_dtype()).max
+        in_a, in_b = ta == top, tb == top  # both when tied across blocks
+        first = jnp.minimum(jnp.where(in_a, fa, big), jnp.where(in_b, fb, big))
+        return top, first, na * in_a.astype(na.dtype) + nb * in_b.astype(nb.dtype)
+
+    def finalize(self, state: Any, items: Items) -> Any:
+        return state
+
+    def shares(self, state: Any, over_all: bool) -> tuple:
+        """The final state (per element) with each element's share of the derivative
+        appended: ``1 / count``, or over every axis ``1 / (rows tied anywhere)`` for
+        the elements holding the overall extremum and 0 for the others."""
+        top, first, count = state
+        if not over_all:
+            return top, first, count, 1 / count
+        held = (top == self._pick(top)).astype(count.dtype)
+        return top, first, count, held / jnp.sum(count * held)
+
+    def selected(self, y: jax.Array, idx: Any, tally: Any) -> jax.Array:
+        """1 for the rows of ``y`` the tally selects: the first row when no other
+        ties (by index: exact whatever the last bit of a recomputation), else every
+        row equal to the extremum."""
+        top, first, count = (_spread(t, y) for t in tally[:3])
+        alone = (count == 1) & (
+            jnp.broadcast_to(_col(idx, y), y.shape).astype(first.dtype) == first
+        )
+        return (alone | ((count > 1) & (y == top))).astype(count.dtype)
 
 
 # -- logsumexp --------------------------------------------------------------------------
@@ -291,6 +389,14 @@ class LogSumExp(Monoid):
         m, s, c = state
         out = jnp.where(jnp.isfinite(m), jnp.log(s + c) + _finite_or_zero(m), m)
         return out.astype(self.result_dtype(items[0].dtype))
+
+    def cotangent(self, ct, ys, idx, keep, state, items, tally=None) -> tuple:
+        y = ys[0]
+        if ct is None or not _inexact(y.dtype):
+            return (None,)
+        total = LogSumExp.finalize(self, state, [jax.ShapeDtypeStruct((), state[0].dtype)])
+        weight = jnp.exp(y.astype(total.dtype) - _spread(total, y))
+        return (_weigh(_spread(ct, y) * weight, keep).astype(y.dtype),)
 
     def tangent(self, ys, dys, idx, keep, state, items) -> Any:
         total = LogSumExp.finalize(self, state, [jax.ShapeDtypeStruct((), state[0].dtype)])
@@ -356,6 +462,18 @@ class ArgExtremum(Monoid):
                 f"{self!r} of zero rows is undefined (jnp.{self.name.split('_')[-1]} of an "
                 "empty array raises); give at least one row"
             )
+
+    @property
+    def tally(self) -> Tally | None:
+        return Tally(self.largest) if self.values else None
+
+    def cotangent(self, ct, ys, idx, keep, state, items, tally=None) -> tuple:
+        y = ys[0]
+        if not self.values or ct is None or ct[0] is None or not _inexact(y.dtype):
+            return (None,)
+        share = nan_weights(self.tally.selected(y, idx, tally), _spread(state[0], y))
+        share = share * _spread(tally[3], y)
+        return (_weigh(_spread(ct[0], y) * share.astype(y.dtype), keep),)
 
     def tangent(self, ys, dys, idx, keep, state, items) -> Any:
         if not self.values or not _inexact(dys[0].dtype):
@@ -439,9 +557,7 @@ class TopK(Monoid):
         return _select(self.k, [(key, rows, alive, 0)], self._key_min(y.dtype))
 
     def merge(self, a: Any, b: Any) -> Any:
-        lists = [(k, i, i < np.iinfo(i.dtype).max, None) for k, i in zip(*a, strict=True)]
-        lists += [(k, i, i < np.iinfo(i.dtype).max, None) for k, i in zip(*b, strict=True)]
-        return _select(self.k, lists, np.iinfo(a[0][0].dtype).min)
+        return _merge_sorted(self.k, a, b)
 
     def finalize(self, state: Any, items: Items) -> Any:
         keys, rows = (jnp.stack(part) for part in state)
@@ -455,6 +571,16 @@ class TopK(Monoid):
                 f"{self!r} needs at least k={self.k} rows, got {n} (lax.top_k raises too); "
                 "use a smaller k"
             )
+
+    def cotangent(self, ct, ys, idx, keep, state, items, tally=None) -> tuple:
+        y = ys[0]
+        if ct is None or ct[0] is None or not _inexact(y.dtype):
+            return (None,)
+        rows = jnp.broadcast_to(_col(idx.astype(index_dtype()), y), y.shape)
+        out = jnp.zeros(y.shape, y.dtype)
+        for j, sel in enumerate(state[1]):  # the row selected in slot j gets slot j's
+            out = out + jnp.where(rows == _spread(sel, y), _spread(ct[0][j], y), 0).astype(y.dtype)
+        return (out if keep is None else out * (_col(keep, out) > 0).astype(y.dtype),)
 
     def tangent(self, ys, dys, idx, keep, state, items) -> Any:
         dy = dys[0]
@@ -500,6 +626,49 @@ def _select(k: int, lists: list, key_min: Any) -> tuple:
         gone = lambda ax, sel=sel: sel if ax is None else sel[None]
         lists = [(kk, rr, al & (rr != gone(ax)), ax) for kk, rr, al, ax in lists]
     return tuple(keys), tuple(rows)
+
+
+def _merge_sorted(k: int, a: tuple, b: tuple) -> tuple:
+    """The ``k`` best of two states ``(keys, rows)``, each sorted best first (the
+    higher key, then the lower row; empty slots ``(key_min, big)`` last): a bitonic
+    merge network. ``a`` and ``b`` reversed form a bitonic sequence; one
+    compare-exchange of ``a[i]`` with ``b[size - 1 - i]`` keeps the ``size`` best
+    (bitonic again), and ``log2(size)`` rounds of compare-exchanges sort them
+    (``size``: k rounded up to a power of two, padded with empty slots). That is
+    ``k + k/2 log2 k`` compare-exchanges at depth ``1 + log2 k``, elementwise (any
+    engine, kernels included); the k passes of max-and-remove (:func:`_select`) over
+    the 2k slots made XLA:GPU fuse one ``loop_and_maximum_minimum_fusion`` that took
+    minutes to compile for k = 16."""
+    size = 1 << (k - 1).bit_length()
+    key_min, big = np.iinfo(a[0][0].dtype).min, np.iinfo(a[1][0].dtype).max
+
+    def padded(state: tuple) -> tuple[list, list]:
+        keys, rows = state
+        empty = size - k
+        return (
+            list(keys) + [jnp.full_like(keys[0], key_min)] * empty,
+            list(rows) + [jnp.full_like(rows[0], big)] * empty,
+        )
+
+    def first(kx: jax.Array, rx: jax.Array, ky: jax.Array, ry: jax.Array) -> jax.Array:
+        return (kx > ky) | ((kx == ky) & (rx < ry))
+
+    (ka, ra), (kb, rb) = padded(a), padded(b)
+    keys, rows = [], []
+    for i in range(size):  # the better of a[i] and b[size - 1 - i]: the size best
+        j = size - 1 - i
+        take = first(ka[i], ra[i], kb[j], rb[j])
+        keys.append(jnp.where(take, ka[i], kb[j]))
+        rows.append(jnp.where(take, ra[i], rb[j]))
+    half = size // 2
+    while half:  # bitonic merge, best first
+        for i in (i for i in range(size) if not i & half):
+            j = i + half
+            take = first(keys[i], rows[i], keys[j], rows[j])
+            keys[i], keys[j] = jnp.where(take, keys[i], keys[j]), jnp.where(take, keys[j], keys[i])
+            rows[i], rows[j] = jnp.where(take, rows[i], rows[j]), jnp.where(take, rows[j], rows[i])
+        half //= 2
+    return tuple(keys[:k]), tuple(rows[:k])
 
 
 # -- softmax-weighted sums --------------------------------------------------------------
@@ -575,6 +744,27 @@ class SoftmaxWeighted(Monoid):
         dtype = self._dtypes(items)[0]
         out = jnp.zeros(items[0].shape + items[1].shape, dtype)  # a sum over no rows
         return (out, jnp.full(items[0].shape, -jnp.inf, dtype)) if self.return_lse else out
+
+    def cotangent(self, ct, ys, idx, keep, state, items, tally=None) -> tuple:
+        out, lse = self._parts(state)
+        s, v = (y.astype(out.dtype) for y in ys)
+        ct_out, ct_lse = ct if self.return_lse else (ct, None)
+        p = jnp.exp(s - lse[None])
+        if keep is not None:
+            p = p * _col(keep, p).astype(p.dtype)
+        ns, nv = s.ndim - 1, v.ndim - 1
+        # out[S, V] = sum_i p_i[S] v_i[V]: d/dv_i = sum over S of p_i ct, and
+        # d/ds_i = p_i (<ct, v_i - out> over V + ct_lse)
+        ct_v = jnp.tensordot(p, ct_out, axes=(list(range(1, ns + 1)), list(range(ns))))
+        spread = lambda a, k: a.reshape(a.shape + (1,) * k)
+        centered = v.reshape(v.shape[:1] + (1,) * ns + v.shape[1:]) - out[None]
+        ct_s = p * jnp.sum(
+            spread(ct_out, 0)[None] * centered, axis=tuple(range(ns + 1, ns + nv + 1))
+        )
+        if ct_lse is not None:
+            ct_s = ct_s + p * ct_lse[None]
+        cast = lambda c, y: c.astype(y.dtype) if _inexact(y.dtype) else None
+        return cast(ct_s, ys[0]), cast(ct_v, ys[1])
 
     def tangent(self, ys, dys, idx, keep, state, items) -> Any:
         out, lse = self._parts(state)
@@ -669,6 +859,20 @@ class Moments(Monoid):
             [var.astype(dtype)] if self.variance else []
         )
         return tuple(parts) if len(parts) == 2 else parts[0]
+
+    def cotangent(self, ct, ys, idx, keep, state, items, tally=None) -> tuple:
+        y = ys[0]
+        if ct is None or not _inexact(y.dtype):
+            return (None,)
+        n, mean, _ = self._stats(state)
+        parts = list(ct) if isinstance(ct, tuple) else [ct]
+        out = jnp.zeros(y.shape, mean.dtype)
+        if self.mean:
+            out = out + _spread(parts.pop(0) / n, y)
+        if self.variance:
+            scale = 2 * parts.pop(0) / jnp.maximum(n - self.ddof, 0)
+            out = out + _spread(scale, y) * (y.astype(mean.dtype) - _spread(mean, y))
+        return (_weigh(out, keep).astype(y.dtype),)
 
     def tangent(self, ys, dys, idx, keep, state, items) -> Any:
         _, mean, _ = self._stats(state)

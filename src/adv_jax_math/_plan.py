@@ -141,6 +141,9 @@ class Plan:
         The fused kernel's rows per block and blocks per program (fused engines).
     reason : str
         Why that engine.
+    backward : str
+        How reverse mode runs (``explain`` only; fused engines): the backward
+        kernels, or why the scan engine's chunks are transposed instead.
     rejected : tuple of (str, str)
         Every engine tried before it, with the reason it could not run the call.
     error : str
@@ -178,6 +181,7 @@ class Plan:
     block_rows: int = 0
     block_steps: int = 1
     reason: str = ""
+    backward: str = ""
     rejected: tuple[tuple[str, str], ...] = ()
     error: str = ""
     platform: str = ""
@@ -231,6 +235,7 @@ class Plan:
             *((("recognized", self.recognition),) if self.recognition else ()),
             ("policy", self._policy_text()),
             ("engine", f"{self.engine}: {self.reason}"),
+            *((("gradient", self.backward),) if self.backward else ()),
             *(("rejected", f"{name}: {why}") for name, why in self.rejected),
             *((("sharding", str(self.shard)),) if self.shard else ()),
             *(("note", note) for note in self.notes),

@@ -17,6 +17,8 @@ from ..._monoid import MonoidReduction
 from ..._plan import Call, Kind, Plan, Policy, Rejection
 from ..._sharding import Lanes
 from . import check, fused_states
+from .backward import plan_reverse, run_reverse
+from .targets import target
 
 __all__ = ["FusedEngine"]
 
@@ -83,6 +85,11 @@ class FusedEngine:
     def run(self, plan: Plan, call: Call) -> Any:
         reduction, _ = _monoid(plan)
         parts = [(plan, call.xs, 0)]
+        # The block trace's constants among the traces' constants (``tangent.reduce``
+        # numbers them so, once each).
+        order = {id(c): i for i, c in enumerate({id(c): c for c in plan.consts()}.values())}
+        assert plan.block_traced is not None  # set by accept()
+        where = [order[id(c)] for c in plan.block_traced[0].consts]
         return tangent.reduce(
             reduction,
             parts,
@@ -90,7 +97,76 @@ class FusedEngine:
             _scan.tangent_shares,
             custom=True,
             differentiable_states_of=_scan.states,
+            transpose_of=lambda rev: self.reverse(rev, where),
         )
+
+    def reverse_kernels(
+        self, plan: Plan, xs: list, states: list, c_idx: list[int], x_idx: list[int]
+    ) -> Any:
+        """The reverse pass's kernels (``backward.Reverse``) for ``plan``'s block, or
+        why reverse mode transposes the scan engine's chunks instead."""
+        if plan.lanes is not None and plan.lanes.count > 1:
+            return "the rows are spread over devices (no backward kernel per device yet)"
+        mesh = jax.sharding.get_abstract_mesh()
+        if not mesh.empty and AxisType.Explicit in tuple(mesh.axis_types):
+            return "under a mesh with Explicit axes (no backward kernel under shard_map yet)"
+        reduction, _ = _monoid(plan)
+        assert plan.block_traced is not None
+        closed, out_shape = plan.block_traced
+        return plan_reverse(
+            closed,
+            out_shape,
+            xs,
+            reduction,
+            states,
+            c_idx=c_idx,
+            x_idx=x_idx,
+            rows=plan.block_rows,
+            steps=plan.block_steps,
+            target=target("cpu" if self.interpret else plan.platform),
+            interpret=self.interpret,
+        )
+
+    def describe_reverse(self, plan: Plan, call: Call) -> str:
+        """How reverse mode runs, with respect to every float input and constant."""
+        found: list = []
+        assert plan.block_traced is not None
+        consts = plan.block_traced[0].consts
+        floats = lambda vs: [
+            j for j, v in enumerate(vs) if jnp.issubdtype(jnp.result_type(v), jnp.inexact)
+        ]
+
+        def trace(xs: Any) -> list:
+            states = self.states(plan, xs, 0)
+            leaves = jax.tree.leaves(xs)
+            found.append(self.reverse_kernels(plan, leaves, states, floats(consts), floats(leaves)))
+            return states
+
+        jax.eval_shape(trace, call.xs)
+        (built,) = found
+        if isinstance(built, str):
+            return f"the scan engine's chunks, transposed: {built}"
+        k = built.kernel
+        text = f"backward kernel, blocks of {k.rows} rows, {k.steps} per program"
+        return text + (" (the tied rows tallied first)" if built.tally else "")
+
+    def reverse(self, rev: tangent.Reverse, where: list[int]) -> tuple:
+        """The reverse pass (``tangent.Reverse``) as the backward kernels; ``where``:
+        each of the block trace's constants' index among ``rev.values``."""
+        plan, xs = rev.plans[0], jax.tree.leaves(rev.xss[0])
+        lin_of = {v: j for j, v in enumerate(rev.c_pos)}
+        c_idx = [k for k, i in enumerate(where) if i in lin_of]
+        built = self.reverse_kernels(plan, xs, rev.states, c_idx, rev.x_pos[0])
+        if isinstance(built, str):
+            return rev.reference()
+        assert plan.block_traced is not None
+        dc, dx = run_reverse(built, plan.block_traced[0], xs, rev.cts, rev.states)
+        c_structs, _ = rev.lin
+        ct_c = [jnp.zeros(s.shape, s.dtype) for s in c_structs]
+        for k, d in zip(c_idx, dc, strict=True):
+            j = lin_of[where[k]]
+            ct_c[j] = ct_c[j] + d.astype(ct_c[j].dtype)
+        return ct_c, [dx]
 
     def states(self, plan: Plan, xs: Any, offset: int) -> list:
         """Each term's state over ``plan``'s rows, from the kernel (its tangent: the

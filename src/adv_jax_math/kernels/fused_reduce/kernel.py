@@ -26,7 +26,7 @@ from ..._monoid import LeafReduction, index_dtype, merge_stacked
 from .interpreter import evaluate
 from .targets import KERNEL_NAME, Target, pallas_triton, tpu_vmem_limit
 
-__all__ = ["Kernel", "Term", "forward", "kernel_const_aval", "pallas_call"]
+__all__ = ["Kernel", "Term", "compiler_params", "forward", "kernel_const_aval", "pallas_call"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +68,27 @@ class Kernel:
     @property
     def grid(self) -> int:
         return pl.cdiv(self.n, self.tile)
+
+    def args(self) -> list[jax.ShapeDtypeStruct]:
+        """The kernel's arguments: the first row's index, constants, inputs."""
+        offset = jax.ShapeDtypeStruct((1, 1), np.int32)
+        return [offset, *map(kernel_const_aval, self.const_avals), *self.in_avals]
+
+    def call(self) -> Callable[..., Any]:
+        return pallas_call(self)
+
+    def key(self) -> tuple:
+        """What the kernel's build depends on (the probe's cache key)."""
+        terms = tuple(t.key() for t in self.terms)
+        return (
+            str(self.jaxpr),
+            self.const_avals,
+            self.in_avals,
+            terms,
+            self.n,
+            self.rows,
+            self.steps,
+        )
 
     def state_avals(self) -> list[jax.ShapeDtypeStruct]:
         """Every state leaf of every term, flat (the kernel's outputs, per program)."""
@@ -120,18 +141,23 @@ def _state_shape(aval: jax.ShapeDtypeStruct) -> tuple[int, ...]:
     return (1, *(aval.shape or (1,)))
 
 
-def _compiler_params(k: Kernel) -> Any:
-    if k.interpret or k.target.platform == "cpu":
+def compiler_params(target: Target, interpret: bool, biggest: int) -> Any:
+    """The Mosaic VMEM limit, or Triton's warps for a block of ``biggest`` elements."""
+    if interpret or target.platform == "cpu":
         return None
-    if k.target.mosaic:
+    if target.mosaic:
         from jax.experimental.pallas import tpu as pltpu
 
         # TPUCompilerParams: older jax (not in this jax's stubs)
         params = getattr(pltpu, "CompilerParams", None) or cast(Any, pltpu).TPUCompilerParams
-        return params(vmem_limit_bytes=tpu_vmem_limit(k.target.device_kind))
+        return params(vmem_limit_bytes=tpu_vmem_limit(target.device_kind))
+    return pallas_triton().CompilerParams(num_warps=8 if biggest >= 1 << 13 else 4)
+
+
+def _compiler_params(k: Kernel) -> Any:
     biggest = k.rows * max(1, *(math.prod(a.shape) for a in k.state_avals()))
     biggest = max(biggest, k.rows * max(math.prod(a.shape[1:]) for a in k.in_avals))
-    return pallas_triton().CompilerParams(num_warps=8 if biggest >= 1 << 13 else 4)
+    return compiler_params(k.target, k.interpret, biggest)
 
 
 def pallas_call(k: Kernel) -> Callable[..., Any]:

@@ -17,10 +17,9 @@ import re
 from typing import Any
 
 import jax
-import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from .kernel import Kernel, kernel_const_aval, pallas_call
+from .kernel import Kernel
 from .targets import PLATFORMS, abstract_mesh, compile_mesh, context_mesh, quiet_triton
 
 __all__ = ["Verdict", "probe"]
@@ -35,12 +34,10 @@ class Verdict:
     compiled: bool  # False: only lowered (no compiler for the target here)
 
 
-def _build(k: Kernel, context: jax.sharding.Mesh | None, tracing: bool) -> bool:
+def _build(k: Any, context: jax.sharding.Mesh | None, tracing: bool) -> bool:
     """Compile (True) or lower (False) the kernel alone for ``k.target``; ``context``
     and ``tracing`` as :func:`context_mesh` returns them."""
-    offset = jax.ShapeDtypeStruct((1, 1), np.int32)
-    args = [offset] + [kernel_const_aval(a) for a in k.const_avals] + list(k.in_avals)
-    call = pallas_call(k)
+    args, call = k.args(), k.call()
     platform = k.target.platform
     if platform == "cpu":
         jax.jit(call).trace(*args).lower(lowering_platforms=("cpu",))
@@ -93,7 +90,7 @@ def _compile(call: Any, args: list, mesh: jax.sharding.Mesh) -> None:
         context.__exit__(None, None, None)
 
 
-def probe(k: Kernel) -> Verdict:
+def probe(k: Kernel | Any) -> Verdict:
     """Whether the kernel builds for its target (cached).
 
     The verdict depends on the context too: under a mesh of several devices the
@@ -101,8 +98,7 @@ def probe(k: Kernel) -> Verdict:
     mesh set, it may only be lowered."""
     context, tracing = context_mesh() if k.target.platform != "cpu" else (None, False)
     where = (jax.sharding.get_abstract_mesh(), context is not None)
-    terms = tuple(t.key() for t in k.terms)
-    key = (k.target, where, str(k.jaxpr), k.const_avals, k.in_avals, terms, k.n, k.rows, k.steps)
+    key = (k.target, where, k.key())
     if key in _PROBES:
         _PROBES.move_to_end(key)
         return _PROBES[key]
