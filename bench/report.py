@@ -54,6 +54,9 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 README = ROOT / "README.md"
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
+# README sections written by generators (this script, monoids_report.py): a change
+# between their markers does not make the tree dirty.
+GENERATED = ((BEGIN, END), ("<!-- monoids:begin -->", "<!-- monoids:end -->"))
 ORIG, OURS, NO_REMAT = "original 1.3", "ours", "ours remat=False"
 
 
@@ -278,16 +281,18 @@ def git(*args: str) -> str:
 
 
 def without_section(text: str) -> str:
-    """``text`` with the generated section between the markers emptied."""
-    if BEGIN not in text or END not in text:
-        return text
-    head, rest = text.split(BEGIN, 1)
-    return head + BEGIN + END + rest.split(END, 1)[1]
+    """``text`` with the generated sections between the markers (:data:`GENERATED`)
+    emptied."""
+    for begin, end in GENERATED:
+        if begin in text and end in text:
+            head, rest = text.split(begin, 1)
+            text = head + begin + end + rest.split(end, 1)[1]
+    return text
 
 
 def tree_state() -> dict:
     """The commit and what ``git status --porcelain`` reports, except this script's own
-    outputs: files under bench/results and the README section between the markers."""
+    outputs: files under bench/results and the generated README sections."""
     changes = []
     for line in git("status", "--porcelain").splitlines():
         path = line[3:].split(" -> ")[-1].strip('"')
@@ -516,12 +521,13 @@ def missed_compile(recs: list[dict]) -> str:
     )
 
 
-def write_readme(section: str) -> None:
+def write_readme(section: str, begin: str = BEGIN, end: str = END) -> None:
+    """Replace the README text between ``begin`` and ``end`` with ``section``."""
     text = README.read_text()
-    if text.count(BEGIN) != 1 or text.count(END) != 1:
-        raise SystemExit(f"README.md needs exactly one {BEGIN} and one {END}")
-    head, rest = text.split(BEGIN)
-    README.write_text(head + BEGIN + "\n" + section + END + rest.split(END)[1])
+    if text.count(begin) != 1 or text.count(end) != 1:
+        raise SystemExit(f"README.md needs exactly one {begin} and one {end}")
+    head, rest = text.split(begin)
+    README.write_text(head + begin + "\n" + section + end + rest.split(end)[1])
 
 
 def log_log_plot(path: Path, xs: list, series: dict, *, title: str, **labels) -> None:
