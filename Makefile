@@ -11,7 +11,8 @@ VENV_COMPAT ?= .venv-compat
 PIP_FLAGS ?= --quiet --disable-pip-version-check
 PYTEST_FLAGS ?=
 
-.PHONY: all demo test test-upstream test-compat test-asan test-accel test-clients lint bench clean
+.PHONY: all demo test test-upstream test-compat test-asan test-accel test-clients lint bench \
+  bench-monoids docs clean
 
 all: test
 
@@ -82,8 +83,30 @@ test-clients:
 	@test -n "$(PYTHON_COMPAT)" || { echo "need python3.11 for test-clients"; exit 1; }
 	PYTHON=$(PYTHON_COMPAT) bash clients/desc/run.sh
 
+# The documentation site (docs/): Sphinx, guides and examples executed as notebooks on
+# CPU (myst-nb; outputs cached in docs/_build/.jupyter_cache, so a rebuild only runs
+# pages that changed), warnings are errors and a cell that raises fails the build.
+# DOCS_FLAGS=-E rereads every page; `rm -rf docs/_build` also re-executes them.
+DOCS_FLAGS ?=
+$(VENV)/.docs-installed: $(VENV)/.installed pyproject.toml
+	$(VENV)/bin/pip install $(PIP_FLAGS) -e '.[test,bench,docs]'
+	touch $@
+
+docs: $(VENV)/.docs-installed
+	@start=$$(date +%s); \
+	$(VENV)/bin/sphinx-build -b html -W --keep-going -q $(DOCS_FLAGS) docs docs/_build/html \
+	  && echo "docs built in $$(( $$(date +%s) - start )) s: docs/_build/html/index.html"
+
 bench: $(VENV)/.installed
 	$(VENV)/bin/python -m pytest bench --benchmark-enable -p no:cacheprovider $(PYTEST_FLAGS)
+
+# The top-k/ARGMIN k-NN, softmax-weighted and VAR monoids against plain JAX, in one
+# process (about 5 min on 2 cores): bench/results/monoids.{json,md} and the README
+# section between the monoids markers (only from a clean tree unless
+# MONOIDS_FLAGS=--allow-dirty; MONOIDS_FLAGS=--quick for a smoke run).
+MONOIDS_FLAGS ?=
+bench-monoids: $(VENV)/.installed
+	$(VENV)/bin/python bench/monoids_report.py $(MONOIDS_FLAGS)
 
 clean:
 	rm -rf $(VENV) $(VENV_COMPAT) .venv-accel-gpu .venv-accel-tpu build .pytest_cache
