@@ -175,10 +175,13 @@ class Monoid:
         raise NotImplementedError
 
     # -- reverse mode, row by row (the fused backward kernel) -------------------------
-    tally: Monoid | None = None
-    """A monoid folded over the same rows (per element, along the rows) before the
-    reverse pass when :meth:`cotangent` needs more than the final state: a max/min's
-    tied rows. Its state, with each element's share appended, is ``tally``."""
+    @property
+    def tally(self) -> Any:
+        """A monoid folded over the same rows (per element, along the rows) before
+        the reverse pass when :meth:`cotangent` needs more than the final state (a
+        max/min's tied rows: ``_monoids.Tally``), or None. Its state, with each
+        element's share appended, is :meth:`cotangent`'s ``tally``."""
+        return None
 
     def cotangent(
         self,

@@ -127,6 +127,17 @@ def _spread(a: jax.Array, like: jax.Array) -> jax.Array:
     return jnp.broadcast_to(a[None] if a.ndim else a, like.shape)
 
 
+def _scalar_safe(y: jax.Array) -> jax.Array:
+    """Rows reduced to a 0-d state, in a 32-bit type where they are narrower (exact:
+    16-bit floats to float32, 8/16-bit integers to int32): Mosaic makes scalars of
+    32-bit vectors only ("Only arrays with 32-bit element types can be converted to
+    scalars")."""
+    dtype = np.dtype(y.dtype)
+    if y.ndim != 1 or dtype.itemsize >= 4 or dtype == np.bool_:
+        return y
+    return y.astype(np.float32 if _inexact(dtype) else np.int32)
+
+
 def _full(item: jax.ShapeDtypeStruct, value: Any, dtype: Any = None) -> jax.Array:
     return jnp.full(item.shape, value, dtype or item.dtype)
 
@@ -208,7 +219,7 @@ class Extremum(Monoid):
         return None  # idempotent: a row seen twice changes nothing
 
     def fold(self, ys, idx, w) -> Any:
-        return (self._pick(ys[0], axis=0),)
+        return (self._pick(_scalar_safe(ys[0]), axis=0).astype(ys[0].dtype),)
 
     def merge(self, a: Any, b: Any) -> Any:
         return (self._join(a[0], b[0]),)
@@ -217,7 +228,7 @@ class Extremum(Monoid):
         return state[0]
 
     @property
-    def tally(self) -> Tally:
+    def tally(self) -> Any:
         return Tally(self.largest)
 
     def cotangent(self, ct, ys, idx, keep, state, items, tally=None) -> tuple:
@@ -431,7 +442,7 @@ class ArgExtremum(Monoid):
         return None  # a repeated row has the same index: it changes nothing
 
     def fold(self, ys, idx, w) -> Any:
-        y = ys[0]
+        y = _scalar_safe(ys[0])
         big = np.iinfo(index_dtype()).max
         rows = jnp.broadcast_to(_col(idx.astype(index_dtype()), y), y.shape)
         best = self._pick(y, axis=0)
@@ -440,7 +451,7 @@ class ArgExtremum(Monoid):
             # No jnp.any over the rows: Pallas Triton has no reduce_or.
             first_nan = jnp.min(jnp.where(jnp.isnan(y), rows, big), axis=0)
             first = jnp.where(first_nan < big, first_nan, first)
-        return best, first
+        return best.astype(ys[0].dtype), first
 
     def merge(self, a: Any, b: Any) -> Any:
         (va, ia), (vb, ib) = a, b
@@ -464,7 +475,7 @@ class ArgExtremum(Monoid):
             )
 
     @property
-    def tally(self) -> Tally | None:
+    def tally(self) -> Any:
         return Tally(self.largest) if self.values else None
 
     def cotangent(self, ct, ys, idx, keep, state, items, tally=None) -> tuple:
@@ -714,7 +725,13 @@ class SoftmaxWeighted(Monoid):
             s = _bound(s, _col(w, s))
         top = jnp.max(s, axis=0)
         e = jnp.exp(s - _finite_or_zero(top)[None])
-        weighted = jnp.tensordot(e, v, axes=([0], [0]))
+        if e.ndim == 1 or v.ndim == 1:  # one score or one value per row: no matvec
+            # (Pallas Triton's dot takes 2-D operands only; Mosaic's fails on vectors)
+            ev = e if e.ndim > 1 or v.ndim == 1 else lax.broadcast_in_dim(e, v.shape, (0,))
+            ve = v if v.ndim > 1 or e.ndim == 1 else lax.broadcast_in_dim(v, e.shape, (0,))
+            weighted = jnp.sum(ev * ve, axis=0)
+        else:
+            weighted = jnp.tensordot(e, v, axes=([0], [0]))
         return top, jnp.sum(e, axis=0), jnp.zeros_like(top), weighted, jnp.zeros_like(weighted)
 
     def merge(self, a: Any, b: Any) -> Any:
@@ -822,14 +839,15 @@ class Moments(Monoid):
         rows = y.shape[0]
         if w is None:  # the count per trailing element (the same for all of them)
             halves = jnp.full(y.shape[1:], 2 * rows, index_dtype())
-            wy, count = y, jnp.full(y.shape[1:], rows, y.dtype)
+            total, count = jnp.sum(y, axis=0), jnp.full(y.shape[1:], rows, y.dtype)
         else:  # weights are 0, 1/2 or 1: counted in half rows, exactly
             w = jnp.broadcast_to(_col(w, y), y.shape).astype(y.dtype)
             # 2w is 0, 1 or 2 exactly (no jnp.round: Pallas Triton has no round)
             halves = jnp.sum((2 * w + 0.5).astype(index_dtype()), axis=0)
-            wy, count = y * w, jnp.sum(w, axis=0)
+            # y * w summed at once: not held whole in a kernel across the other sums
+            total, count = jnp.sum(y * w, axis=0), jnp.sum(w, axis=0)
         safe = jnp.where(count > 0, count, 1)
-        mean = jnp.sum(wy, axis=0) / safe
+        mean = total / safe
         d = y - mean[None]
         m2 = jnp.sum(d * d if w is None else d * d * w, axis=0)
         return halves, mean, jnp.zeros_like(mean), m2, jnp.zeros_like(m2)

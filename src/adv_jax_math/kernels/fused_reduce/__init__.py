@@ -30,7 +30,13 @@ from ..._validate import mapped_rows, rowwise_problem
 from .blocks import choose_block, choose_steps, row_stats, tpu_block
 from .kernel import Kernel, Term, forward, kernel_const_aval
 from .probe import probe
-from .rules import analyze, dtype_problem, triton_size_problem
+from .rules import (
+    analyze,
+    dtype_problem,
+    held_across_reductions,
+    mosaic_problem,
+    triton_size_problem,
+)
 from .targets import (
     KERNEL_NAME,
     TPU_F32_MATH,
@@ -58,6 +64,7 @@ class Check:
     device: str = ""  # the device kind built for
     vmem: int = 0  # TPU: modelled VMEM footprint of one block, bytes
     traced: Any = dataclasses.field(default=None, compare=False, repr=False)  # fun at `rows`
+    kernel: Kernel | None = dataclasses.field(default=None, compare=False, repr=False)
 
 
 def _traced_at(fun: Callable, xs: Any, rows: int, known: dict) -> tuple[Any, list[Any]]:
@@ -88,6 +95,20 @@ def _terms(reduction: MonoidReduction, out_shape: Sequence[Any], rows: int) -> t
         state = jax.eval_shape(lambda ys, i, rl=rows_leaf: rl.fold(ys, i, None), block, idx)
         terms.append(Term(leaf, items, state))
     return tuple(terms)
+
+
+def _fold_jaxpr(term: Term, rows: int) -> Any:
+    """One block's fold of ``term`` as the kernel runs it: row indices and weights at
+    the block's full shape (``kernel._term_state``)."""
+    monoid = term.leaf.monoid
+    block = [jax.ShapeDtypeStruct((rows, *it.shape), it.dtype) for it in term.items]
+
+    def fold(ys: list) -> Any:
+        idx = jax.lax.broadcasted_iota(index_dtype(), ys[0].shape, 0)
+        w = monoid.encode((idx < rows).astype(jnp.float32), ys[0].dtype, jnp)
+        return term.rows_leaf.fold(ys, idx, w)
+
+    return jax.make_jaxpr(fold)(block)
 
 
 def _kernel(
@@ -193,6 +214,12 @@ def check(
             return Check(problem)
     vmem = 0
     if tgt.mosaic:
+        folds = [(t, _fold_jaxpr(t, small)) for t in terms]
+        problem = mosaic_problem(tgt, closed.jaxpr, small, "fun")
+        for t, fold in folds:
+            problem = problem or mosaic_problem(tgt, fold.jaxpr, small, f"{t.leaf.monoid!r}'s fold")
+        if problem:
+            return Check(problem)
         block = tpu_block(
             n,
             max_rows,
@@ -207,6 +234,7 @@ def check(
             limit=tpu_vmem_limit(tgt.device_kind),
             v4=tgt.device_kind == "TPU v4",
             f32_math=tgt.device_kind in TPU_F32_MATH,
+            held=[a for _, fold in folds for a in held_across_reductions(fold, small)],
         )
         if isinstance(block, str):
             return Check(block)
@@ -221,7 +249,7 @@ def check(
     verdict = probe(k)
     traced_block = (closed, out_shape)
     return Check(
-        verdict.problem, rows, steps, verdict.compiled, tgt.device_kind, vmem, traced_block
+        verdict.problem, rows, steps, verdict.compiled, tgt.device_kind, vmem, traced_block, k
     )
 
 

@@ -110,6 +110,7 @@ def tpu_block(
     limit: int,
     f32_math: bool,
     v4: bool = False,
+    held: Sequence[tuple[tuple[int, ...], Any]] = (),
 ) -> tuple[int, int] | str:
     """The largest legal TPU block whose VMEM footprint fits ``limit`` and that
     footprint in bytes, or why none does.
@@ -120,12 +121,19 @@ def tpu_block(
     elementwise: Mosaic streams it through vector registers), all in padded tiles.
     ``body`` holds the avals of ``fun`` traced on ``traced_rows`` rows; those with a
     leading ``traced_rows`` scale with the block. Generations without a bfloat16 VPU
-    (``f32_math``) hold 16-bit intermediates as float32.
+    (``f32_math``) hold 16-bit intermediates as float32. ``held``: arrays the monoids'
+    folds hold whole across a reduction (``rules.held_across_reductions``), all live
+    at once, counted when they exceed ``fun``'s two.
     """
 
     def size(dtype: Any, math_dtype: bool) -> int:
         item = np.dtype(dtype).itemsize
         return max(item, 4) if math_dtype and f32_math and np.dtype(dtype).kind == "f" else item
+
+    def scaled(avals: Sequence[tuple[tuple[int, ...], Any]], bk: int) -> list:
+        return [
+            ((bk, *shape[1:]) if shape[:1] == (traced_rows,) else shape, dt) for shape, dt in avals
+        ]
 
     def footprint(bk: int) -> int:
         io = sum(tpu_padded_bytes((bk, *x.shape[1:]), size(x.dtype, False)) for x in inputs)
@@ -133,12 +141,11 @@ def tpu_block(
         io += sum(tpu_padded_bytes(shape, size(dt, False)) for shape, dt in partials)
         live = 0
         if not elementwise or any(len(x.shape) == 1 for x in inputs):
-            scaled = [
-                ((bk, *shape[1:]) if shape[:1] == (traced_rows,) else shape, dt)
-                for shape, dt in body
-            ]
-            live = 2 * max((tpu_padded_bytes(sh, size(dt, True)) for sh, dt in scaled), default=0)
-        return 2 * io + live
+            live = 2 * max(
+                (tpu_padded_bytes(sh, size(dt, True)) for sh, dt in scaled(body, bk)), default=0
+            )
+        folds = sum(tpu_padded_bytes(sh, max(4, size(dt, True))) for sh, dt in scaled(held, bk))
+        return 2 * io + max(live, folds)
 
     margin = _TPU_MARGIN_V4 if v4 else _TPU_MARGIN
     budget = int(margin * limit)

@@ -11,12 +11,19 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from ..._jaxpr_graph import ELEMENTWISE
+from ..._jaxpr_graph import ELEMENTWISE, graph
 from ..._trace import sub_jaxprs
 from .blocks import is_pow2
 from .targets import Target
 
-__all__ = ["Analysis", "analyze", "dtype_problem", "triton_size_problem"]
+__all__ = [
+    "Analysis",
+    "analyze",
+    "dtype_problem",
+    "held_across_reductions",
+    "mosaic_problem",
+    "triton_size_problem",
+]
 
 
 def _all_avals(jaxpr: Any) -> Iterator[Any]:
@@ -96,3 +103,57 @@ def triton_size_problem(target: Target, analysis: Analysis, rows: int) -> str | 
             f"limit of {target.max_elems} elements per array"
         )
     return None
+
+
+def _eqns(jaxpr: Any) -> Iterator[Any]:
+    """Every equation of ``jaxpr`` and of its sub-jaxprs."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for sub in sub_jaxprs(eqn.params):
+            yield from _eqns(sub)
+
+
+def mosaic_problem(target: Target, jaxpr: Any, rows: int, where: str) -> str | None:
+    """What Mosaic TPU cannot compile that the jaxpr shows (checked before compiling)."""
+    for eqn in _eqns(jaxpr):
+        if eqn.primitive.name != "dot_general":
+            continue
+        out = eqn.outvars[0].aval
+        if np.dtype(out.dtype).itemsize < 4:
+            # Mosaic: "'tpu.matmul' op Expected matmul acc to be 32-bit" (a verification
+            # error at lowering, reported as an internal error to file)
+            ins = ", ".join(_fmt_shape(v.aval.shape, v.aval.dtype, rows) for v in eqn.invars)
+            return (
+                f"{target.label} matmuls accumulate in 32 bits, but {where} has a dot_general "
+                f"of {ins} to {_fmt_shape(out.shape, out.dtype, rows)}; ask for a 32-bit result "
+                "(e.g. jnp.matmul(a, b, preferred_element_type=jnp.float32), then .astype)"
+            )
+    return None
+
+
+def held_across_reductions(closed: Any, rows: int) -> tuple[tuple[tuple[int, ...], np.dtype], ...]:
+    """The block-shaped values (leading axis ``rows``) a jaxpr still needs after one
+    of its reductions over the rows: the largest such set over its reductions.
+
+    A fold that reduces its block and then uses the block again (the extremum, then
+    the rows equal to it; top-k's k passes; a mean, then the deviations) holds those
+    arrays whole in VMEM across the reduction (Mosaic's register allocator spills
+    them: "register allocator spill slots" on v4), where a single-pass fold (a sum,
+    a max) streams its block."""
+    _, outs, nodes = graph(closed)
+    block = lambda n: tuple(getattr(n.aval, "shape", ())[:1]) == (rows,)
+    last: dict[int, int] = {}
+    for node in nodes:
+        for arg in node.args:
+            last[id(arg)] = max(last.get(id(arg), -1), node.k)
+    for node in outs:
+        last[id(node)] = len(nodes)
+    ops = [n for n in nodes if n.name not in ("in", "lit", "const")]
+    reductions = [n.k for n in ops if not block(n) and any(map(block, n.args))]
+    best: list = []
+    for r in reductions:
+        held = [n for n in nodes if block(n) and n.k <= r < last.get(id(n), -1)]
+        size = sum(math.prod(n.aval.shape) * np.dtype(n.aval.dtype).itemsize for n in held)
+        if size > sum(math.prod(s) * dt.itemsize for s, dt in best):
+            best = [(tuple(int(d) for d in n.aval.shape), np.dtype(n.aval.dtype)) for n in held]
+    return tuple(best)
