@@ -59,7 +59,7 @@ test-asan: $(VENV)/.installed
 # Deviceless compiles of the fused kernels for real GPUs and TPUs (bench/accel/):
 # two compile-only venvs (CUDA plugin, libtpu) pinned to .venv's jax, every case
 # compiled through the public batch_map per target and checked, and the README's
-# compile table regenerated. ACCEL_FLAGS=--quick compiles the quick subset.
+# compile and roofline tables regenerated. ACCEL_FLAGS=--quick compiles the quick subset.
 ACCEL_TARGETS ?= h100 h200 a100 v5e v6e v5p v4
 ACCEL_FLAGS ?=
 ACCEL_OUT ?= bench/results/accel
@@ -74,6 +74,7 @@ test-accel: $(VENV)/.installed
 	  grep -a -E "^(# target|CHECK FAILED)" $(ACCEL_OUT)/$$t.log; \
 	done; \
 	$(VENV)/bin/python bench/accel/table.py $(ACCEL_OUT) $(if $(ACCEL_FLAGS),,--readme README.md) > /dev/null; \
+	$(VENV)/bin/python bench/accel/roofline_table.py $(ACCEL_OUT) $(if $(ACCEL_FLAGS),,--readme README.md) > /dev/null; \
 	exit $$status
 
 # Downstream: DESC (desc-opt) installed next to this checkout by pip, DESC's own

@@ -8,7 +8,13 @@ tests). Workloads, from ``workloads``:
     against the device's peak);
 (b) the N-body field (``nbody(law="gravity", dim=4)``: 4 coordinates, the
     power-of-two layout Triton needs) of N sources at M targets, summed over the
-    sources (compute bound: pair interactions per second).
+    sources (compute bound: pair interactions per second);
+(c) ``jax.value_and_grad`` of the roofline cases (``accel/cases.py``,
+    ``roofline_*``: a sum differentiated with respect to a closed-over matrix and to
+    the mapped inputs, a mixture log-likelihood with respect to its means, a max
+    with respect to a closed-over vector), ``batch_map[pallas]`` (the backward
+    kernels) against ``batch_map[scan]``, each time printed next to the roofline
+    model's (``explain().roofline``).
 
 Engines: ``fused`` (the kernel alone: ``batch_size = n`` under ``backend="pallas"``,
 so the block is the engine's own choice, printed from ``explain``),
@@ -24,6 +30,8 @@ import argparse
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from _timing import measure
 
 import adv_jax_math as ajm
@@ -99,6 +107,46 @@ def report(
         )
 
 
+def gradients(*, interpret: bool, reps: int) -> None:
+    """(c): measured value_and_grad times next to the roofline model's."""
+    from accel import cases
+
+    kernel = "interpret" if interpret else "pallas"
+    print("\n## value_and_grad: measured against the roofline model (forward + backward)")
+    print("| case | engine | measured ms | model ms (fwd + bwd) |")
+    print("|---|---|---|---|")
+    for case in [c for c in cases.CASES if c.name.startswith("roofline_")]:
+        rng = np.random.default_rng(0)
+        real = lambda s: jnp.asarray(rng.normal(size=s.shape), s.dtype)  # noqa: B023
+        params, xs = jax.tree.map(real, case.params), jax.tree.map(real, case.inputs)
+        if interpret:  # tiny: a few blocks
+            xs = jax.tree.map(lambda a, b=case.batch_size: a[: 4 * b], xs)
+        argnums = {"inputs": 1, "params": 0, "both": (0, 1)}[case.grad]
+
+        def loss(params, xs, case=case):
+            fun = lambda x: case.fun(params, x)
+            out = ajm.batch_map(fun, xs, case.batch_size, **case.reduction_kwargs)
+            return sum(jnp.sum(v) for v in jax.tree.leaves(out))
+
+        fun = lambda x, case=case, params=params: case.fun(params, x)
+        plan = ajm.explain(fun, xs, case.batch_size, **case.reduction_kwargs)
+        model = {"pallas": 0.0, "scan": 0.0}
+        for v in plan.roofline:
+            model["pallas"] += v.kernel.seconds(v.device)
+            model["scan"] += v.scan.seconds(v.device)
+        for name in (kernel, "scan"):
+            with ajm.config(backend=name):
+                f = jax.jit(jax.value_and_grad(loss, argnums=argnums))
+                try:
+                    m = measure(f, (params, xs), repeats=reps, warmup=2)
+                except Exception as e:  # one engine failing is a result too
+                    print(f"| {case.name} | {name} | failed: {type(e).__name__} | |")
+                    continue
+            modelled = model.get(name)
+            shown = f"{modelled * 1e3:.3f}" if plan.roofline and modelled is not None else "-"
+            print(f"| {case.name} | {name} | {m.time.median * 1e3:.3f} | {shown} |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--interpret", action="store_true", help="tiny sizes, interpret mode")
@@ -121,6 +169,9 @@ def main() -> None:
     w = nbody(law="gravity", dim=4, n_targets=n_tgt, sizes=(n_src,))
     pairs = float(n_src) * n_tgt
     report(w, *w.inputs(), work=(pairs, "pairs/s"), **common)
+
+    # (c) gradients: backward kernels against the scan engine, next to the model
+    gradients(interpret=args.interpret, reps=args.reps)
 
 
 if __name__ == "__main__":

@@ -64,6 +64,7 @@ OPTION_ERRORS = [
     ({"autotune_grad": "often"}, ValueError, r"autotune_grad='often' is not one of " + MODES),
     ({"remat": 1}, TypeError, r"remat=1 must be a bool"),
     ({"progress": "yes"}, TypeError, r"progress='yes' must be a bool"),
+    ({"roofline": 1}, TypeError, r"roofline=1 must be a bool"),
     ({"autotune_cache": 3}, TypeError, r"autotune_cache=3 must be a path or None"),
 ]
 
@@ -122,6 +123,7 @@ ENV_ERRORS = [
     ("ADV_JAX_MATH_MEMORY_BUDGET", "lots", ValueError, "is not a size; use bytes"),
     ("ADV_JAX_MATH_AUTOTUNE_GRAD", "often", ValueError, "autotune_grad='often' is not one of "),
     ("ADV_JAX_MATH_PROGRESS", "loud", ValueError, "is not a boolean; set it to one of " + BOOLS),
+    ("ADV_JAX_MATH_ROOFLINE", "maybe", ValueError, "is not a boolean; set it to one of " + BOOLS),
     ("ADV_JAX_MATH_AUTOTUNE_CACHE", "/no/such/dir/c.json", FileNotFoundError, "'/no/such/dir'"),
 ]
 
@@ -146,6 +148,7 @@ def test_environment_variable_rejected(monkeypatch, var, value, error, match):
         ("ADV_JAX_MATH_MEMORY_BUDGET", "2MiB", "memory_budget", 2 * MIB),
         ("ADV_JAX_MATH_AUTOTUNE_GRAD", "never", "autotune_grad", "never"),
         ("ADV_JAX_MATH_PROGRESS", "yes", "progress", True),
+        ("ADV_JAX_MATH_ROOFLINE", "off", "roofline", False),
     ],
 )
 def test_environment_variable_accepted(monkeypatch, var, value, field, expected):

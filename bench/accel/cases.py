@@ -1,13 +1,18 @@
 """Cases compiled for real GPUs/TPUs by ``compile_targets.py`` (deviceless).
 
 Each :class:`Case` is one public call ``adv_jax_math.batch_map(fun, xs, batch_size,
-reduction=..., chunk_reduction=...)``, optionally under ``jax.value_and_grad``.
+reduction=..., chunk_reduction=...)`` (or ``reduction=`` a monoid object or a pytree
+of them, with the default ``chunk_reduction``), optionally under ``jax.value_and_grad``.
 
 * ``test_*``: the abstract-lowering table and gradient cases of tests/test_lowering.py
   (there they are only *lowered*; here they are compiled), plus the ``(N, 8, 16)``
   f32/bf16/int32 blocks.
 * ``issue_*``: the cases reported failing on hardware (VMEM OOM on TPU, Triton
   failure on GPU, "Sublane gather not supported" on TPU v4).
+* ``monoid_*``: the stateful monoids (arg-extrema, top-k, softmax-weighted sums,
+  means and variances, a pytree of monoids) on the shapes users run them on: k-NN
+  distances, attention, per-feature statistics; padded blocks (n not a multiple
+  of the block), bf16, and one ``value_and_grad`` per differentiable family.
 
 ``kernel_on``: targets where the case must take the fused kernel; ``fallback_on``:
 targets where its kernel does not compile and the call must fall back to the scan
@@ -24,6 +29,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import adv_jax_math as ajm
+
 S = jax.ShapeDtypeStruct
 F32, BF16, I32 = jnp.float32, jnp.bfloat16, jnp.int32
 
@@ -35,7 +42,9 @@ MAX0 = (jnp.maximum, jnp.maximum.reduce)
 LSE_ALL = (jnp.logaddexp, jax.nn.logsumexp)
 DESC_SUM0 = (jnp.add, lambda x: x.sum(axis=0))  # DESC's singular-integral call form
 MAIN = ("h100", "h200", "a100", "v5e", "v6e", "v5p")  # the kernel must compile on these
-V4_GATHER = {"v4": "Sublane gather"}  # lane reductions: v4 lacks the sublane gather
+V4_GATHER = {"v4": "Sublane gather"}
+TPUS = ("v5e", "v6e", "v5p", "v4")
+ALL = (*MAIN, "v4")  # lane reductions: v4 lacks the sublane gather
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,13 +56,15 @@ class Case:
     grad : None (forward only), ``"inputs"``, ``"params"`` or ``"both"``: compile
         ``jax.value_and_grad`` of the sum of the outputs w.r.t. those arguments.
     expect : what tests/test_lowering.py (or the issue) says, for the report only.
+    roofline : the roofline table's cases (``roofline_*``): the scan engine's forward
+        and ``value_and_grad`` programs are compiled too, to count their launches.
     """
 
     name: str
     fun: Callable[..., Any]
     inputs: Any
     batch_size: int | None
-    reduction: tuple[Callable, Callable]
+    reduction: Any  # a (reduction, chunk_reduction) pair, a Monoid, or a pytree of them
     params: Any = None
     grad: str | None = None
     x64: bool = False
@@ -61,10 +72,20 @@ class Case:
     expect: str = ""
     kernel_on: tuple[str, ...] = ()
     fallback_on: dict[str, str] = dataclasses.field(default_factory=dict)
+    roofline: bool = False  # also compile the scan engine's programs (roofline table)
 
     @property
     def n(self) -> int:
         return int(jax.tree.leaves(self.inputs)[0].shape[0])
+
+    @property
+    def reduction_kwargs(self) -> dict[str, Any]:
+        """The ``reduction=`` (and ``chunk_reduction=``) arguments of ``batch_map``."""
+        red = self.reduction
+        is_monoid = lambda r: isinstance(r, ajm.Monoid)
+        if isinstance(red, tuple) and len(red) == 2 and not any(map(is_monoid, red)):
+            return {"reduction": red[0], "chunk_reduction": red[1]}
+        return {"reduction": red}
 
 
 # --------------------------------------------------------------------------- #
@@ -99,6 +120,47 @@ def mixture_components(x):
 def mixture_rows(x):
     """Per-row mixture log-likelihood: x (B,) -> (B,) (logsumexp over the 16 means)."""
     return jax.nn.logsumexp(mixture_components(x), axis=1)
+
+
+# 128 queries of 16 coordinates (k-NN), 32 attention queries of 64 features
+QUERIES = np.linspace(-1, 1, 128 * 16, dtype=np.float32).reshape(128, 16)
+QUERY_NORMS = np.sum(QUERIES * QUERIES, axis=1)
+ATTN_Q = np.linspace(-1, 1, 32 * 64, dtype=np.float32).reshape(32, 64)
+
+
+def knn_distances(p, queries=QUERIES, norms=QUERY_NORMS):
+    """Squared distances of points (B, 16) to 128 queries -> (B, 128), written as
+    k-NN libraries do: |p|^2 - 2 p.q + |q|^2 (one matmul, no (B, 128, 16) array;
+    the queries' norms computed once)."""
+    sq = jnp.sum(p * p, axis=1, keepdims=True)
+    return sq - 2.0 * (p @ queries.T) + norms[None, :]
+
+
+def attention(kv, queries=ATTN_Q):
+    """Attention scores of keys (B, 64) for 32 queries, and the values:
+    {"k": (B, 64), "v": (B, 64)} -> ((B, 32), (B, 64)); softmax-weighted: (32, 64)."""
+    return (kv["k"] @ queries.T) * 0.125, kv["v"]
+
+
+def attention_bf16(kv):
+    """:func:`attention` of bf16 keys and values with bf16 queries, the scores
+    accumulated and returned in float32 (as attention kernels do)."""
+    q = jnp.asarray(ATTN_Q, BF16)
+    return jnp.matmul(kv["k"], q.T, preferred_element_type=F32) * 0.125, kv["v"]
+
+
+# The roofline table's layer: 16 features to 32, and 8 mixture means of 16 features
+W16 = np.linspace(-0.5, 0.5, 16 * 32, dtype=np.float32).reshape(16, 32)
+
+
+def layer(w, x):
+    """tanh(x @ w): (B, 16) -> (B, 32)."""
+    return jnp.tanh(x @ w)
+
+
+def mixture_of_means(mu, x):
+    """Per-row log-likelihood under a unit-variance mixture: x (B, 16), mu (8, 16) -> (B,)."""
+    return jax.nn.logsumexp(-jnp.sum((x[:, None, :] - mu[None]) ** 2, axis=-1), axis=1)
 
 
 # --------------------------------------------------------------------------- #
@@ -277,6 +339,232 @@ CASES.append(
         expect="DESC's call form: chunk_reduction=lambda x: x.sum(axis=0)",
     )
 )
+
+# --- stateful monoids --------------------------------------------------------- #
+KNN = S((10007, 16), F32)  # 10007 points: no block size divides it
+KV = {"k": S((10007, 64), F32), "v": S((10007, 64), F32)}
+KV_BF16 = {"k": S((10007, 64), BF16), "v": S((10007, 64), BF16)}
+CASES += [
+    Case(
+        "monoid_knn_topk16",
+        knn_distances,
+        KNN,
+        1024,
+        ajm.top_k(16, smallest=True),
+        quick=True,
+        expect="k-NN: the 16 nearest of 10007 points per query",
+        kernel_on=ALL,
+    ),
+    Case(
+        "monoid_knn_argmin",
+        knn_distances,
+        KNN,
+        1024,
+        ajm.ARGMIN,
+        quick=True,
+        expect="k-NN: the nearest point per query",
+        kernel_on=ALL,
+    ),
+    Case(
+        "monoid_knn_min_argmin_vg",
+        knn_distances,
+        KNN,
+        1024,
+        ajm.MIN_ARGMIN,
+        grad="inputs",
+        expect="nearest distances and indices; gradient of the distances",
+        kernel_on=ALL,
+    ),
+    Case(
+        "monoid_knn_topk8_vg",
+        lambda q, p: knn_distances(p, q, jnp.sum(q * q, axis=1)),  # trained queries
+        KNN,
+        1024,
+        ajm.top_k(8, smallest=True),
+        params=S((128, 16), F32),
+        grad="both",
+        expect="8 nearest; gradient w.r.t. points and queries",
+        kernel_on=MAIN,
+        fallback_on=V4_GATHER,  # |q|^2 of the traced queries: a lane reduction
+    ),
+    Case(
+        "monoid_topk4_bf16",
+        lambda x: x * x - 0.5,
+        S((10007, 8, 16), BF16),
+        1024,
+        ajm.top_k(4),
+        expect="the 4 largest bf16 rows per element",
+        kernel_on=ALL,
+    ),
+    Case(
+        "monoid_argmax_i32",
+        lambda x: x * 3 - 7,
+        S((10007, 8, 16), I32),
+        1024,
+        ajm.ARGMAX,
+        expect="integer argmax",
+        kernel_on=ALL,
+    ),
+    Case(
+        "monoid_argmin_1d_bf16",
+        jnp.sin,
+        S((100003,), BF16),
+        4096,
+        ajm.ARGMIN,
+        expect="1-D bf16 rows, the last block padded: v5e/v6e/v5p Mosaic 'Sublane broadcast'",
+        kernel_on=("h100", "h200", "a100", "v4"),
+        fallback_on=dict.fromkeys(("v5e", "v6e", "v5p"), "Sublane broadcast"),
+    ),
+    Case(
+        "monoid_max_argmax_1d",
+        lambda x: jnp.sin(x) * x,
+        S((100003,), F32),
+        4096,
+        ajm.MAX_ARGMAX,
+        expect="1-D rows: a 0-d state",
+        kernel_on=ALL,
+    ),
+    Case(
+        "monoid_attention",
+        attention,
+        KV,
+        1024,
+        ajm.SOFTMAX_WEIGHTED,
+        quick=True,
+        expect="attention over 10007 keys, 32 queries",
+        kernel_on=ALL,
+    ),
+    Case(
+        "monoid_attention_lse_bf16",
+        attention_bf16,
+        KV_BF16,
+        1024,
+        ajm.softmax_weighted(return_lse=True),
+        expect="bf16 keys, values and queries (f32 scores), with the logsumexp",
+        kernel_on=ALL,
+    ),
+    Case(
+        "monoid_attention_bf16_scores",
+        lambda kv: attention(kv, jnp.asarray(ATTN_Q, BF16)),
+        KV_BF16,
+        1024,
+        ajm.SOFTMAX_WEIGHTED,
+        expect="TPU: a bf16 matmul result (Mosaic accumulates in 32 bits): declined statically",
+        fallback_on=dict.fromkeys(TPUS, "matmuls accumulate in 32 bits"),
+        kernel_on=("h100", "h200", "a100"),
+    ),
+    Case(
+        "monoid_attention_pool",
+        lambda sv: (jnp.tanh(sv["s"]), sv["v"]),
+        {"s": S((10007,), F32), "v": S((10007, 64), F32)},
+        1024,
+        ajm.SOFTMAX_WEIGHTED,
+        expect="attention pooling: one score per row (given), (n, 64) values",
+        kernel_on=ALL,
+    ),
+    Case(
+        "monoid_attention_vg",
+        lambda q, kv: attention(kv, q),
+        KV,
+        1024,
+        ajm.SOFTMAX_WEIGHTED,
+        params=S((32, 64), F32),
+        grad="both",
+        expect="gradient w.r.t. queries, keys and values",
+        kernel_on=ALL,
+    ),
+    Case(
+        "monoid_mean_var4",
+        lambda x: x * W4 + 100.0,
+        S((10007, 4), F32),
+        1024,
+        ajm.MEAN_VAR,
+        quick=True,
+        expect="per-feature mean and variance of (n, 4)",
+        kernel_on=ALL,
+    ),
+    Case(
+        "monoid_mean_bf16",
+        lambda x: x * x - 0.5,
+        S((10007, 8, 16), BF16),
+        1024,
+        ajm.MEAN,
+        expect="bf16 mean (f32 accumulation)",
+        kernel_on=ALL,
+    ),
+    Case(
+        "monoid_var_ddof1_vg",
+        lambda w, x: jnp.tanh(x * w),
+        S((10007, 16), F32),
+        1024,
+        ajm.var(ddof=1),
+        params=S((16,), F32),
+        grad="both",
+        quick=True,
+        expect="sample variance; gradient w.r.t. inputs and params",
+        kernel_on=ALL,
+    ),
+    Case(
+        "monoid_pytree",
+        lambda p: {"a": p * 2.0, "b": knn_distances(p)},
+        KNN,
+        1024,
+        {"a": ajm.MEAN, "b": ajm.ARGMIN},
+        quick=True,
+        expect="a pytree of monoids: one kernel, two states",
+        kernel_on=ALL,
+    ),
+]
+
+# The roofline table (bench/accel/roofline_table.py): value_and_grad through the
+# fused kernels next to the scan engine's programs for the same call.
+ROWS = S((100003, 16), F32)
+CASES += [
+    Case(
+        "roofline_add_params",
+        layer,
+        ROWS,
+        1024,
+        SUM0,
+        params=S((16, 32), F32),
+        grad="params",
+        expect="a layer's weights: the constants' cotangents summed per program",
+        roofline=True,
+    ),
+    Case(
+        "roofline_add_inputs",
+        layer,
+        ROWS,
+        1024,
+        SUM0,
+        params=S((16, 32), F32),
+        grad="inputs",
+        expect="the inputs' cotangents, one row each",
+        roofline=True,
+    ),
+    Case(
+        "roofline_mixture_means",
+        mixture_of_means,
+        ROWS,
+        1024,
+        SUM0,
+        params=S((8, 16), F32),
+        grad="params",
+        expect="a mixture's means through a logsumexp inside fun",
+        roofline=True,
+    ),
+    Case(
+        "roofline_max_vector",
+        lambda v, x: jnp.sin(x @ W16) * v,
+        ROWS,
+        1024,
+        MAX0,
+        params=S((32,), F32),
+        grad="params",
+        expect="max over rows: the tied rows tallied first",
+        roofline=True,
+    ),
+]
 
 BY_NAME = {c.name: c for c in CASES}
 assert len(BY_NAME) == len(CASES), "case names must be unique"

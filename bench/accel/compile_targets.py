@@ -52,9 +52,12 @@ import warnings
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import cases as case_lib
+import hlo
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from adv_jax_math.kernels.fused_reduce.backward import BACKWARD_NAME as BACKWARD
 
 warnings.filterwarnings("ignore", "The Pallas Triton backend is deprecated")
 
@@ -71,6 +74,7 @@ KINDS = {
     "v5p": "TPU v5",
     "v4": "TPU v4",
 }
+_WHILE = re.compile(r"\bwhile\(")
 MARKERS = {"gpu": ("__gpu$xla.gpu.triton", "triton_kernel_call"), "tpu": ("tpu_custom_call",)}
 # One jitted function compiled for two device kinds in one process: target -> (the
 # other target, compiled before and after it; the case whose plan differs or not).
@@ -219,17 +223,16 @@ def _zeros_like_tree(tree):
     return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), tree)
 
 
-def _build(case: case_lib.Case):
-    """(function of (params, xs), argument avals)."""
+def _build(case: case_lib.Case, grad: bool = True):
+    """The function of (params, xs) to compile: the call, or (``grad`` and the case
+    has one) ``jax.value_and_grad`` of the sum of its outputs."""
     import adv_jax_math as ajm
-
-    red, chunk_red = case.reduction
 
     def call(params, xs):
         fun = case.fun if case.params is None else (lambda x: case.fun(params, x))
-        return ajm.batch_map(fun, xs, case.batch_size, reduction=red, chunk_reduction=chunk_red)
+        return ajm.batch_map(fun, xs, case.batch_size, **case.reduction_kwargs)
 
-    if case.grad is None:
+    if case.grad is None or not grad:
         return call
 
     argnums = {"inputs": 1, "params": 0, "both": (0, 1)}[case.grad]
@@ -245,14 +248,11 @@ def explain_case(case: case_lib.Case) -> dict:
     """adv_jax_math.explain on abstract inputs (traced inside eval_shape, under the mesh)."""
     import adv_jax_math as ajm
 
-    red, chunk_red = case.reduction
     box = {}
 
     def probe(params, xs):
         fun = case.fun if case.params is None else (lambda x: case.fun(params, x))
-        box["plan"] = ajm.explain(
-            fun, xs, case.batch_size, reduction=red, chunk_reduction=chunk_red
-        )
+        box["plan"] = ajm.explain(fun, xs, case.batch_size, **case.reduction_kwargs)
         return jnp.zeros(())
 
     try:
@@ -280,7 +280,27 @@ def explain_case(case: case_lib.Case) -> dict:
     rejected = get("rejected")
     if rejected:
         rec["rejected"] = [list(r) for r in rejected]
+    if get("backward"):
+        rec["backward"] = get("backward")
+    rec["roofline"] = [verdict_record(v) for v in get("roofline", default=())]
     return rec
+
+
+def verdict_record(v) -> dict:
+    """One roofline verdict (``kernels.fused_reduce.model.Verdict``) as JSON: each
+    side's modelled cost and the device figures it was priced with."""
+    d = v.device
+
+    def cost(c) -> dict:
+        fields = ("bytes", "flops", "launches", "parallel")
+        return {f: getattr(c, f) for f in fields} | {
+            "seconds": c.seconds(d),
+            "launch": d.launch,
+            "bandwidth": d.bandwidth,
+            "peak": d.peak,
+        }
+
+    return {"name": v.name, "device": d.name, "kernel": cost(v.kernel), "scan": cost(v.scan)}
 
 
 def compile_fn(fn, args, platform: str, jitted=None) -> dict:
@@ -302,6 +322,11 @@ def compile_fn(fn, args, platform: str, jitted=None) -> dict:
             except Exception:
                 text = ""
             rec["kernel_in_compiled"] = any(m in text for m in MARKERS[platform])
+            rec["while_loops"] = len(_WHILE.findall(text))
+            rec["backward_kernel"] = any(
+                BACKWARD in line and any(m in line for m in MARKERS[platform])
+                for line in text.splitlines()
+            )
             try:
                 rec["temp_bytes"] = int(compiled.memory_analysis().temp_size_in_bytes)
             except Exception as e:
@@ -329,6 +354,29 @@ def compile_fn(fn, args, platform: str, jitted=None) -> dict:
     return rec
 
 
+def scan_programs(case: case_lib.Case) -> dict:
+    """What the scan engine's compiled programs for ``case`` launch and move
+    (``hlo.launches``; forward and ``value_and_grad``) and XLA's own cost analysis of
+    them: the other side of the roofline table, counted from the programs."""
+    import adv_jax_math as ajm
+
+    out: dict = {"scan_hlo": {}, "scan_cost_analysis": {}}
+    with ajm.config(backend="scan"):
+        for program, grad in (("forward", False), ("value_and_grad", True)):
+            try:
+                compiled = jax.jit(_build(case, grad)).lower(case.params, case.inputs).compile()
+                out["scan_hlo"][program] = hlo.launches(compiled.as_text() or "")
+                cost = compiled.cost_analysis()
+                out["scan_cost_analysis"][program] = (
+                    None
+                    if not cost
+                    else {k: cost[k] for k in ("flops", "bytes accessed") if k in cost}
+                )
+            except Exception as e:
+                out["scan_hlo"][program] = {"launches": None, "error": error_summary(e)}
+    return out
+
+
 def run_case(case: case_lib.Case, mesh, platform: str) -> dict:
     """Compile first (the kernel's probe runs inside that jit trace), then explain()."""
     rec: dict = {"case": case.name, "grad": case.grad, "expect": case.expect}
@@ -340,6 +388,8 @@ def run_case(case: case_lib.Case, mesh, platform: str) -> dict:
                 rec["explain"] = explain_case(case)
             except Exception as e:
                 rec["explain"] = {"backend": "?", "reason": f"explain failed: {error_summary(e)}"}
+            if case.roofline:
+                rec.update(scan_programs(case))
     except Exception as e:
         rec["compiled"] = False
         rec["error"] = "harness: " + error_summary(e)
@@ -406,6 +456,14 @@ def check(rec: dict, target: str) -> list[str]:
         problems.append(f"the kernel was not compiled for {KINDS[target]} first: {reason}")
     if target in case.kernel_on and engine != "pallas":
         problems.append(f"must take the kernel on {target}: {rec['explain'].get('reason')}")
+    backward = rec.get("explain", {}).get("backward", "")
+    kernels = rec.get("backward_kernel") and not rec.get("while_loops")
+    if case.grad and rec.get("compiled") and backward.startswith("backward kernel") and not kernels:
+        problems.append(
+            f"explain() says {backward!r} but the program has "
+            f"{'a' if rec.get('backward_kernel') else 'no'} backward kernel and "
+            f"{rec.get('while_loops')} while loops"
+        )
     need = case.fallback_on.get(target)
     if need and (engine != "scan" or need not in rec["explain"].get("reason", "")):
         problems.append(f"must fall back with {need!r} on {target}: {rec['explain'].get('reason')}")
@@ -437,16 +495,13 @@ def run_pair(target: str) -> list[str]:
 
     other, name = PAIRS[target]
     case = case_lib.BY_NAME[name]
-    red, chunk_red = case.reduction
     traces: list[str] = []
 
     def fun(x):
         traces.append(str(jax.sharding.get_abstract_mesh().abstract_device.device_kind))
         return case.fun(x)
 
-    jitted = jax.jit(
-        lambda xs: ajm.batch_map(fun, xs, case.batch_size, reduction=red, chunk_reduction=chunk_red)
-    )
+    jitted = jax.jit(lambda xs: ajm.batch_map(fun, xs, case.batch_size, **case.reduction_kwargs))
     problems, kinds = [], []
     meshes = {t: make_mesh(t) for t in (other, target)}  # the same mesh object twice
     for t in (other, target, other):

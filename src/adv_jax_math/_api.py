@@ -23,9 +23,12 @@ __all__ = ["batch_map", "batch_vmap", "explain"]
 _COMMON_PARAMS = """reduction : callable or None
         Binary reduction operation. Should take two arguments and return one
         output, e.g. ``jnp.add``, and must be associative because partial chunk
-        results are combined in an implementation-dependent order. The
-        :class:`Monoid` objects (``ADD``, ``MAX``, ``MIN``, ``LOGSUMEXP``) are
-        accepted too.
+        results are combined in an implementation-dependent order. A
+        :class:`Monoid` object, or a pytree of them matching the result, is
+        accepted too: ``ADD``, ``MAX``, ``MIN``, ``LOGSUMEXP``, ``ARGMIN``,
+        ``ARGMAX``, ``MIN_ARGMIN``, ``MAX_ARGMAX``, ``top_k(k)``,
+        ``softmax_weighted()``, ``MEAN``, ``VAR``, ``var(ddof)``, ``MEAN_VAR``
+        (``chunk_reduction`` is then not needed).
     chunk_reduction : callable
         Chunk-wise reduction operation. Should summarize a chunk compatibly with
         ``reduction`` along the mapped axis, e.g. ``jnp.add.reduce``.
@@ -35,8 +38,9 @@ _COMMON_PARAMS = """reduction : callable or None
         batches processed on each device. A local remainder is evaluated once per
         device and a final global remainder once overall. Default is ``False``.
     mesh : jax.sharding.Mesh or None
-        Optional one-dimensional mesh with an ``AxisType.Auto`` axis, used by
-        ``shard=True``. Default ``None`` makes a mesh over all devices."""
+        The mesh ``shard=True`` spreads the rows over (all its axes; Auto or
+        Explicit). Default ``None``: the mesh set by ``jax.set_mesh`` if any, else
+        a one-dimensional mesh over all devices."""
 
 
 def _check_callables(fun: Any, reduction: Any, chunk_reduction: Any) -> None:

@@ -5,8 +5,9 @@ rows that do not fill a chunk are handled, the memory budget of
 Set them for a block of code with :func:`config`, or for a process with the
 environment variables ``ADV_JAX_MATH_BACKEND``, ``ADV_JAX_MATH_REMAT``,
 ``ADV_JAX_MATH_NATIVE``, ``ADV_JAX_MATH_REMAINDER``, ``ADV_JAX_MATH_MEMORY_BUDGET``,
-``ADV_JAX_MATH_AUTOTUNE_CACHE``, ``ADV_JAX_MATH_AUTOTUNE_GRAD`` and
-``ADV_JAX_MATH_PROGRESS`` (read when no :func:`config` block is active). A bad
+``ADV_JAX_MATH_AUTOTUNE_CACHE``, ``ADV_JAX_MATH_AUTOTUNE_GRAD``,
+``ADV_JAX_MATH_ROOFLINE`` and ``ADV_JAX_MATH_PROGRESS`` (read when no
+:func:`config` block is active). A bad
 value raises an error naming the option (or the variable), the value given and
 what is accepted.
 """
@@ -154,6 +155,11 @@ class Options:
         differentiated (a float tracer of ``jax.grad``/``jax.vjp``/``jax.jvp``,
         seen when the call is traced); ``"always"`` (e.g. for ``jax.grad`` of a
         ``jax.jit``-compiled function, where that cannot be seen) or ``"never"``.
+    roofline : bool
+        Let the roofline model (``explain()``'s ``model`` lines) veto a fused
+        kernel: with ``backend="auto"``, where the model says the scan engine is
+        faster for a pass (forward, or reverse mode's backward kernels), the scan
+        engine runs it. False: the kernel runs wherever it can.
     progress : bool
         Report chunks done, rows per second and time left on stderr while the
         chunk loop runs (adds nothing to compiled programs when off).
@@ -166,6 +172,7 @@ class Options:
     memory_budget: int | None = None
     autotune_cache: str | None = None
     autotune_grad: str = "auto"
+    roofline: bool = True
     progress: bool = False
 
     def __post_init__(self) -> None:
@@ -189,6 +196,8 @@ class Options:
             raise ValueError(
                 f"autotune_grad={self.autotune_grad!r} is not one of {AUTOTUNE_GRAD_MODES}"
             )
+        if not isinstance(self.roofline, bool):
+            raise TypeError(f"roofline={self.roofline!r} must be a bool")
         if not isinstance(self.progress, bool):
             raise TypeError(f"progress={self.progress!r} must be a bool")
 
@@ -236,6 +245,7 @@ def _from_env() -> Options:
         autotune_grad=_env_choice(
             "ADV_JAX_MATH_AUTOTUNE_GRAD", "autotune_grad", AUTOTUNE_GRAD_MODES
         ),
+        roofline=_env_bool("ADV_JAX_MATH_ROOFLINE", True),
         progress=_env_bool("ADV_JAX_MATH_PROGRESS", False),
     )
 
@@ -260,13 +270,16 @@ def config(
     memory_budget: int | str | None = None,
     autotune_cache: str | os.PathLike | None = None,
     autotune_grad: str | None = None,
+    roofline: bool | None = None,
     progress: bool | None = None,
 ) -> Iterator[Options]:
     """Override options for a block of code; unset ones keep their current value.
 
-    Options are read when a call is traced, so a ``jax.jit``-compiled function keeps
-    the engine (and the ``batch_size="auto"`` choice) it was traced with. See
-    :class:`Options` for each option.
+    Options are read when a call is traced. From jax 0.12 on they are part of
+    ``jax.jit``'s cache key: a jitted function called under other options is traced
+    again. With older jax a ``jax.jit``-compiled function keeps the engine (and the
+    ``batch_size="auto"`` choice) it was traced with. See :class:`Options` for each
+    option.
 
     Examples
     --------
@@ -285,6 +298,7 @@ def config(
         "memory_budget": memory_budget,
         "autotune_cache": autotune_cache,
         "autotune_grad": autotune_grad,
+        "roofline": roofline,
         "progress": progress,
     }
     opts = dataclasses.replace(base, **{k: v for k, v in changes.items() if v is not None})

@@ -98,9 +98,7 @@ def explain(call: Call) -> Plan:
     (``describe_reverse``: building the backward kernels as a gradient would)."""
     out = plan(call)
     describe = getattr(_BY_NAME.get(out.engine), "describe_reverse", None)
-    if describe is None or out.error:
-        return out
-    return dataclasses.replace(out, backward=describe(out, call))
+    return out if describe is None or out.error else describe(out, call)
 
 
 def run(plan: Plan, call: Call) -> Any:

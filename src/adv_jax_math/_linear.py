@@ -103,9 +103,7 @@ def _transpose(cts: list, *args: Any, spec: _Spec) -> list:
 def _batch(args: list, dims: list, *, spec: _Spec) -> tuple:
     size = next(a.shape[d] for a, d in zip(args, dims, strict=True) if d is not None)
     moved = [
-        jnp.broadcast_to(a, (size, *jnp.shape(a)))
-        if d is None
-        else jnp.moveaxis(a, d, 0)
+        jnp.broadcast_to(a, (size, *jnp.shape(a))) if d is None else jnp.moveaxis(a, d, 0)
         for a, d in zip(args, dims, strict=True)
     ]
     out = jax.vmap(lambda *f: spec.call(*f))(*moved)

@@ -41,19 +41,27 @@ __all__ = [
 class Kind(enum.Enum):
     """What the call computes."""
 
-    MAP = "map"  # outputs concatenated
-    MONOID = "monoid"  # a recognized monoid reduction
-    GENERIC = "generic"  # any other associative reduction
+    #: No reduction: the chunks' outputs are concatenated.
+    MAP = "map"
+    #: A recognized monoid reduction (fused kernels and exact merges apply).
+    MONOID = "monoid"
+    #: Any other associative reduction, applied to the chunk results in order.
+    GENERIC = "generic"
 
 
 class Policy(enum.Enum):
     """How rows are split into chunks."""
 
-    SINGLE = "single call"  # no chunking: chunk_reduction(fun(x))
-    EMPTY = "empty input"  # n == 0: identity / empty outputs
-    OVERLAP = "overlap"  # equal chunks; the last overlaps, its repeated rows masked
-    REMAINDER = "remainder"  # full chunks of batch_size, then the remainder apart
-    SHARDED = "sharded"  # rows spread over a mesh; see Plan.shard
+    #: No chunking: ``chunk_reduction(fun(x))`` in one call.
+    SINGLE = "single call"
+    #: ``n == 0``: the identity, or empty outputs.
+    EMPTY = "empty input"
+    #: Equal chunks; the last overlaps the one before, its repeated rows masked.
+    OVERLAP = "overlap"
+    #: Full chunks of ``batch_size``, then the remainder apart.
+    REMAINDER = "remainder"
+    #: Rows spread over a mesh; see ``Plan.shard``.
+    SHARDED = "sharded"
 
 
 @dataclass(frozen=True)
@@ -129,21 +137,29 @@ class Plan:
         How the reduction was recognized, or why it was not.
     policy : Policy
         ``SINGLE``, ``EMPTY``, ``OVERLAP``, ``REMAINDER`` or ``SHARDED``.
-    chunks, rows_per_chunk : int
-        Chunks executed and rows in each.
+    chunks : int
+        Chunks executed.
+    rows_per_chunk : int
+        Rows in each chunk.
     masked : int
         Rows of the last chunk (``OVERLAP``) that repeat rows of the chunk before.
     remainder : int
         Rows evaluated apart after the loop (``REMAINDER``).
     engine : str
         ``"scan"``, ``"pallas"``, ``"interpret"`` or ``"shard"``.
-    block_rows, block_steps : int
-        The fused kernel's rows per block and blocks per program (fused engines).
+    block_rows : int
+        The fused kernel's rows per block (fused engines).
+    block_steps : int
+        The fused kernel's blocks per program (fused engines).
     reason : str
         Why that engine.
     backward : str
         How reverse mode runs (``explain`` only; fused engines): the backward
         kernels, or why the scan engine's chunks are transposed instead.
+    roofline : tuple
+        The roofline model's verdicts (``kernels.fused_reduce.model.Verdict``) on
+        the fused kernel's passes against the scan engine's (compiled kernels on
+        devices the model knows; the backward from ``explain`` only).
     rejected : tuple of (str, str)
         Every engine tried before it, with the reason it could not run the call.
     error : str
@@ -182,6 +198,7 @@ class Plan:
     block_steps: int = 1
     reason: str = ""
     backward: str = ""
+    roofline: tuple = ()
     rejected: tuple[tuple[str, str], ...] = ()
     error: str = ""
     platform: str = ""
@@ -236,6 +253,7 @@ class Plan:
             ("policy", self._policy_text()),
             ("engine", f"{self.engine}: {self.reason}"),
             *((("gradient", self.backward),) if self.backward else ()),
+            *((f"model ({v.name})", f"{v} (a roofline model)") for v in self.roofline),
             *(("rejected", f"{name}: {why}") for name, why in self.rejected),
             *((("sharding", str(self.shard)),) if self.shard else ()),
             *(("note", note) for note in self.notes),

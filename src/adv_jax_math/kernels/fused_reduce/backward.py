@@ -150,8 +150,9 @@ def _pallas_call(k: Backward) -> Callable[..., Any]:
         ]
 
         def block(j: Any, sums: list) -> list:
+            start: Any = 0
             if k.steps == 1:
-                start, xs = 0, [r[...] for r in x_refs]
+                xs = [r[...] for r in x_refs]
             else:
                 start = j * k.rows if isinstance(j, int) else pl.multiple_of(j * k.rows, k.rows)
                 xs = [
@@ -270,12 +271,12 @@ def plan_reverse(
     if tallied:
         leaves = tuple(_tally_leaf(reduction.leaves[j]) for j in tallied)
         sums = MonoidReduction(leaves, jax.tree.structure([0] * len(leaves)), list)
-        k = _kernel((closed, list(out_shape)), list(xs), sums, (rows, steps), target, interpret)
+        t = _kernel((closed, list(out_shape)), list(xs), sums, (rows, steps), target, interpret)
         if not interpret:
-            verdict = probe(k)
+            verdict = probe(t)
             if verdict.problem:
                 return f"the tally of the tied rows: {verdict.problem}"
-        tally = (k, tallied)
+        tally = (t, tallied)
         for j, term in zip(tallied, _terms(sums, out_shape, rows), strict=True):
             tallies[j] = jax.tree.map(aval, (*term.state, term.state[2]))  # + the shares
     per_term = tuple(

@@ -12,12 +12,14 @@ from jax.extend.core import ClosedJaxpr
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from ... import _config, _scan
+from ... import _roofline as roofline
 from ... import _tangent as tangent
 from ..._monoid import MonoidReduction
 from ..._plan import Call, Kind, Plan, Policy, Rejection
 from ..._sharding import Lanes
 from . import check, fused_states
 from .backward import plan_reverse, run_reverse
+from .model import backward_costs, forward_costs
 from .targets import target
 
 __all__ = ["FusedEngine"]
@@ -66,6 +68,12 @@ class FusedEngine:
         )
         if verdict.problem:
             return Rejection(f"fused kernel not used: {verdict.problem}", forced)
+        model = None
+        d = None if self.interpret else roofline.device(verdict.device)
+        if d is not None and verdict.kernel is not None:
+            model = forward_costs(plan, call.xs, verdict.kernel, d)
+            if not model.kernel_wins and not forced and _config.current().roofline:
+                return Rejection(f"the roofline model says the scan engine is faster: {model}")
         if self.interpret:
             where = "in interpret mode (requested)"
         elif verdict.compiled:
@@ -80,6 +88,7 @@ class FusedEngine:
             block_rows=verdict.rows,
             block_steps=verdict.steps,
             block_traced=verdict.traced,
+            roofline=(model,) if model else (),
         )
 
     def run(self, plan: Plan, call: Call) -> Any:
@@ -102,18 +111,20 @@ class FusedEngine:
 
     def reverse_kernels(
         self, plan: Plan, xs: list, states: list, c_idx: list[int], x_idx: list[int]
-    ) -> Any:
+    ) -> tuple[Any, Any]:
         """The reverse pass's kernels (``backward.Reverse``) for ``plan``'s block, or
-        why reverse mode transposes the scan engine's chunks instead."""
+        why reverse mode transposes the scan engine's chunks instead; and the
+        roofline model's verdict on them (None: none made)."""
         if plan.lanes is not None and plan.lanes.count > 1:
-            return "the rows are spread over devices (no backward kernel per device yet)"
+            return "the rows are spread over devices (no backward kernel per device yet)", None
         mesh = jax.sharding.get_abstract_mesh()
         if not mesh.empty and AxisType.Explicit in tuple(mesh.axis_types):
-            return "under a mesh with Explicit axes (no backward kernel under shard_map yet)"
+            return "under a mesh with Explicit axes (no backward kernel in shard_map yet)", None
         reduction, _ = _monoid(plan)
         assert plan.block_traced is not None
         closed, out_shape = plan.block_traced
-        return plan_reverse(
+        tgt = target("cpu" if self.interpret else plan.platform)
+        built = plan_reverse(
             closed,
             out_shape,
             xs,
@@ -123,12 +134,21 @@ class FusedEngine:
             x_idx=x_idx,
             rows=plan.block_rows,
             steps=plan.block_steps,
-            target=target("cpu" if self.interpret else plan.platform),
+            target=tgt,
             interpret=self.interpret,
         )
+        d = None if self.interpret else roofline.device(tgt.device_kind)
+        if isinstance(built, str) or d is None:
+            return built, None
+        model = backward_costs(plan, xs, built, d)
+        options = _config.current()
+        if not model.kernel_wins and options.backend != self.name and options.roofline:
+            return f"the roofline model says the scan engine is faster: {model}", model
+        return built, model
 
-    def describe_reverse(self, plan: Plan, call: Call) -> str:
-        """How reverse mode runs, with respect to every float input and constant."""
+    def describe_reverse(self, plan: Plan, call: Call) -> Plan:
+        """``plan`` with how reverse mode runs, with respect to every float input and
+        constant (``Plan.backward``, and the model's verdict in ``Plan.roofline``)."""
         found: list = []
         assert plan.block_traced is not None
         consts = plan.block_traced[0].consts
@@ -143,12 +163,15 @@ class FusedEngine:
             return states
 
         jax.eval_shape(trace, call.xs)
-        (built,) = found
+        ((built, model),) = found
         if isinstance(built, str):
-            return f"the scan engine's chunks, transposed: {built}"
-        k = built.kernel
-        text = f"backward kernel, blocks of {k.rows} rows, {k.steps} per program"
-        return text + (" (the tied rows tallied first)" if built.tally else "")
+            text = f"the scan engine's chunks, transposed: {built}"
+        else:
+            k = built.kernel
+            text = f"backward kernel, blocks of {k.rows} rows, {k.steps} per program"
+            text += " (the tied rows tallied first)" if built.tally else ""
+        models = plan.roofline + ((model,) if model else ())
+        return dataclasses.replace(plan, backward=text, roofline=models)
 
     def reverse(self, rev: tangent.Reverse, where: list[int]) -> tuple:
         """The reverse pass (``tangent.Reverse``) as the backward kernels; ``where``:
@@ -156,7 +179,7 @@ class FusedEngine:
         plan, xs = rev.plans[0], jax.tree.leaves(rev.xss[0])
         lin_of = {v: j for j, v in enumerate(rev.c_pos)}
         c_idx = [k for k, i in enumerate(where) if i in lin_of]
-        built = self.reverse_kernels(plan, xs, rev.states, c_idx, rev.x_pos[0])
+        built, _ = self.reverse_kernels(plan, xs, rev.states, c_idx, rev.x_pos[0])
         if isinstance(built, str):
             return rev.reference()
         assert plan.block_traced is not None

@@ -150,7 +150,11 @@ def compiler_params(target: Target, interpret: bool, biggest: int) -> Any:
 
         # TPUCompilerParams: older jax (not in this jax's stubs)
         params = getattr(pltpu, "CompilerParams", None) or cast(Any, pltpu).TPUCompilerParams
-        return params(vmem_limit_bytes=tpu_vmem_limit(target.device_kind))
+        # Programs write their own partials (and rows): parallel, so that a chip with
+        # two TensorCores (v4, v5p) splits the grid between them.
+        return params(
+            vmem_limit_bytes=tpu_vmem_limit(target.device_kind), dimension_semantics=("parallel",)
+        )
     return pallas_triton().CompilerParams(num_warps=8 if biggest >= 1 << 13 else 4)
 
 
