@@ -567,6 +567,18 @@ class TopK(Monoid):
         alive = jnp.ones(y.shape, bool) if w is None else jnp.broadcast_to(_col(w > 0, y), y.shape)
         return _select(self.k, [(key, rows, alive, 0)], self._key_min(y.dtype))
 
+    def fold_fast(self, ys, idx, w) -> Any:
+        """One ``lax.top_k`` over the rows (XLA's TopK, the lower row first on equal
+        keys) instead of k passes of max-and-remove; not in kernels. A weighted block
+        (the overlapping last chunk) and one of fewer than k rows take :meth:`fold`."""
+        y = ys[0]
+        if w is not None or y.shape[0] < self.k:
+            return self.fold(ys, idx, w)
+        rows = jnp.broadcast_to(_col(idx.astype(index_dtype()), y), y.shape)
+        keys, pos = lax.top_k(jnp.moveaxis(self._key(y), 0, -1), self.k)  # (*t, k)
+        sel = jnp.take_along_axis(jnp.moveaxis(rows, 0, -1), pos, axis=-1)
+        return tuple(jnp.moveaxis(keys, -1, 0)), tuple(jnp.moveaxis(sel, -1, 0))
+
     def merge(self, a: Any, b: Any) -> Any:
         return _merge_sorted(self.k, a, b)
 
