@@ -6,8 +6,9 @@ For the ``roofline_*`` cases on every target: the roofline model's time for the
 forward pass and for the backward pass of the fused kernels against the scan
 engine (``explain().roofline``; ``_roofline`` says how it is made), and what the
 scan engine's compiled programs hold, counted from their HLO (``hlo.py``: loop
-trips x launches per trip). A model, labelled so: no hardware ran these. Rewrites
-the README between ``<!-- roofline:begin -->`` and ``<!-- roofline:end -->`` when
+trips x launches per trip). A model, labelled so: no hardware ran these. Writes
+``RESULTS_DIR/roofline.md`` (the accelerators guide includes it), and rewrites the
+README between ``<!-- roofline:begin -->`` and ``<!-- roofline:end -->`` when
 ``--readme`` is given.
 """
 
@@ -119,6 +120,7 @@ def main() -> None:
         if p.stem in TARGETS
     }
     text = table(records)
+    (args.results / "roofline.md").write_text(text + "\n")  # the docs include it
     print(text)
     if args.readme:
         readme = args.readme.read_text()

@@ -935,8 +935,13 @@ MONOIDS = (ADD, MAX, MIN, LOGSUMEXP)  # the ones recognized from plain-JAX reduc
 
 
 def top_k(k: int, smallest: bool = False) -> TopK:
-    """The ``k`` largest rows (``smallest=True``: smallest) per trailing element with
-    their global row indices, as ``lax.top_k`` along axis 0; see :class:`TopK`.
+    """The ``k`` largest rows (``smallest=True``: smallest) per trailing element, with
+    their global row indices, as ``lax.top_k`` along axis 0 (of ``-y`` for smallest).
+
+    The result is ``(values, indices)``, each ``(k, *t)`` for ``fun`` rows of shape
+    ``t``: largest first (smallest first with ``smallest=True``), ties to the lower row,
+    indices int32. Gradients go to the selected rows, as ``jax.grad`` of ``lax.top_k``.
+    ``batch_map`` raises when there are fewer than ``k`` rows.
 
     Examples
     --------
@@ -950,12 +955,44 @@ def top_k(k: int, smallest: bool = False) -> TopK:
 
 
 def softmax_weighted(return_lse: bool = False) -> SoftmaxWeighted:
-    """Softmax-weighted sums of ``fun``'s ``(scores, values)``; with ``return_lse``
-    also the logsumexp of the scores; see :class:`SoftmaxWeighted`."""
+    """Softmax-weighted sums of ``fun``'s ``(scores, values)`` over the rows, as
+    ``jnp.tensordot(jax.nn.softmax(scores, 0), values, ([0], [0]))``.
+
+    ``fun`` returns ``scores`` of shape ``(n, *s)`` and ``values`` of ``(n, *v)``; the
+    result has shape ``(*s, *v)`` (attention over keys for ``s = (queries,)``), computed
+    as an online softmax without the ``(n, *s)`` weights. With ``return_lse=True`` the
+    result is ``(weighted sum, jax.nn.logsumexp(scores, 0))``, so that partial results
+    of several calls or devices can be combined. ``SOFTMAX_WEIGHTED`` is
+    ``softmax_weighted()``.
+
+    Examples
+    --------
+    >>> import jax, jax.numpy as jnp
+    >>> import adv_jax_math as ajm
+    >>> scores = jnp.log(jnp.array([1.0, 1.0, 2.0]))     # weights 1/4, 1/4, 1/2
+    >>> values = jnp.array([4.0, 8.0, 2.0])
+    >>> out, lse = ajm.batch_map(lambda r: r, (scores, values), 2,
+    ...                          reduction=ajm.softmax_weighted(return_lse=True))
+    >>> print(round(float(out), 4), round(float(jnp.exp(lse)), 4))
+    4.0 4.0
+    """
     return SOFTMAX_WEIGHTED if not return_lse else SoftmaxWeighted(return_lse=True)
 
 
 def var(ddof: int = 0) -> Moments:
     """The variance over the rows with ``ddof`` delta degrees of freedom, as
-    ``jnp.var(y, 0, ddof=ddof)``; see :class:`Moments`."""
+    ``jnp.var(y, 0, ddof=ddof)``: one pass (Welford within a chunk, Chan's merge
+    between chunks), stable for data with a large offset. ``VAR`` is ``var()``;
+    ``MEAN_VAR`` gives ``(mean, variance)``.
+
+    Examples
+    --------
+    >>> import jax.numpy as jnp
+    >>> import adv_jax_math as ajm
+    >>> y = jnp.array([1000.0, 1001.0, 1002.0, 1003.0, 1004.0])
+    >>> ajm.batch_map(lambda r: r, y, 2, reduction=ajm.var(ddof=1))
+    Array(2.5, dtype=float32)
+    >>> ajm.batch_map(lambda r: r, y, 2, reduction=ajm.MEAN_VAR)
+    (Array(1002., dtype=float32), Array(2., dtype=float32))
+    """
     return VAR if ddof == 0 else Moments(mean=False, variance=True, ddof=ddof)
