@@ -41,7 +41,7 @@ import bench_monoids as bm
 import jax
 import numpy as np
 from _timing import Timing, compile_fn, interleaved
-from report import machine, mib, range_text, table, tree_state, write_readme
+from report import machine, mib, publish, range_text, table, tree_state
 
 HERE = Path(__file__).resolve().parent
 BEGIN, END = "<!-- monoids:begin -->", "<!-- monoids:end -->"
@@ -457,20 +457,15 @@ def main() -> None:
     (out / "monoids.json").write_text(json.dumps(data, indent=1) + "\n")
     (out / "monoids.md").write_text(markdown(data) + "\n")
     print(markdown(data))
-    uncommitted = data["machine"]["uncommitted"]
-    if args.quick:
-        print(f"\nquick run: results in {out}; README.md not touched", file=sys.stderr)
-    elif uncommitted and not args.allow_dirty:
-        print(
-            "\nREADME.md not updated: the tree has uncommitted changes:\n  "
-            + "\n  ".join(uncommitted)
-            + "\ncommit them and rerun, or pass --allow-dirty (numbers marked provisional)",
-            file=sys.stderr,
-        )
-        sys.exit(1)
-    else:
-        write_readme(section, BEGIN, END)
-        print(f"\nREADME.md monoids section rewritten (commit {tree['commit']})", file=sys.stderr)
+    publish(
+        section,
+        data,
+        quick=args.quick,
+        allow_dirty=args.allow_dirty,
+        what="monoids section",
+        begin=BEGIN,
+        end=END,
+    )
 
 
 if __name__ == "__main__":

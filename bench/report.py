@@ -530,6 +530,34 @@ def write_readme(section: str, begin: str = BEGIN, end: str = END) -> None:
     README.write_text(head + begin + "\n" + section + end + rest.split(end)[1])
 
 
+def publish(
+    section: str,
+    data: dict,
+    *,
+    quick: bool,
+    allow_dirty: bool,
+    what: str,
+    begin: str = BEGIN,
+    end: str = END,
+) -> None:
+    """Rewrite the README section ``what`` with ``section``, unless the run was quick,
+    or the tree had uncommitted changes and ``allow_dirty`` was not given (exit 1)."""
+    uncommitted = data["machine"]["uncommitted"]
+    if quick:
+        print("\nquick run: README.md not touched", file=sys.stderr)
+    elif uncommitted and not allow_dirty:
+        print(
+            "\nREADME.md not updated: the tree has uncommitted changes:\n  "
+            + "\n  ".join(uncommitted)
+            + "\ncommit them and rerun, or pass --allow-dirty (numbers marked provisional)",
+            file=sys.stderr,
+        )
+        sys.exit(1)
+    else:
+        write_readme(section, begin, end)
+        print(f"\nREADME.md {what} rewritten (commit {data['machine']['commit']})", file=sys.stderr)
+
+
 def log_log_plot(path: Path, xs: list, series: dict, *, title: str, **labels) -> None:
     """One line per series over ``xs`` (log-log, ``xs`` as ticks); ``plain`` dashed."""
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -607,22 +635,7 @@ def main() -> None:
     (out / "README_section.md").write_text(section)
     plots(data, out)
     print(markdown(data))
-    uncommitted = data["machine"]["uncommitted"]
-    if s.quick:
-        print(f"\nquick run: results in {out}; README.md not touched", file=sys.stderr)
-    elif uncommitted and not args.allow_dirty:
-        print(
-            "\nREADME.md not updated: the tree has uncommitted changes:\n  "
-            + "\n  ".join(uncommitted)
-            + "\ncommit them and rerun, or pass --allow-dirty (numbers marked provisional)",
-            file=sys.stderr,
-        )
-        sys.exit(1)
-    else:
-        write_readme(section)
-        print(
-            f"\nREADME.md performance section rewritten (commit {tree['commit']})", file=sys.stderr
-        )
+    publish(section, data, quick=s.quick, allow_dirty=args.allow_dirty, what="performance section")
 
 
 if __name__ == "__main__":
