@@ -114,10 +114,13 @@ def test_max_min_gradients_propagate_nan(name, reduction, plain):
     ctx, kw = ENGINES[name]
     x = jnp.array([[1.0, 2.0], [jnp.nan, 3.0], [3.0, 3.0], [0.5, -1.0], [2.0, 3.0]])
     first = lambda out: jax.tree.leaves(out)[0].sum()
+    ours_f = lambda v: first(ajm.batch_map(lambda t: t * 2, v, 2, **reduction, **kw))
+    want_f = lambda v: first(plain(v * 2))
+    dx = jnp.arange(1.0, 11.0).reshape(x.shape)
     with ctx():
-        ours = jax.grad(lambda v: first(ajm.batch_map(lambda t: t * 2, v, 2, **reduction, **kw)))(x)
-    want = jax.grad(lambda v: first(plain(v * 2)))(x)
-    assert_tree_close(ours, want)  # column 0 NaN everywhere; column 1 ties 1/3 each
+        ours, ours_t = jax.grad(ours_f)(x), jax.jvp(ours_f, (x,), (dx,))[1]
+    assert_tree_close(ours, jax.grad(want_f)(x))  # column 0 NaN everywhere; column 1 ties 1/3 each
+    assert_tree_close(ours_t, jax.jvp(want_f, (x,), (dx,))[1])  # forward mode: NaN too
 
 
 # -- odd calls: clear errors --------------------------------------------------------------
