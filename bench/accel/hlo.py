@@ -3,10 +3,10 @@
 Deviceless GPU compiles have no ``cost_analysis()`` (it returns None), so the
 roofline table counts from ``compiled.as_text()`` itself: every instruction that
 launches work (a fusion, a custom call, an unfused op; not parameters, tuples,
-bitcasts, constants), in the entry computation and, times the loop's known trip
-count, in each ``while`` body; and the bytes each one reads and writes (its
-operands' and result's shapes; a dynamic slice reads only what it returns, an
-in-place dynamic update writes only its update).
+bitcasts, constants), in the entry computation and, times the loop's trip count
+(``known_trip_count``, else the bound of its condition), in each ``while`` body; and
+the bytes each one reads and writes (its operands' and result's shapes; a dynamic
+slice reads only what it returns, an in-place dynamic update writes only its update).
 
     python bench/accel/hlo.py COMPILED.txt     # a summary of one dumped program
 """
@@ -88,6 +88,7 @@ def _computations(text: str) -> tuple[dict[str, list[dict]], str | None]:
                 "type": type_text,
                 "op": op.strip(),
                 "operands": re.findall(r"%([\w.\-]+)", args[:end]),
+                "value": args[:end].strip(),  # a constant's literal
                 "attrs": args[end + 1 :],
             }
         )
@@ -105,6 +106,19 @@ def _moved(ins: dict, types: dict[str, str]) -> int:
     return out + sum(ins_bytes)
 
 
+def _bound(comps: dict, name: str) -> int:
+    """A loop's trip count read from its condition ``i < constant`` (XLA:TPU's HLO has
+    no ``known_trip_count``; our loops count from 0), else 0."""
+    instructions = comps.get(name, [])
+    constants = {i["name"]: i["value"] for i in instructions if i["op"] == "constant"}
+    for ins in instructions:
+        if ins["op"] == "compare" and "direction=LT" in ins["attrs"]:
+            bound = [constants[o] for o in ins["operands"] if o in constants]
+            if len(bound) == 1 and bound[0].lstrip("-").isdigit():
+                return int(bound[0])
+    return 0
+
+
 def _walk(comps: dict, name: str, depth: int = 0) -> tuple[int, int, list[dict]]:
     """``(launches, bytes, loops)`` of computation ``name``, loops multiplied out."""
     instructions = comps.get(name, [])
@@ -114,9 +128,11 @@ def _walk(comps: dict, name: str, depth: int = 0) -> tuple[int, int, list[dict]]
         if ins["op"] == "while":
             body = re.search(r"body=%([\w.\-]+)", ins["attrs"])
             trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', ins["attrs"])
-            n = int(trips.group(1)) if trips else 1
+            cond = re.search(r"condition=%([\w.\-]+)", ins["attrs"])
+            n = int(trips.group(1)) if trips else _bound(comps, cond.group(1) if cond else "")
             c, m, inner = _walk(comps, body.group(1), depth + 1) if body else (0, 0, [])
-            loops.append({"trips": n, "launches": c, "bytes": m, "known": bool(trips)})
+            known = "backend config" if trips else ("condition" if n else "no")
+            loops.append({"trips": n or 1, "launches": c, "bytes": m, "known": known})
             loops += inner
             count, moved = count + n * c, moved + n * m
         elif ins["op"] in ("call", "conditional"):
