@@ -138,6 +138,13 @@ def _scalar_safe(y: jax.Array) -> jax.Array:
     return y.astype(np.float32 if _inexact(dtype) else np.int32)
 
 
+def _slot(a: jax.Array, j: int) -> jax.Array:
+    """``a[j]`` as a masked sum over the leading axis (exact: one nonzero term), not a
+    slice: Pallas Triton has no lowering for ``slice``."""
+    lead = lax.broadcasted_iota(np.int32, a.shape, 0)
+    return jnp.sum(jnp.where(lead == j, a, jnp.zeros_like(a)), axis=0)
+
+
 def _full(item: jax.ShapeDtypeStruct, value: Any, dtype: Any = None) -> jax.Array:
     return jnp.full(item.shape, value, dtype or item.dtype)
 
@@ -602,7 +609,8 @@ class TopK(Monoid):
         rows = jnp.broadcast_to(_col(idx.astype(index_dtype()), y), y.shape)
         out = jnp.zeros(y.shape, y.dtype)
         for j, sel in enumerate(state[1]):  # the row selected in slot j gets slot j's
-            out = out + jnp.where(rows == _spread(sel, y), _spread(ct[0][j], y), 0).astype(y.dtype)
+            slot = _slot(ct[0], j)
+            out = out + jnp.where(rows == _spread(sel, y), _spread(slot, y), 0).astype(y.dtype)
         return (out if keep is None else out * (_col(keep, out) > 0).astype(y.dtype),)
 
     def tangent(self, ys, dys, idx, keep, state, items) -> Any:

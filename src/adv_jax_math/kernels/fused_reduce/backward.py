@@ -36,6 +36,7 @@ from ..._monoid import LeafReduction, MonoidReduction, index_dtype
 from .blocks import tpu_block
 from .interpreter import evaluate
 from .kernel import (
+    Grid,
     Kernel,
     Term,
     _load_const,
@@ -55,7 +56,7 @@ MAX_PARTIAL_BYTES = 256 << 20  # the per-program partials of the constants' cota
 
 
 @dataclasses.dataclass(frozen=True)
-class Backward:
+class Backward(Grid):
     """Everything static about one backward kernel."""
 
     jaxpr: Any  # the prepared fun on a block of ``rows`` rows, constants as constvars
@@ -70,14 +71,6 @@ class Backward:
     steps: int
     target: Target
     interpret: bool
-
-    @property
-    def tile(self) -> int:
-        return self.steps * self.rows
-
-    @property
-    def grid(self) -> int:
-        return pl.cdiv(self.n, self.tile)
 
     def whole(self) -> list[jax.ShapeDtypeStruct]:
         """What every program reads whole (cotangents, states, tallies), flat."""

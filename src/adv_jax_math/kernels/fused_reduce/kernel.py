@@ -46,8 +46,25 @@ class Term:
         return (repr(leaf.monoid), leaf.axis, leaf.sources, self.items)
 
 
+class Grid:
+    """The grid of a kernel over ``n`` rows: programs of ``steps`` blocks of ``rows``."""
+
+    n: int
+    rows: int
+    steps: int
+
+    @property
+    def tile(self) -> int:
+        """Rows per kernel program."""
+        return self.steps * self.rows
+
+    @property
+    def grid(self) -> int:
+        return pl.cdiv(self.n, self.tile)
+
+
 @dataclasses.dataclass(frozen=True)
-class Kernel:
+class Kernel(Grid):
     """Everything static about one fused call."""
 
     jaxpr: Any  # prepared fun on a block of ``rows`` rows, constants as constvars
@@ -59,15 +76,6 @@ class Kernel:
     steps: int  # blocks of Bk rows each kernel program reduces in a loop
     target: Target
     interpret: bool
-
-    @property
-    def tile(self) -> int:
-        """Rows per kernel program."""
-        return self.steps * self.rows
-
-    @property
-    def grid(self) -> int:
-        return pl.cdiv(self.n, self.tile)
 
     def args(self) -> list[jax.ShapeDtypeStruct]:
         """The kernel's arguments: the first row's index, constants, inputs."""
