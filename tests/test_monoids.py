@@ -229,3 +229,38 @@ def test_look_alikes_name_the_monoid_to_use():
         fun, x, B, reduction=jnp.maximum, chunk_reduction=lambda y: lax.top_k(y.T, 2)[0]
     )
     assert "top_k" in topk.recognition, str(topk)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.int32])
+@pytest.mark.parametrize("smallest", [False, True])
+def test_top_k_scan_chunks_equal_lax_top_k(dtype, smallest):
+    """The scan engine's one-lax.top_k fold (``TopK.fold_fast``), the overlapping last
+    chunk's repeated rows left out, equals lax.top_k: ties everywhere, and a column of
+    the lowest key but its last row, where a repeated row would be selected (and
+    counted twice) unless the exact fold serves that chunk."""
+    rng = np.random.default_rng(0)
+    for n, batch, k in [(37, 8, 3), (64, 16, 3), (1003, 100, 5), (10, 4, 3), (5, 4, 4)]:
+        y = rng.integers(-3, 3, size=(n, 4)).astype(dtype)
+        lowest = np.iinfo(np.int32).min if dtype == np.int32 else -np.inf
+        y[:, 3] = -lowest if smallest and dtype != np.int32 else lowest
+        y[-1, 3] = 1
+        with ajm.config(backend="scan", remainder="overlap"):
+            got = ajm.batch_map(
+                lambda t: t, jnp.asarray(y), batch, reduction=ajm.top_k(k, smallest)
+            )
+        _, indices = lax.top_k(jnp.asarray(-y if smallest else y).T, k)  # the definition
+        np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(indices).T)
+        np.testing.assert_array_equal(
+            np.asarray(got[0]), np.asarray(y)[np.asarray(indices).T, np.arange(4)]
+        )
+
+
+def test_top_k_fast_fold_never_selects_a_left_out_row():
+    """A block whose left-out (weight 0) rows would be among the k selected by one
+    lax.top_k: the fast fold gives the exact fold's state (the exact fold serves)."""
+    monoid = ajm.top_k(4)
+    y = jnp.array([[7], [np.iinfo(np.int32).min], [np.iinfo(np.int32).min], [3], [2]], jnp.int32)
+    idx, w = jnp.arange(5), jnp.array([0.0, 0.0, 1.0, 1.0, 1.0])
+    fast, exact = monoid.fold_fast([y], idx, w), monoid.fold([y], idx, w)
+    assert_tree_close(fast, exact)
+    assert 0 not in np.asarray(jnp.stack(fast[1])) and 1 not in np.asarray(jnp.stack(fast[1]))

@@ -576,15 +576,24 @@ class TopK(Monoid):
 
     def fold_fast(self, ys, idx, w) -> Any:
         """One ``lax.top_k`` over the rows (XLA's TopK, the lower row first on equal
-        keys) instead of k passes of max-and-remove; not in kernels. A weighted block
-        (the overlapping last chunk) and one of fewer than k rows take :meth:`fold`."""
+        keys) instead of k passes of max-and-remove; not in kernels. Rows of weight 0
+        (repeated) rank last; where one is still selected (fewer than k other rows
+        above the lowest key), the block takes :meth:`fold`."""
         y = ys[0]
-        if w is not None or y.shape[0] < self.k:
+        if y.shape[0] < self.k:
             return self.fold(ys, idx, w)
+        key, key_min = self._key(y), self._key_min(y.dtype)
+        alive = None if w is None else jnp.broadcast_to(_col(w > 0, y), y.shape)
+        if alive is not None:
+            key = jnp.where(alive, key, key_min)
         rows = jnp.broadcast_to(_col(idx.astype(index_dtype()), y), y.shape)
-        keys, pos = lax.top_k(jnp.moveaxis(self._key(y), 0, -1), self.k)  # (*t, k)
+        keys, pos = lax.top_k(jnp.moveaxis(key, 0, -1), self.k)  # (*t, k)
         sel = jnp.take_along_axis(jnp.moveaxis(rows, 0, -1), pos, axis=-1)
-        return tuple(jnp.moveaxis(keys, -1, 0)), tuple(jnp.moveaxis(sel, -1, 0))
+        fast = tuple(jnp.moveaxis(keys, -1, 0)), tuple(jnp.moveaxis(sel, -1, 0))
+        if alive is None:
+            return fast
+        chosen = jnp.take_along_axis(jnp.moveaxis(alive, 0, -1), pos, axis=-1)
+        return lax.cond(jnp.all(chosen), lambda: fast, lambda: self.fold(ys, idx, w))
 
     def merge(self, a: Any, b: Any) -> Any:
         return _merge_sorted(self.k, a, b)
