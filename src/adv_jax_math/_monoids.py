@@ -576,18 +576,22 @@ class TopK(Monoid):
 
     def fold_fast(self, ys, idx, w) -> Any:
         """One ``lax.top_k`` over the rows (XLA's TopK, the lower row first on equal
-        keys) instead of k passes of max-and-remove; not in kernels. Rows of weight 0
-        (repeated) rank last; where one is still selected (fewer than k other rows
-        above the lowest key), the block takes :meth:`fold`."""
+        values) instead of k passes of max-and-remove; not in kernels. Floats of 32
+        bits or fewer are ranked as float32 (XLA:CPU sorts integer keys in full; the
+        total order is the same), others by their keys. Rows of weight 0 (repeated)
+        rank last; where one is still selected, the block takes :meth:`fold`."""
         y = ys[0]
         if y.shape[0] < self.k:
             return self.fold(ys, idx, w)
-        key, key_min = self._key(y), self._key_min(y.dtype)
+        floats = _inexact(y.dtype) and np.dtype(y.dtype).itemsize <= 4
+        rank = (-y if self.smallest else y).astype(np.float32) if floats else self._key(y)
         alive = None if w is None else jnp.broadcast_to(_col(w > 0, y), y.shape)
-        if alive is not None:
-            key = jnp.where(alive, key, key_min)
+        if alive is not None:  # below everything: -NaN, or the lowest key
+            low = np.float32(-np.nan) if floats else self._key_min(y.dtype)
+            rank = jnp.where(alive, rank, low)
         rows = jnp.broadcast_to(_col(idx.astype(index_dtype()), y), y.shape)
-        keys, pos = lax.top_k(jnp.moveaxis(key, 0, -1), self.k)  # (*t, k)
+        top, pos = lax.top_k(jnp.moveaxis(rank, 0, -1), self.k)  # (*t, k)
+        keys = _order_key(top) if floats else top
         sel = jnp.take_along_axis(jnp.moveaxis(rows, 0, -1), pos, axis=-1)
         fast = tuple(jnp.moveaxis(keys, -1, 0)), tuple(jnp.moveaxis(sel, -1, 0))
         if alive is None:
