@@ -145,6 +145,12 @@ def _slot(a: jax.Array, j: int) -> jax.Array:
     return jnp.sum(jnp.where(lead == j, a, jnp.zeros_like(a)), axis=0)
 
 
+def _rows_sharded(y: jax.Array) -> bool:
+    """Whether ``y``'s rows are sharded in its type (an Explicit mesh axis)."""
+    spec = tuple(getattr(getattr(jax.typeof(y), "sharding", None), "spec", None) or ())
+    return bool(spec) and spec[0] is not None
+
+
 def _full(item: jax.ShapeDtypeStruct, value: Any, dtype: Any = None) -> jax.Array:
     return jnp.full(item.shape, value, dtype or item.dtype)
 
@@ -581,7 +587,7 @@ class TopK(Monoid):
         total order is the same), others by their keys. Rows of weight 0 (repeated)
         rank last; where one is still selected, the block takes :meth:`fold`."""
         y = ys[0]
-        if y.shape[0] < self.k:
+        if y.shape[0] < self.k or _rows_sharded(y):  # lax.top_k: unsharded along its axis
             return self.fold(ys, idx, w)
         floats = _inexact(y.dtype) and np.dtype(y.dtype).itemsize <= 4
         rank = (-y if self.smallest else y).astype(np.float32) if floats else self._key(y)
