@@ -29,7 +29,6 @@ Ratios are the other engine's time (memory) over ours: > 1 means ours is faster
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -41,7 +40,7 @@ import bench_monoids as bm
 import jax
 import numpy as np
 from _timing import Timing, compile_fn, interleaved
-from report import machine, mib, publish, range_text, table, tree_state
+from report import arguments, machine, mib, publish, range_text, table, tree_state
 
 HERE = Path(__file__).resolve().parent
 BEGIN, END = "<!-- monoids:begin -->", "<!-- monoids:end -->"
@@ -409,15 +408,7 @@ def readme_section(data: dict) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="smoke test: small n, few repeats")
-    parser.add_argument(
-        "--allow-dirty",
-        action="store_true",
-        help="rewrite the README section even with uncommitted changes (marked provisional)",
-    )
-    parser.add_argument("--out", type=Path, help="results folder (default: bench/results)")
-    args = parser.parse_args()
+    args = arguments(__doc__)
     cases = bm.QUICK_CASES if args.quick else bm.CASES
     rounds = QUICK_ROUNDS if args.quick else ROUNDS
     seeds = QUICK_SEEDS if args.quick else SEEDS

@@ -593,8 +593,9 @@ def plots(data: dict, out: Path) -> None:
     )
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def arguments(doc: str) -> argparse.Namespace:
+    """The options both reports take: --quick, --allow-dirty, --out."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smoke test: small n, few repeats")
     parser.add_argument(
         "--allow-dirty",
@@ -602,7 +603,11 @@ def main() -> None:
         help="rewrite the README section even with uncommitted changes (marked provisional)",
     )
     parser.add_argument("--out", type=Path, help="results folder (default: bench/results)")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = arguments(__doc__)
     s = QUICK if args.quick else FULL
     out = args.out or (HERE / ".cache" / "quick" if args.quick else HERE / "results")
 
