@@ -16,7 +16,11 @@ from adv_jax_math._monoid import LeafReduction
 from adv_jax_math.kernels.fused_reduce import _fold_jaxpr
 from adv_jax_math.kernels.fused_reduce.blocks import tpu_block
 from adv_jax_math.kernels.fused_reduce.kernel import Term
-from adv_jax_math.kernels.fused_reduce.rules import held_across_reductions, mosaic_problem
+from adv_jax_math.kernels.fused_reduce.rules import (
+    held_across_reductions,
+    live_at_peak,
+    mosaic_problem,
+)
 from adv_jax_math.kernels.fused_reduce.targets import TARGETS
 
 S = jax.ShapeDtypeStruct
@@ -123,3 +127,19 @@ def test_16_bit_rows_to_a_0d_state(backend, monoid):
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         assert g.dtype == w.dtype
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+def test_values_live_at_the_peak_of_a_jaxpr():
+    # x, a and b are live together when a * b is made; later values only after a
+    # and b died; the trailing 1 of a keepdims sum is implicit, as in Mosaic's layouts
+    def f(x):
+        a, b = jnp.sin(x), jnp.cos(x)
+        c = a * b + x
+        return jnp.sum(c * c, axis=-1, keepdims=True) * 2.0
+
+    closed = jax.make_jaxpr(f)(S((64, 8, 256), jnp.float32))
+    live = live_at_peak(closed, 64)
+    assert [shape for shape, _ in live] == [(64, 8, 256)] * 4  # x, a, b, a * b
+    keepdims = jax.make_jaxpr(lambda x: jnp.sum(x, -1, keepdims=True))
+    keep = live_at_peak(keepdims(S((64, 8, 1), jnp.float32)), 64)
+    assert sorted(shape for shape, _ in keep) == [(64, 8), (64, 8)]

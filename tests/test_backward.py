@@ -199,3 +199,33 @@ def test_explain_says_how_reverse_mode_runs():
         plan = ajm.explain(jnp.sin, x, B, reduction=ajm.LOGSUMEXP)
     assert "backward kernel" in plan.backward, str(plan)
     assert "gradient" in str(plan)
+
+
+@pytest.mark.parametrize("name", ["ADD", "MAX", "LOGSUMEXP", "top_k(3)"])
+def test_a_backward_block_of_its_own(monkeypatch, name):
+    # On TPU the backward kernel may run on fewer rows than the forward's block (its
+    # VJP's residuals need more VMEM: fused_reduce.reverse_blocks); interpret mode
+    # never needs that, so here it is given one: fun traced once more on 3 rows, its
+    # constants (w, closed over and differentiated; a constant made inside fun)
+    # mapped to the reverse pass's.
+    from adv_jax_math.kernels.fused_reduce import _traced_at, engine
+
+    def three_rows(fun, xs, reduction, verdict, platform):
+        closed, out_shape = _traced_at(fun, xs, 3, verdict.known)
+        return ((closed, out_shape, 3, 1),)
+
+    monkeypatch.setattr(engine, "reverse_blocks", three_rows)
+    reduction, plain = CASES[name]
+    x = jnp.asarray(np.random.default_rng(5).normal(size=(29, 3)), jnp.float32)
+    w = jnp.asarray([0.5, -1.0, 2.0], jnp.float32)
+    fun = lambda w: lambda t: jnp.sin(t * w) + jnp.asarray([0.1, 0.2, 0.3]) * t
+
+    loss = lambda x, w: floats(ours(reduction, fun(w), x))
+    got = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(x, w)
+    want = jax.value_and_grad(lambda x, w: floats(plain(fun(w)(x))), argnums=(0, 1))(x, w)
+    assert_tree_close(got, want, rtol=1e-4, atol=1e-5)
+    with ajm.config(backend="interpret"):
+        plan = ajm.explain(fun(w), x, B, reduction=reduction)
+    assert "blocks of 3 rows" in plan.backward and plan.block_rows == B, str(plan)
+    prims = grad_program(loss, x, w)
+    assert f"pallas_call:{BACKWARD}" in prims and not {"scan", "while"} & set(prims), prims

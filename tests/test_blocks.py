@@ -1,9 +1,11 @@
 """Block sizing tables (``kernels/fused_reduce/blocks.py``): rows per kernel block
 and blocks per kernel program, per platform. Pure functions, no tracing."""
 
+import jax
+import jax.numpy as jnp
 import pytest
 
-from adv_jax_math.kernels.fused_reduce.blocks import choose_block, choose_steps
+from adv_jax_math.kernels.fused_reduce.blocks import choose_block, choose_steps, tpu_legal_rows
 from adv_jax_math.kernels.fused_reduce.targets import target
 
 M = 1_000_000
@@ -74,3 +76,19 @@ STEPS = [
 @pytest.mark.parametrize("platform, n, rows, steps", STEPS)
 def test_choose_steps(platform, n, rows, steps):
     assert choose_steps(target(platform), n, rows) == steps
+
+
+S = jax.ShapeDtypeStruct
+
+
+def test_tpu_legal_rows():
+    two_d, one_d = [S((9999, 4), jnp.float32)], [S((9999,), jnp.float32)]
+    assert [tpu_legal_rows(r, two_d) for r in (1, 8, 303, 296)] == [8, 8, 296, 296]
+    assert tpu_legal_rows(303, [S((9999, 4), jnp.bfloat16)]) == 288  # 16 sublanes
+    assert [tpu_legal_rows(r, one_d) for r in (1, 200, 512, 1500, 5000)] == [
+        128,
+        128,
+        512,
+        1024,
+        4096,
+    ]

@@ -6,6 +6,7 @@ the plan says why, and the scan engine's program is lowered instead."""
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import jax
@@ -22,6 +23,7 @@ from helpers import (
 )
 
 import adv_jax_math as ajm
+from adv_jax_math.kernels.fused_reduce.backward import BACKWARD_NAME
 
 pytestmark = [needs_kernel, needs_abstract_devices]
 
@@ -168,4 +170,21 @@ def test_fun_traced_once_per_block_shape():
     f = lambda x: ajm.batch_map(fun, x, 1024, **SUM_ALL)
     assert explain_on("cuda", jnp.exp, xs, 1024, **SUM_ALL).engine == "pallas"
     lower("cuda", f, xs)
+    assert len(fun.shapes) == len(set(fun.shapes)), fun.shapes
+
+
+def test_backward_kernel_on_a_block_of_its_own_where_its_vjp_needs_more_vmem():
+    # On TPU the VJP of nbody holds several (Bk, 128, 4) residuals at once: the
+    # backward kernel runs on fewer rows than the forward's block (fun traced once
+    # more, on that block), so value_and_grad keeps both kernels and no while loop.
+    xs = {"pos": S((20001, 4), jnp.float32), "m": S((20001,), jnp.float32)}
+    plan = explain_on("tpu", nbody, xs, 2048, **SUM0)
+    assert plan.engine == "pallas", str(plan)
+    found = re.search(r"backward kernel, blocks of (\d+) rows", plan.backward)
+    assert found and int(found.group(1)) < plan.block_rows, str(plan)
+    fun = TraceCounter(nbody)
+    loss = lambda xs: jnp.sum(ajm.batch_map(fun, xs, 2048, **SUM0))
+    text = lower("tpu", jax.value_and_grad(loss), xs)
+    assert BACKWARD_NAME in text and "stablehlo.while" not in text
+    assert (int(found.group(1)),) in fun.shapes  # m's rows
     assert len(fun.shapes) == len(set(fun.shapes)), fun.shapes

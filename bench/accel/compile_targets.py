@@ -5,6 +5,7 @@ with the working tree's library on ``PYTHONPATH``::
 
     JAX_PLATFORMS=cpu PYTHONPATH=src .venv-accel-gpu/bin/python \
         bench/accel/compile_targets.py --target h100 [--json F] [--quick] [--case NAME] [--check]
+        [--batch-size B]
 
 Each case runs the way users compile: first thing in a fresh process (a
 subprocess per case; ``--same-process`` runs them all in this one), on a
@@ -40,6 +41,7 @@ os.environ.setdefault("TPU_WORKER_ID", "0")
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import re
 import subprocess
@@ -439,8 +441,10 @@ def _row(rec: dict) -> str:
 
 def check(rec: dict, target: str) -> list[str]:
     """What is wrong with one record: it must compile; the kernel's custom call must be
-    in the program exactly when explain() chose the fused engine; a case may require
-    the kernel, or a fallback with the compiler's message, on given targets."""
+    in the program exactly when explain() chose the fused engine; a gradient case
+    that takes the forward kernel must hold the backward kernel and no while loop
+    (v4 may fall back); a case may require the kernel, or a fallback with the
+    compiler's message, on given targets."""
     case = case_lib.BY_NAME[rec["case"]]
     engine = rec.get("explain", {}).get("backend")
     kernel = bool(rec.get("kernel_in_compiled") or rec.get("kernel_in_lowered"))
@@ -464,17 +468,23 @@ def check(rec: dict, target: str) -> list[str]:
             f"{'a' if rec.get('backward_kernel') else 'no'} backward kernel and "
             f"{rec.get('while_loops')} while loops"
         )
+    if case.grad and engine == "pallas" and target != "v4" and not kernels:
+        problems.append(  # the issue's goal: every gradient program fused but on v4
+            f"value_and_grad must hold the backward kernel and no while loop on {target}: "
+            f"{backward or 'no backward kernel'}"
+        )
     need = case.fallback_on.get(target)
     if need and (engine != "scan" or need not in rec["explain"].get("reason", "")):
         problems.append(f"must fall back with {need!r} on {target}: {rec['explain'].get('reason')}")
     return problems
 
 
-def run_fresh(target: str, case: case_lib.Case) -> dict:
+def run_fresh(target: str, case: case_lib.Case, batch_size: int | None = None) -> dict:
     """``run_case`` first thing in a fresh interpreter (``--one``)."""
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         cmd = [sys.executable, os.path.abspath(__file__), "--target", target]
         cmd += ["--one", case.name, "--record", out.name]
+        cmd += ["--batch-size", str(batch_size)] if batch_size else []
         proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
         try:
             with open(out.name) as f:
@@ -528,14 +538,16 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="the quick subset of cases")
     ap.add_argument("--check", action="store_true", help="exit 1 if any case fails check()")
     ap.add_argument("--same-process", action="store_true", help="all cases in this process")
+    ap.add_argument("--batch-size", type=int, help="in place of each case's (block sweeps)")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # child: run this case, write --record
     ap.add_argument("--record", help=argparse.SUPPRESS)
     ap.add_argument("--pair", action="store_true", help=argparse.SUPPRESS)  # child: run_pair
     args = ap.parse_args(argv)
 
+    sized = lambda c: dataclasses.replace(c, batch_size=args.batch_size) if args.batch_size else c
     if args.one:
         platform, mesh = make_mesh(args.target)
-        rec = run_case(case_lib.BY_NAME[args.one], mesh, platform)
+        rec = run_case(sized(case_lib.BY_NAME[args.one]), mesh, platform)
         with open(args.record, "w") as f:
             json.dump(rec, f, default=str)
         return 0
@@ -551,7 +563,7 @@ def main(argv=None) -> int:
         f"# target {args.target}: {KINDS[args.target]} ({platform_of(args.target)}), "
         f"jax {jax.__version__}, {how}"
     )
-    selected = case_lib.select(args.case, args.quick)
+    selected = [sized(c) for c in case_lib.select(args.case, args.quick)]
     print(
         f"{'case':<24} {'plan':<7} {'result':<60} {'temp_bytes':>11} "
         f"{'ptxas regs/spill / vmem':<24} s",
@@ -560,7 +572,11 @@ def main(argv=None) -> int:
     records, failures = [], []
     for case in selected:
         fresh = not args.same_process
-        rec = run_fresh(args.target, case) if fresh else run_case(case, mesh, platform)
+        rec = (
+            run_fresh(args.target, case, args.batch_size)
+            if fresh
+            else run_case(case, mesh, platform)
+        )
         rec["target"] = args.target
         records.append(rec)
         print(_row(rec), flush=True)

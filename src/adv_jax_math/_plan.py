@@ -209,6 +209,9 @@ class Plan:
     traced: Traced | None = field(default=None, repr=False, compare=False)
     tail: Traced | None = field(default=None, repr=False, compare=False)  # fun on the remainder
     block_traced: Any = field(default=None, repr=False, compare=False)  # fused engine's jaxpr
+    # Smaller blocks for the backward kernel, where the forward's may not hold its
+    # VJP (TPU VMEM): per block (fun's jaxpr, its output avals, rows, steps).
+    reverse_traced: tuple = field(default=(), repr=False, compare=False)
 
     def consts(self) -> list[Any]:
         """The constants of every trace the engine evaluates (this plan's and, when
@@ -217,8 +220,8 @@ class Plan:
             *(self.traced.consts if self.traced else ()),
             *(self.tail.consts if self.tail else ()),
         ]
-        if self.block_traced is not None:
-            out += list(self.block_traced[0].consts)
+        for block in (self.block_traced, *self.reverse_traced):
+            out += list(block[0].consts) if block is not None else []
         for sub in (self.shard.local, self.shard.remainder) if self.shard else ():
             out += sub.consts() if sub is not None else []
         return out
@@ -226,9 +229,7 @@ class Plan:
     def with_consts(self, values: Mapping[int, Any]) -> Plan:
         """The plan with each trace constant ``c`` replaced by ``values[id(c)]`` (when
         present): the same computation on other copies of its constants."""
-        block = self.block_traced
-        if block is not None:
-            block = (rebind(block[0], values), block[1])
+        again = lambda block: (rebind(block[0], values), *block[1:]) if block else block
         lay = self.shard
         if lay is not None:
             sub = lambda p: p.with_consts(values) if p is not None else None
@@ -237,7 +238,8 @@ class Plan:
             self,
             traced=self.traced.with_consts(values) if self.traced else None,
             tail=self.tail.with_consts(values) if self.tail else None,
-            block_traced=block,
+            block_traced=again(self.block_traced),
+            reverse_traced=tuple(map(again, self.reverse_traced)),
             shard=lay,
         )
 

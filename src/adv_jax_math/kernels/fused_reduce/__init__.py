@@ -27,7 +27,8 @@ import numpy as np
 
 from ..._monoid import MonoidReduction, index_dtype
 from ..._validate import mapped_rows, rowwise_problem
-from .blocks import choose_block, choose_steps, row_stats, tpu_block
+from .backward import reverse_rows
+from .blocks import choose_block, choose_steps, row_stats, tpu_block, tpu_legal_rows
 from .kernel import Kernel, Term, forward, kernel_const_aval
 from .probe import probe
 from .rules import (
@@ -47,7 +48,7 @@ from .targets import (
     triton_problem,
 )
 
-__all__ = ["KERNEL_NAME", "Check", "check", "fused_states"]
+__all__ = ["KERNEL_NAME", "Check", "check", "fused_states", "reverse_blocks"]
 
 
 _ROWWISE = "the kernel needs one output row per input row"
@@ -65,6 +66,7 @@ class Check:
     vmem: int = 0  # TPU: modelled VMEM footprint of one block, bytes
     traced: Any = dataclasses.field(default=None, compare=False, repr=False)  # fun at `rows`
     kernel: Kernel | None = dataclasses.field(default=None, compare=False, repr=False)
+    known: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)  # rows: trace
 
 
 def _traced_at(fun: Callable, xs: Any, rows: int, known: dict) -> tuple[Any, list[Any]]:
@@ -249,8 +251,51 @@ def check(
     verdict = probe(k)
     traced_block = (closed, out_shape)
     return Check(
-        verdict.problem, rows, steps, verdict.compiled, tgt.device_kind, vmem, traced_block, k
+        verdict.problem,
+        rows,
+        steps,
+        verdict.compiled,
+        tgt.device_kind,
+        vmem,
+        traced_block,
+        k,
+        known,
     )
+
+
+def reverse_blocks(
+    fun: Callable, xs: Any, reduction: MonoidReduction, verdict: Check, platform: str
+) -> tuple[tuple[Any, list[Any], int, int], ...]:
+    """``fun`` traced on smaller blocks for the backward kernel, largest first, each
+    ``(jaxpr, output avals, rows, steps)``: on TPU, where the VMEM model of a block's
+    VJP (with respect to every float constant and input) says the forward's block
+    :func:`check` chose does not fit, half and a quarter of it and the model's own
+    block (the smallest legal one when none fits). The reverse pass tries the
+    forward's block, then these, and runs at the first that compiles (lowered only:
+    the model's block). Empty where the forward's block fits, or elsewhere."""
+    tgt = target(platform)
+    if not tgt.mosaic or verdict.kernel is None:
+        return ()
+    closed, out_shape = verdict.traced
+    states = [t.state for t in verdict.kernel.terms]
+    leaves = jax.tree.leaves(xs)
+    try:
+        fits = reverse_rows(closed, out_shape, leaves, reduction, states, verdict.rows, tgt)
+    except Exception:  # fun not differentiable: reverse mode will say why
+        return ()
+    if isinstance(fits, int) and fits >= verdict.rows:
+        return ()
+    last = fits if isinstance(fits, int) else tpu_legal_rows(1, leaves)
+    halves = {tpu_legal_rows(verdict.rows // d, leaves) for d in (2, 4)}
+    blocks = sorted({r for r in halves if last < r < verdict.rows} | {last}, reverse=True)
+    out = []
+    for rows in blocks:
+        try:
+            traced = _traced_at(fun, xs, rows, verdict.known)
+        except Exception:  # fun does not trace on that block: the others may serve
+            continue
+        out.append((*traced, rows, choose_steps(tgt, verdict.kernel.n, rows)))
+    return tuple(out)
 
 
 def fused_states(

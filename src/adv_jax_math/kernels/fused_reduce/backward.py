@@ -6,7 +6,10 @@ cotangent comes from the result's (``Monoid.cotangent``: 1 for a sum,
 the softmax weights, ...), then ``fun``'s VJP on the row gives the cotangents of
 the mapped inputs (written row by row: a map) and of the values ``fun`` closes over
 (summed over the rows: one partial per program, summed in XLA). One ``pallas_call``
-computes both on each block of rows, at the forward kernel's block.
+computes both on each block of rows, at the forward kernel's block. On TPU, where
+the VMEM model says a block's VJP (its residuals) does not fit (``reverse_rows``),
+the planner traces ``fun`` on smaller blocks too (``fused_reduce.reverse_blocks``)
+and the engine runs at the largest whose backward kernel compiles.
 
 A max/min (``Monoid.tally``) first tallies its extremum per element with the
 forward kernel: the value, the first row holding it, how many rows do. The
@@ -46,13 +49,17 @@ from .kernel import (
     kernel_const_aval,
 )
 from .probe import probe
-from .rules import analyze, triton_size_problem
+from .rules import analyze, live_at_peak, triton_size_problem
 from .targets import KERNEL_NAME, TPU_F32_MATH, Target, tpu_vmem_limit
 
-__all__ = ["BACKWARD_NAME", "Backward", "Reverse", "plan_reverse", "run_reverse"]
+__all__ = ["BACKWARD_NAME", "Backward", "Reverse", "plan_reverse", "reverse_rows", "run_reverse"]
 
 BACKWARD_NAME = KERNEL_NAME + "_backward"
 MAX_PARTIAL_BYTES = 256 << 20  # the per-program partials of the constants' cotangents
+# The share of the VMEM limit a backward block may fill: on v5p its VJP needed
+# 1.18-1.28x the modelled residuals (issue_nbody4_vg: 75.5 MiB at 256 rows against a
+# modelled 64, 94.7 MiB at 296 against 74, mostly "register allocator spill slots").
+TPU_MARGIN_BACKWARD = 0.6
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,6 +115,10 @@ class Backward(Grid):
             self.rows,
             self.steps,
         )
+
+
+def _aval(a: Any) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(np.shape(a), jnp.result_type(a))
 
 
 def _partial(a: jax.ShapeDtypeStruct) -> tuple[int, ...]:
@@ -237,6 +248,7 @@ class Reverse:
 
     kernel: Backward
     tally: tuple[Kernel, list[int]] | None  # the tallying kernel, the terms it tallies
+    compiled: bool = False  # the backward kernel compiled for the target (not only lowered)
 
 
 def plan_reverse(
@@ -252,12 +264,13 @@ def plan_reverse(
     steps: int,
     target: Target,
     interpret: bool,
+    vmem_model: bool = True,
 ) -> Reverse | str:
-    """The kernels of the reverse pass at the forward's block, each built (compiled
-    where a compiler is present, lowered otherwise) for ``target``; or why not."""
+    """The kernels of the reverse pass at the block of ``closed``, each built (compiled
+    where a compiler is present, lowered otherwise) for ``target``; or why not.
+    ``vmem_model=False``: the TPU compiler alone says whether the block fits VMEM."""
     from . import _kernel, _terms
 
-    aval = lambda a: jax.ShapeDtypeStruct(np.shape(a), jnp.result_type(a))
     tallied = [j for j, leaf in enumerate(reduction.leaves) if leaf.monoid.tally is not None]
     tally = None
     tallies: list = [None] * len(reduction.leaves)
@@ -271,25 +284,45 @@ def plan_reverse(
                 return f"the tally of the tied rows: {verdict.problem}"
         tally = (t, tallied)
         for j, term in zip(tallied, _terms(sums, out_shape, rows), strict=True):
-            tallies[j] = jax.tree.map(aval, (*term.state, term.state[2]))  # + the shares
-    per_term = tuple(
+            tallies[j] = jax.tree.map(_aval, (*term.state, term.state[2]))  # + the shares
+    per_term = _per_term(reduction, states, tallies)
+    block = (rows, steps)
+    k = _build(closed, out_shape, xs, reduction, c_idx, x_idx, per_term, block, target, interpret)
+    problem = None if interpret else _problem(k, vmem_model)
+    if problem:
+        return f"the backward kernel: {problem}"
+    if interpret:
+        return Reverse(k, tally)
+    verdict = probe(k)
+    if verdict.problem:
+        return f"the backward kernel: {verdict.problem}"
+    return Reverse(k, tally, verdict.compiled)
+
+
+def _problem(k: Backward, vmem_model: bool) -> str | None:
+    """Why the backward kernel cannot run at its block, from its VJP's jaxpr."""
+    if k.target.triton:
+        return triton_size_problem(k.target, analyze(_vjp_jaxpr(k).jaxpr, k.rows), k.rows)
+    if k.target.mosaic and vmem_model:
+        fits = _tpu_rows(k)
+        if isinstance(fits, str):
+            return fits
+        if fits < k.rows:
+            return f"its intermediates need blocks of at most {fits} rows, not {k.rows}"
+    return None
+
+
+def _per_term(reduction: MonoidReduction, states: Sequence[Any], tallies: Sequence[Any]) -> tuple:
+    """Per term: the avals of its cotangent (float leaves; None for integer ones), of
+    its final state, and its tally's (or None)."""
+    return tuple(
         (
             jax.tree.map(lambda s: s if jnp.issubdtype(s.dtype, jnp.inexact) else None, leaf.out),
-            jax.tree.map(aval, state),
+            jax.tree.map(_aval, state),
             t,
         )
         for leaf, state, t in zip(reduction.leaves, states, tallies, strict=True)
     )
-    k = _backward(
-        closed, out_shape, xs, reduction, c_idx, x_idx, per_term, rows, steps, target, interpret
-    )
-    if isinstance(k, str):
-        return k
-    if not interpret:
-        verdict = probe(k)
-        if verdict.problem:
-            return f"the backward kernel: {verdict.problem}"
-    return Reverse(k, tally)
 
 
 def _tally_leaf(leaf: LeafReduction) -> LeafReduction:
@@ -297,7 +330,7 @@ def _tally_leaf(leaf: LeafReduction) -> LeafReduction:
     return LeafReduction(leaf.sources, leaf.monoid.tally, 0, leaf.out)
 
 
-def _backward(
+def _build(
     closed: Any,
     out_shape: Sequence[Any],
     xs: Sequence[Any],
@@ -305,22 +338,20 @@ def _backward(
     c_idx: Sequence[int],
     x_idx: Sequence[int],
     per_term: tuple,
-    rows: int,
-    steps: int,
+    block: tuple[int, int],
     target: Target,
-    interpret: bool,
-) -> Backward | str:
-    """The backward kernel for ``fun`` traced on a block of ``rows`` (``closed``, its
-    output avals ``out_shape``), or why it cannot run at that block."""
-    n = int(np.shape(xs[0])[0])
+    interpret: bool = False,
+) -> Backward:
+    """The backward kernel for ``fun`` traced on a block (``closed``, its output avals
+    ``out_shape``) at ``block = (rows, steps)``."""
+    (rows, steps), n = block, int(np.shape(xs[0])[0])
     terms = []
     for leaf in reduction.leaves:
         src = reduction.reads(out_shape, leaf)
         terms.append(
             Term(leaf, tuple(jax.ShapeDtypeStruct(tuple(s.shape[1:]), s.dtype) for s in src), None)
         )
-    aval = lambda a: jax.ShapeDtypeStruct(np.shape(a), jnp.result_type(a))
-    const_avals = tuple(aval(c) for c in closed.consts)
+    const_avals = tuple(_aval(c) for c in closed.consts)
     # Few enough programs that their partials (one per constant) fit MAX_PARTIAL_BYTES.
     part_bytes = sum(math.prod(const_avals[i].shape) * const_avals[i].dtype.itemsize for i in c_idx)
     programs = max(1, MAX_PARTIAL_BYTES // max(part_bytes, 1))
@@ -330,7 +361,7 @@ def _backward(
     k = Backward(
         jaxpr=closed.jaxpr,
         const_avals=const_avals,
-        in_avals=tuple(aval(x) for x in xs),
+        in_avals=tuple(_aval(x) for x in xs),
         c_idx=tuple(c_idx),
         x_idx=tuple(x_idx),
         terms=tuple(terms),
@@ -341,35 +372,60 @@ def _backward(
         target=target,
         interpret=interpret,
     )
-    if target.platform == "cpu":
-        return k
-    body = analyze(jax.make_jaxpr(lambda c, x: _block_vjp(k, c, x))(*_block_args(k)).jaxpr, rows)
-    if target.triton:
-        problem = triton_size_problem(target, body, rows)
-        if problem:
-            return f"the backward kernel: {problem}"
-    if target.mosaic:
-        block = tpu_block(
-            n,
-            rows,
-            inputs=list(k.in_avals) + [k.in_avals[i] for i in k.x_idx],
-            consts=[kernel_const_aval(a) for a in (*k.const_avals, *k.whole())],
-            partials=[(_partial(a), a.dtype) for a in k.sums()],
-            body=body.avals,
-            traced_rows=rows,
-            elementwise=body.elementwise,
-            limit=tpu_vmem_limit(target.device_kind),
-            v4=target.device_kind == "TPU v4",
-            f32_math=target.device_kind in TPU_F32_MATH,
-        )
-        if isinstance(block, str):
-            return f"the backward kernel: {block}"
-        if block[0] < rows:
-            return (
-                f"the backward kernel's intermediates need blocks of at most {block[0]} rows "
-                f"(the forward's: {rows})"
-            )
     return k
+
+
+def _vjp_jaxpr(k: Backward) -> Any:
+    """One block's VJP, as the kernel runs it (for the static analysis of its jaxpr)."""
+    return jax.make_jaxpr(lambda c, x: _block_vjp(k, c, x))(*_block_args(k))
+
+
+def _tpu_rows(k: Backward) -> int | str:
+    """The most rows (up to ``k.rows``) per block whose VJP fits Mosaic's VMEM limit,
+    by the VMEM model (``blocks.tpu_block``) with the VJP's residuals live at once
+    (``rules.live_at_peak``); or why no block fits."""
+    vjp = _vjp_jaxpr(k)
+    body = analyze(vjp.jaxpr, k.rows)
+    block = tpu_block(
+        k.n,
+        k.rows,
+        inputs=list(k.in_avals) + [k.in_avals[i] for i in k.x_idx],
+        consts=[kernel_const_aval(a) for a in (*k.const_avals, *k.whole())],
+        partials=[(_partial(a), a.dtype) for a in k.sums()],
+        body=body.avals,
+        traced_rows=k.rows,
+        elementwise=body.elementwise,
+        limit=tpu_vmem_limit(k.target.device_kind),
+        v4=k.target.device_kind == "TPU v4",
+        f32_math=k.target.device_kind in TPU_F32_MATH,
+        held=() if body.elementwise else live_at_peak(vjp, k.rows),
+        margin=TPU_MARGIN_BACKWARD,
+    )
+    return block if isinstance(block, str) else block[0]
+
+
+def reverse_rows(
+    closed: Any,
+    out_shape: Sequence[Any],
+    xs: Sequence[Any],
+    reduction: MonoidReduction,
+    states: Sequence[Any],
+    rows: int,
+    target: Target,
+) -> int | str:
+    """Rows per block of the backward kernel for ``fun`` traced on the forward's
+    block of ``rows`` (``closed``, ``out_shape``): on TPU, the most that fit with
+    respect to every float constant and input (their VJP's residuals can need far
+    more VMEM than the forward); elsewhere ``rows``. Or why no block fits."""
+    if not target.mosaic:
+        return rows
+    floats = lambda vs: tuple(
+        j for j, v in enumerate(vs) if jnp.issubdtype(jnp.result_type(v), jnp.inexact)
+    )
+    per_term = _per_term(reduction, states, [None] * len(states))
+    c_idx, x_idx = floats(closed.consts), floats(xs)
+    k = _build(closed, out_shape, xs, reduction, c_idx, x_idx, per_term, (rows, 1), target)
+    return _tpu_rows(k)
 
 
 def _block_args(k: Backward) -> list:

@@ -17,7 +17,15 @@ from jax.experimental import pallas as pl
 
 from .targets import Target
 
-__all__ = ["choose_block", "choose_steps", "is_pow2", "row_stats", "tpu_block", "tpu_padded_bytes"]
+__all__ = [
+    "choose_block",
+    "choose_steps",
+    "is_pow2",
+    "row_stats",
+    "tpu_block",
+    "tpu_legal_rows",
+    "tpu_padded_bytes",
+]
 
 # Mosaic stores arrays in (sublane, 128-lane) tiles: 8 sublanes for 4-byte types,
 # 16 for 2-byte, 32 for 1-byte; 1-D arrays in tiles of 1024 elements.
@@ -97,6 +105,16 @@ def tpu_padded_bytes(shape: Sequence[int], itemsize: int) -> int:
     return math.prod(int(d) for d in shape[:-2]) * rows * lanes * itemsize
 
 
+def tpu_legal_rows(rows: int, inputs: Sequence[Any]) -> int:
+    """The largest legal TPU block of at most ``rows`` rows over ``inputs`` (at least
+    the smallest legal one): 1-D inputs need a power of two >= 128 or a multiple of
+    1024, others a multiple of the sublanes of their narrowest type."""
+    if any(len(x.shape) == 1 for x in inputs):
+        return rows // 1024 * 1024 if rows >= 1024 else max(128, pow2_floor(rows))
+    align = max(_SUBLANES.get(np.dtype(x.dtype).itemsize, 8) for x in inputs)
+    return max(align, rows // align * align)
+
+
 def tpu_block(
     n: int,
     max_rows: int | None,
@@ -111,6 +129,7 @@ def tpu_block(
     f32_math: bool,
     v4: bool = False,
     held: Sequence[tuple[tuple[int, ...], Any]] = (),
+    margin: float | None = None,
 ) -> tuple[int, int] | str:
     """The largest legal TPU block whose VMEM footprint fits ``limit`` and that
     footprint in bytes, or why none does.
@@ -123,7 +142,8 @@ def tpu_block(
     leading ``traced_rows`` scale with the block. Generations without a bfloat16 VPU
     (``f32_math``) hold 16-bit intermediates as float32. ``held``: arrays the monoids'
     folds hold whole across a reduction (``rules.held_across_reductions``), all live
-    at once, counted when they exceed ``fun``'s two.
+    at once, counted when they exceed ``fun``'s two. ``margin``: the share of
+    ``limit`` a block may fill (default ``_TPU_MARGIN``, v4 ``_TPU_MARGIN_V4``).
     """
 
     def size(dtype: Any, math_dtype: bool) -> int:
@@ -147,7 +167,7 @@ def tpu_block(
         folds = sum(tpu_padded_bytes(sh, max(4, size(dt, True))) for sh, dt in scaled(held, bk))
         return 2 * io + max(live, folds)
 
-    margin = _TPU_MARGIN_V4 if v4 else _TPU_MARGIN
+    margin = margin or (_TPU_MARGIN_V4 if v4 else _TPU_MARGIN)
     budget = int(margin * limit)
     cap = n if max_rows is None else min(max_rows, n)
     if cap >= n and footprint(n) <= budget:

@@ -17,7 +17,7 @@ from ... import _tangent as tangent
 from ..._monoid import MonoidReduction
 from ..._plan import Call, Kind, Plan, Policy, Rejection
 from ..._sharding import Lanes
-from . import check, fused_states
+from . import check, fused_states, reverse_blocks
 from .backward import plan_reverse, run_reverse
 from .model import backward_costs, forward_costs
 from .targets import target
@@ -58,8 +58,9 @@ class FusedEngine:
             )
         platform = "cpu" if self.interpret else plan.platform
         reduction, max_rows = _monoid(plan)
+        fun = reduction.prepare(call.fun)
         verdict = check(
-            reduction.prepare(call.fun),
+            fun,
             call.xs,
             reduction,
             platform=platform,
@@ -88,17 +89,17 @@ class FusedEngine:
             block_rows=verdict.rows,
             block_steps=verdict.steps,
             block_traced=verdict.traced,
+            reverse_traced=reverse_blocks(fun, call.xs, reduction, verdict, platform),
             roofline=(model,) if model else (),
         )
 
     def run(self, plan: Plan, call: Call) -> Any:
         reduction, _ = _monoid(plan)
         parts = [(plan, call.xs, 0)]
-        # The block trace's constants among the traces' constants (``tangent.reduce``
-        # numbers them so, once each).
+        # Each backward block trace's constants among the traces' constants
+        # (``tangent.reduce`` numbers them so, once each).
         order = {id(c): i for i, c in enumerate({id(c): c for c in plan.consts()}.values())}
-        assert plan.block_traced is not None  # set by accept()
-        where = [order[id(c)] for c in plan.block_traced[0].consts]
+        where = [[order[id(c)] for c in b[0].consts] for b in _reverse_blocks(plan)]
         return tangent.reduce(
             reduction,
             parts,
@@ -110,60 +111,70 @@ class FusedEngine:
         )
 
     def reverse_kernels(
-        self, plan: Plan, xs: list, states: list, c_idx: list[int], x_idx: list[int]
-    ) -> tuple[Any, Any]:
-        """The reverse pass's kernels (``backward.Reverse``) for ``plan``'s block, or
-        why reverse mode transposes the scan engine's chunks instead; and the
-        roofline model's verdict on them (None: none made)."""
+        self, plan: Plan, xs: list, states: list, c_idx: list[list[int]], x_idx: list[int]
+    ) -> tuple[Any, Any, int]:
+        """The reverse pass's kernels (``backward.Reverse``) at the largest of ``plan``'s
+        backward blocks (``_reverse_blocks``) that compiles, or why reverse mode
+        transposes the scan engine's chunks instead; the roofline model's verdict on
+        them (None: none made); which block. ``c_idx``: per block, its trace's
+        constants with a cotangent."""
         if plan.lanes is not None and plan.lanes.count > 1:
-            return "the rows are spread over devices (no backward kernel per device yet)", None
+            return "the rows are spread over devices (no backward kernel per device yet)", None, 0
         mesh = jax.sharding.get_abstract_mesh()
         if not mesh.empty and AxisType.Explicit in tuple(mesh.axis_types):
-            return "under a mesh with Explicit axes (no backward kernel in shard_map yet)", None
+            return "under a mesh with Explicit axes (no backward kernel in shard_map yet)", None, 0
         reduction, _ = _monoid(plan)
-        assert plan.block_traced is not None
-        closed, out_shape = plan.block_traced
         tgt = target("cpu" if self.interpret else plan.platform)
-        built = plan_reverse(
-            closed,
-            out_shape,
-            xs,
-            reduction,
-            states,
-            c_idx=c_idx,
-            x_idx=x_idx,
-            rows=plan.block_rows,
-            steps=plan.block_steps,
-            target=tgt,
-            interpret=self.interpret,
-        )
+        blocks = _reverse_blocks(plan)
+        reasons = []
+        for i, (closed, out_shape, rows, steps) in enumerate(blocks):
+            last = i == len(blocks) - 1  # the VMEM model's block
+            built = plan_reverse(
+                closed,
+                out_shape,
+                xs,
+                reduction,
+                states,
+                c_idx=c_idx[i],
+                x_idx=x_idx,
+                rows=rows,
+                steps=steps,
+                target=tgt,
+                interpret=self.interpret,
+                vmem_model=last,
+            )
+            if isinstance(built, str):
+                reasons.append(built)
+            elif last or built.compiled:  # lowered only: the model's block
+                break
+        if isinstance(built, str):
+            return "; ".join(reasons), None, i
         d = None if self.interpret else roofline.device(tgt.device_kind)
-        if isinstance(built, str) or d is None:
-            return built, None
+        if d is None:
+            return built, None, i
         model = backward_costs(plan, xs, built, d)
         options = _config.current()
         if not model.kernel_wins and options.backend != self.name and options.roofline:
-            return f"the roofline model says the scan engine is faster: {model}", model
-        return built, model
+            return f"the roofline model says the scan engine is faster: {model}", model, i
+        return built, model, i
 
     def describe_reverse(self, plan: Plan, call: Call) -> Plan:
         """``plan`` with how reverse mode runs, with respect to every float input and
         constant (``Plan.backward``, and the model's verdict in ``Plan.roofline``)."""
         found: list = []
-        assert plan.block_traced is not None
-        consts = plan.block_traced[0].consts
         floats = lambda vs: [
             j for j, v in enumerate(vs) if jnp.issubdtype(jnp.result_type(v), jnp.inexact)
         ]
+        c_idx = [floats(b[0].consts) for b in _reverse_blocks(plan)]
 
         def trace(xs: Any) -> list:
             states = self.states(plan, xs, 0)
             leaves = jax.tree.leaves(xs)
-            found.append(self.reverse_kernels(plan, leaves, states, floats(consts), floats(leaves)))
+            found.append(self.reverse_kernels(plan, leaves, states, c_idx, floats(leaves)))
             return states
 
         jax.eval_shape(trace, call.xs)
-        ((built, model),) = found
+        ((built, model, _),) = found
         if isinstance(built, str):
             text = f"the scan engine's chunks, transposed: {built}"
         else:
@@ -173,21 +184,20 @@ class FusedEngine:
         models = plan.roofline + ((model,) if model else ())
         return dataclasses.replace(plan, backward=text, roofline=models)
 
-    def reverse(self, rev: tangent.Reverse, where: list[int]) -> tuple:
+    def reverse(self, rev: tangent.Reverse, where: list[list[int]]) -> tuple:
         """The reverse pass (``tangent.Reverse``) as the backward kernels; ``where``:
-        each of the block trace's constants' index among ``rev.values``."""
+        per backward block, its trace's constants' index among ``rev.values``."""
         plan, xs = rev.plans[0], jax.tree.leaves(rev.xss[0])
         lin_of = {v: j for j, v in enumerate(rev.c_pos)}
-        c_idx = [k for k, i in enumerate(where) if i in lin_of]
-        built, _ = self.reverse_kernels(plan, xs, rev.states, c_idx, rev.x_pos[0])
+        c_idx = [[k for k, i in enumerate(w) if i in lin_of] for w in where]
+        built, _, b = self.reverse_kernels(plan, xs, rev.states, c_idx, rev.x_pos[0])
         if isinstance(built, str):
             return rev.reference()
-        assert plan.block_traced is not None
-        dc, dx = run_reverse(built, plan.block_traced[0], xs, rev.cts, rev.states)
+        dc, dx = run_reverse(built, _reverse_blocks(plan)[b][0], xs, rev.cts, rev.states)
         c_structs, _ = rev.lin
         ct_c = [jnp.zeros(s.shape, s.dtype) for s in c_structs]
-        for k, d in zip(c_idx, dc, strict=True):
-            j = lin_of[where[k]]
+        for k, d in zip(c_idx[b], dc, strict=True):
+            j = lin_of[where[b][k]]
             ct_c[j] = ct_c[j] + d.astype(ct_c[j].dtype)
         return ct_c, [dx]
 
@@ -247,6 +257,14 @@ def _monoid(plan: Plan) -> tuple[MonoidReduction, int | None]:
     shard engine) keep batch_size="auto"; every other plan has an int or None."""
     assert plan.reduction is not None and not isinstance(plan.batch_size, str)
     return plan.reduction, plan.batch_size
+
+
+def _reverse_blocks(plan: Plan) -> list[tuple[Any, list, int, int]]:
+    """The blocks the backward kernel may run at, largest first, each as ``fun``'s
+    trace, its output avals, rows and steps: the forward's, then any smaller ones
+    the planner traced (``reverse_blocks``)."""
+    assert plan.block_traced is not None  # set by accept()
+    return [(*plan.block_traced, plan.block_rows, plan.block_steps), *plan.reverse_traced]
 
 
 def _replicated(a: jax.Array, mesh: Any) -> jax.Array:
