@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax.numpy as jnp
@@ -132,6 +132,20 @@ def mosaic_problem(target: Target, jaxpr: Any, rows: int, where: str) -> str | N
     return None
 
 
+def _lifetimes(closed: Any, rows: int) -> tuple[list, Callable[[Any], bool], dict[int, int]]:
+    """``closed`` flattened to nodes, whether a node is block-shaped (leading axis
+    ``rows``), and each node's last use (``id`` to index; outputs: past the end)."""
+    _, outs, nodes = graph(closed)
+    block = lambda n: tuple(getattr(n.aval, "shape", ())[:1]) == (rows,)
+    last: dict[int, int] = {}
+    for node in nodes:
+        for arg in node.args:
+            last[id(arg)] = max(last.get(id(arg), -1), node.k)
+    for node in outs:
+        last[id(node)] = len(nodes)
+    return nodes, block, last
+
+
 def held_across_reductions(closed: Any, rows: int) -> tuple[tuple[tuple[int, ...], np.dtype], ...]:
     """The block-shaped values (leading axis ``rows``) a jaxpr still needs after one
     of its reductions over the rows: the largest such set over its reductions.
@@ -141,14 +155,7 @@ def held_across_reductions(closed: Any, rows: int) -> tuple[tuple[tuple[int, ...
     arrays whole in VMEM across the reduction (Mosaic's register allocator spills
     them: "register allocator spill slots" on v4), where a single-pass fold (a sum,
     a max) streams its block."""
-    _, outs, nodes = graph(closed)
-    block = lambda n: tuple(getattr(n.aval, "shape", ())[:1]) == (rows,)
-    last: dict[int, int] = {}
-    for node in nodes:
-        for arg in node.args:
-            last[id(arg)] = max(last.get(id(arg), -1), node.k)
-    for node in outs:
-        last[id(node)] = len(nodes)
+    nodes, block, last = _lifetimes(closed, rows)
     ops = [n for n in nodes if n.name not in ("in", "lit", "const")]
     reductions = [n.k for n in ops if not block(n) and any(map(block, n.args))]
     best: list = []
@@ -166,16 +173,9 @@ def live_at_peak(closed: Any, rows: int) -> tuple[tuple[tuple[int, ...], np.dtyp
     last use in program order: what a block's VJP holds (its residuals) while the
     cotangents flow back. A trailing axis of 1 (``keepdims``) is left implicit, as in
     Mosaic's layouts: ``(Bk, 128, 1)`` is held as ``(Bk, 128)``, not 128 padded lanes
-    per element (issue_field_vg's VJP, 322 MiB so counted at 512 rows, compiled
-    within v5e's 96 MiB limit; counted implicit, 98 MiB)."""
-    _, outs, nodes = graph(closed)
-    block = lambda n: tuple(getattr(n.aval, "shape", ())[:1]) == (rows,)
-    last: dict[int, int] = {}
-    for node in nodes:
-        for arg in node.args:
-            last[id(arg)] = max(last.get(id(arg), -1), node.k)
-    for node in outs:
-        last[id(node)] = len(nodes)
+    per element. A bound, not a measure: issue_field_vg's VJP, so counted 160 MiB at
+    512 rows, compiled on v5e within 96 MiB (bench/accel/FINDINGS.md §7)."""
+    nodes, block, last = _lifetimes(closed, rows)
     values = [n for n in nodes if block(n) and n.name not in ("lit", "const")]
     shape = lambda n: _implicit_ones(tuple(int(d) for d in n.aval.shape))
     nbytes = lambda n: tpu_padded_bytes(shape(n), np.dtype(n.aval.dtype).itemsize)
