@@ -56,9 +56,12 @@ __all__ = ["BACKWARD_NAME", "Backward", "Reverse", "plan_reverse", "reverse_rows
 
 BACKWARD_NAME = KERNEL_NAME + "_backward"
 MAX_PARTIAL_BYTES = 256 << 20  # the per-program partials of the constants' cotangents
-# The share of the VMEM limit a backward block may fill: on v5p its VJP needed
-# 1.18-1.28x the modelled residuals (issue_nbody4_vg: 75.5 MiB at 256 rows against a
-# modelled 64, 94.7 MiB at 296 against 74, mostly "register allocator spill slots").
+# The share of the VMEM limit the model lets a backward block fill before the planner
+# also traces smaller blocks (the compiler then picks among them; lowered only, the
+# model's block runs): on v5p the VJP needed 1.18-1.28x the modelled residuals
+# (issue_nbody4_vg: 75.5 MiB at 256 rows against a modelled 64, 94.7 MiB at 296
+# against 74, mostly "register allocator spill slots"); issue_field_vg's model
+# over-counts (bench/accel/FINDINGS.md §7).
 TPU_MARGIN_BACKWARD = 0.6
 
 
