@@ -52,7 +52,15 @@ from .probe import probe
 from .rules import analyze, live_at_peak, triton_size_problem
 from .targets import KERNEL_NAME, TPU_F32_MATH, Target, tpu_vmem_limit
 
-__all__ = ["BACKWARD_NAME", "Backward", "Reverse", "plan_reverse", "reverse_rows", "run_reverse"]
+__all__ = [
+    "BACKWARD_NAME",
+    "Backward",
+    "Reverse",
+    "float_positions",
+    "plan_reverse",
+    "reverse_rows",
+    "run_reverse",
+]
 
 BACKWARD_NAME = KERNEL_NAME + "_backward"
 MAX_PARTIAL_BYTES = 256 << 20  # the per-program partials of the constants' cotangents
@@ -118,6 +126,11 @@ class Backward(Grid):
             self.rows,
             self.steps,
         )
+
+
+def float_positions(values: Sequence[Any]) -> list[int]:
+    """The positions of the floating-point values (those with a cotangent)."""
+    return [j for j, v in enumerate(values) if jnp.issubdtype(jnp.result_type(v), jnp.inexact)]
 
 
 def _aval(a: Any) -> jax.ShapeDtypeStruct:
@@ -291,11 +304,11 @@ def plan_reverse(
     per_term = _per_term(reduction, states, tallies)
     block = (rows, steps)
     k = _build(closed, out_shape, xs, reduction, c_idx, x_idx, per_term, block, target, interpret)
-    problem = None if interpret else _problem(k, vmem_model)
-    if problem:
-        return f"the backward kernel: {problem}"
     if interpret:
         return Reverse(k, tally)
+    problem = _problem(k, vmem_model)
+    if problem:
+        return f"the backward kernel: {problem}"
     verdict = probe(k)
     if verdict.problem:
         return f"the backward kernel: {verdict.problem}"
@@ -422,11 +435,8 @@ def reverse_rows(
     more VMEM than the forward); elsewhere ``rows``. Or why no block fits."""
     if not target.mosaic:
         return rows
-    floats = lambda vs: tuple(
-        j for j, v in enumerate(vs) if jnp.issubdtype(jnp.result_type(v), jnp.inexact)
-    )
     per_term = _per_term(reduction, states, [None] * len(states))
-    c_idx, x_idx = floats(closed.consts), floats(xs)
+    c_idx, x_idx = float_positions(closed.consts), float_positions(xs)
     k = _build(closed, out_shape, xs, reduction, c_idx, x_idx, per_term, (rows, 1), target)
     return _tpu_rows(k)
 

@@ -111,8 +111,13 @@ def tpu_legal_rows(rows: int, inputs: Sequence[Any]) -> int:
     1024, others a multiple of the sublanes of their narrowest type."""
     if any(len(x.shape) == 1 for x in inputs):
         return rows // 1024 * 1024 if rows >= 1024 else max(128, pow2_floor(rows))
-    align = max(_SUBLANES.get(np.dtype(x.dtype).itemsize, 8) for x in inputs)
+    align = _sublane_align(inputs)
     return max(align, rows // align * align)
+
+
+def _sublane_align(inputs: Sequence[Any]) -> int:
+    """Rows a 2-D TPU block must be a multiple of: its narrowest type's sublanes."""
+    return max(_SUBLANES.get(np.dtype(x.dtype).itemsize, 8) for x in inputs)
 
 
 def tpu_block(
@@ -185,7 +190,7 @@ def tpu_block(
         legal = [r for r in (128, 256, 512) if r <= cap]
         best = largest(1024) or max((r for r in legal if footprint(r) <= budget), default=0)
     else:
-        align = max(_SUBLANES.get(np.dtype(x.dtype).itemsize, 8) for x in inputs)
+        align = _sublane_align(inputs)
         legal = [align] if align <= cap else []
         best = largest(align)
     if best:

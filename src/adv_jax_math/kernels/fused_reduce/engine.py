@@ -18,7 +18,7 @@ from ..._monoid import MonoidReduction
 from ..._plan import Call, Kind, Plan, Policy, Rejection
 from ..._sharding import Lanes
 from . import check, fused_states, reverse_blocks
-from .backward import plan_reverse, run_reverse
+from .backward import float_positions, plan_reverse, run_reverse
 from .model import backward_costs, forward_costs
 from .targets import target
 
@@ -126,9 +126,11 @@ class FusedEngine:
         reduction, _ = _monoid(plan)
         tgt = target("cpu" if self.interpret else plan.platform)
         blocks = _reverse_blocks(plan)
-        reasons = []
+        reasons, lowered_only = [], False
         for i, (closed, out_shape, rows, steps) in enumerate(blocks):
             last = i == len(blocks) - 1  # the VMEM model's block
+            if lowered_only and not last:
+                continue
             built = plan_reverse(
                 closed,
                 out_shape,
@@ -145,8 +147,10 @@ class FusedEngine:
             )
             if isinstance(built, str):
                 reasons.append(built)
-            elif last or built.compiled:  # lowered only: the model's block
+            elif last or built.compiled:
                 break
+            else:  # no compiler for the target here: the model's block decides
+                lowered_only = True
         if isinstance(built, str):
             return "; ".join(reasons), None, i
         d = None if self.interpret else roofline.device(tgt.device_kind)
@@ -162,15 +166,12 @@ class FusedEngine:
         """``plan`` with how reverse mode runs, with respect to every float input and
         constant (``Plan.backward``, and the model's verdict in ``Plan.roofline``)."""
         found: list = []
-        floats = lambda vs: [
-            j for j, v in enumerate(vs) if jnp.issubdtype(jnp.result_type(v), jnp.inexact)
-        ]
-        c_idx = [floats(b[0].consts) for b in _reverse_blocks(plan)]
+        c_idx = [float_positions(b[0].consts) for b in _reverse_blocks(plan)]
 
         def trace(xs: Any) -> list:
             states = self.states(plan, xs, 0)
             leaves = jax.tree.leaves(xs)
-            found.append(self.reverse_kernels(plan, leaves, states, c_idx, floats(leaves)))
+            found.append(self.reverse_kernels(plan, leaves, states, c_idx, float_positions(leaves)))
             return states
 
         jax.eval_shape(trace, call.xs)
