@@ -208,7 +208,12 @@ def reduce(
 
 
 def _struct(x: Any) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(jax.numpy.shape(x), jax.numpy.result_type(x))
+    """``x``'s type, its sharding included: the transpose builds its cotangent so, and
+    a cotangent typed apart from the tangent (rows sharded on an Explicit mesh, the
+    struct replicated) fails JAX's sharding checks."""
+    return jax.ShapeDtypeStruct(
+        jax.numpy.shape(x), jax.numpy.result_type(x), sharding=jax.typeof(x).sharding
+    )
 
 
 @dataclasses.dataclass(frozen=True)

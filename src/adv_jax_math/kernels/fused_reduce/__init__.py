@@ -34,6 +34,7 @@ from .probe import probe
 from .rules import (
     analyze,
     dtype_problem,
+    empty_problem,
     held_across_reductions,
     mosaic_problem,
     triton_size_problem,
@@ -67,6 +68,7 @@ class Check:
     traced: Any = dataclasses.field(default=None, compare=False, repr=False)  # fun at `rows`
     kernel: Kernel | None = dataclasses.field(default=None, compare=False, repr=False)
     known: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)  # rows: trace
+    empty: bool = False  # the problem is an array without elements: not an error when forced
 
 
 def _traced_at(fun: Callable, xs: Any, rows: int, known: dict) -> tuple[Any, list[Any]]:
@@ -184,6 +186,9 @@ def check(
     leaves = jax.tree.leaves(xs)
     if n < 1:
         return Check("no rows (n == 0): the result is the identity")
+    problem = empty_problem([(f"input leaf {i}", x.shape) for i, x in enumerate(leaves)])
+    if problem:
+        return Check(problem, empty=True)
     problem = triton_problem() if tgt.triton else None
     problem = problem or dtype_problem(tgt, [x.dtype for x in leaves], "the inputs")
     if problem:
@@ -205,6 +210,16 @@ def check(
     analysis = analyze(closed.jaxpr, small)
     terms = _terms(reduction, out_shape, small)
     states = [a for t in terms for a in jax.tree.leaves(t.state)]
+    problem = empty_problem(
+        [(f"constant {i} of fun", np.shape(c)) for i, c in enumerate(closed.consts)]
+        + [
+            (f"the state of {t.leaf.monoid!r}", a.shape)
+            for t in terms
+            for a in jax.tree.leaves(t.state)
+        ]
+    )
+    if problem:
+        return Check(problem, empty=True)
     problem = dtype_problem(
         tgt, [dt for _, dt in analysis.avals] + [a.dtype for a in states], "fun"
     )

@@ -68,7 +68,9 @@ class FusedEngine:
             traced=plan.traced,
         )
         if verdict.problem:
-            return Rejection(f"fused kernel not used: {verdict.problem}", forced)
+            return Rejection(
+                f"fused kernel not used: {verdict.problem}", forced and not verdict.empty
+            )
         model = None
         d = None if self.interpret else roofline.device(verdict.device)
         if d is not None and verdict.kernel is not None:

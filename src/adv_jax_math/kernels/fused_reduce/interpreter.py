@@ -7,6 +7,12 @@ run in float32 and are cast back, as XLA's own float normalization does. Calls
 (``pjit``, ``closed_call``, custom derivative wrappers) are evaluated through, so
 the rewrite reaches operations inside them; the kernel's forward pass needs no
 custom derivative rules (its tangent is computed outside, see ``_tangent``).
+
+Each operation binds in the context it is evaluated in, never in the one it was
+traced in (``jax.core.eval_jaxpr`` re-enters each equation's recorded context,
+its abstract mesh among them): ``fun`` is traced once where the call is planned
+(under ``jax.set_mesh`` of an Explicit mesh, say) and evaluated inside the kernel,
+which runs inside ``shard_map``, where the mesh axes are Manual.
 """
 
 from __future__ import annotations
@@ -14,7 +20,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Literal
@@ -34,26 +39,21 @@ def _is_half(x: Any) -> bool:
 
 
 def _body(eqn: Any) -> ClosedJaxpr | None:
-    if eqn.primitive.name not in (
-        "pjit",
-        "jit",
-        "closed_call",
-        "custom_jvp_call",
-        "custom_vjp_call",
-    ):
+    """The body of a call equation (:data:`_CALLS`); None for any other, and for a
+    body with constants (a kernel captures none: the call is bound as it is)."""
+    if eqn.primitive.name not in _CALLS:
         return None
-    for name in _CALLS:
+    for name in _BODIES:
         sub = eqn.params.get(name)
         if isinstance(sub, ClosedJaxpr):
-            return sub
+            return None if sub.consts else sub
     return None
 
 
 def evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], *, upcast: bool) -> list:
-    """``jax.core.eval_jaxpr(jaxpr, consts, *args)``, with 16-bit float operands of
+    """``jax.core.eval_jaxpr(jaxpr, consts, *args)`` in the current context (the
+    abstract mesh of the caller, not of the trace), with 16-bit float operands of
     :data:`UPCAST_ON_TRITON` operations computed in float32 when ``upcast``."""
-    if not upcast:
-        return jax.core.eval_jaxpr(jaxpr, consts, *args)
     env: dict[Any, Any] = {}
     read = lambda v: v.val if isinstance(v, Literal) else env[v]
     env.update(zip(jaxpr.constvars, consts, strict=True))
@@ -62,8 +62,10 @@ def evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], *, upcast: 
         invals = [read(v) for v in eqn.invars]
         body = _body(eqn)
         if body is not None:
-            outs = evaluate(body.jaxpr, body.consts, invals[-len(body.jaxpr.invars) :], upcast=True)
-        elif eqn.primitive.name in UPCAST_ON_TRITON and any(map(_is_half, invals)):
+            outs = evaluate(
+                body.jaxpr, body.consts, invals[-len(body.jaxpr.invars) :], upcast=upcast
+            )
+        elif upcast and eqn.primitive.name in UPCAST_ON_TRITON and any(map(_is_half, invals)):
             wide = [x.astype(jnp.float32) if _is_half(x) else x for x in invals]
             out = eqn.primitive.bind(*wide, **eqn.params)
             outs = [out.astype(eqn.outvars[0].aval.dtype)]

@@ -20,6 +20,7 @@ __all__ = [
     "Analysis",
     "analyze",
     "dtype_problem",
+    "empty_problem",
     "held_across_reductions",
     "live_at_peak",
     "mosaic_problem",
@@ -79,6 +80,20 @@ def dtype_problem(target: Target, dtypes: Sequence[Any], where: str) -> str | No
             return (
                 f"TPU kernels do not support 64-bit types ({dt.name} in {where}); "
                 "use 32-bit inputs or disable jax_enable_x64"
+            )
+    return None
+
+
+def empty_problem(shapes: Sequence[tuple[str, Sequence[int]]]) -> str | None:
+    """Why the kernel cannot take an array of one of ``shapes`` (``(what, shape)``
+    pairs: its inputs, constants and states), or None: Pallas divides by every block
+    dimension, so an array without elements (``(n, 0)`` rows, a ``(0,)`` state)
+    cannot be a kernel operand. Nothing is lost: the result has no elements there."""
+    for what, shape in shapes:
+        if 0 in tuple(shape):
+            return (
+                f"{what} has shape {tuple(shape)}, without elements: Pallas blocks cannot "
+                "have a zero-size dimension, so the scan engine computes the (empty) result"
             )
     return None
 
