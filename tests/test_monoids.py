@@ -241,8 +241,10 @@ def test_top_k_scan_chunks_equal_lax_top_k(dtype, smallest):
     rng = np.random.default_rng(0)
     for n, batch, k in [(37, 8, 3), (64, 16, 3), (1003, 100, 5), (10, 4, 3), (5, 4, 4)]:
         y = rng.integers(-3, 3, size=(n, 4)).astype(dtype)
-        lowest = np.iinfo(np.int32).min if dtype == np.int32 else -np.inf
-        y[:, 3] = -lowest if smallest and dtype != np.int32 else lowest
+        ints = dtype == np.int32
+        lowest = np.iinfo(np.int32).min if ints else -np.inf
+        highest = np.iinfo(np.int32).max if ints else np.inf
+        y[:, 3] = highest if smallest else lowest  # the lowest key (no -y: it wraps)
         y[-1, 3] = 1
         with ajm.config(backend="scan", remainder="overlap"):
             got = ajm.batch_map(

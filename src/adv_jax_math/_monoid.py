@@ -218,6 +218,8 @@ class Monoid:
 def merge_stacked(merge: Callable[[Any, Any], Any], state: Any) -> Any:
     """States stacked along a leading axis merged into one: pairwise, the lower
     index (lower rows) on the left."""
+    if not jax.tree.leaves(state):  # nothing to merge (an integer result's tangent)
+        return state
     while (d := jax.tree.leaves(state)[0].shape[0]) > 1:
         even = d - d % 2
         left = jax.tree.map(lambda a, e=even: a[:e:2], state)

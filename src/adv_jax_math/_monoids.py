@@ -49,10 +49,13 @@ Items = Sequence[jax.ShapeDtypeStruct]
 # -- numerics ---------------------------------------------------------------------------
 def _two_sum(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
     """``(a + b, the rounding error of a + b)`` (Knuth's TwoSum: exact in floating
-    point). The error carries no derivative: ``d(a + b)`` is the whole tangent."""
+    point). The error carries no derivative: ``d(a + b)`` is the whole tangent. Where
+    ``a + b`` is infinite or NaN the error is 0, not the NaN of ``inf - inf``: it would
+    turn an infinite total into NaN once added back."""
     t = a + b
     z = t - a
-    return t, lax.stop_gradient((a - (t - z)) + (b - z))
+    lost = (a - (t - z)) + (b - z)
+    return t, lax.stop_gradient(jnp.where(jnp.isfinite(t), lost, jnp.zeros_like(lost)))
 
 
 @jax.custom_jvp
@@ -72,6 +75,48 @@ def _bound_jvp(primals: tuple, tangents: tuple) -> tuple:
 def _finite_or_zero(top: jax.Array) -> jax.Array:
     # Shift for a stable exponential: all -inf (or +inf) rows shift by 0, not NaN.
     return jnp.where(jnp.abs(top) < jnp.inf, top, jnp.zeros_like(top))
+
+
+def _shifted(v: jax.Array, top: jax.Array) -> jax.Array:
+    """``v - top``, the exponent of a shifted exponential, where ``top`` is the
+    maximum of the ``v``. Where ``top`` is infinite (every value -inf, or some +inf) it
+    is 0 for the values equal to ``top`` and -inf for the others: no ``inf - inf`` and
+    no overflow, so that ``exp`` of it and its derivative are finite (a state of
+    non-finite top finalizes as the top itself). A NaN top stays NaN, and so do the
+    derivatives of its rows."""
+    fallback = jnp.where(v == top, jnp.zeros_like(v), jnp.full_like(v, -np.inf))
+    return jnp.where(jnp.isinf(top), fallback, v - top)
+
+
+def _rescale(tops: Sequence[jax.Array]) -> tuple[jax.Array, list[jax.Array]]:
+    """The running maximum of several shifted states and each one's factor
+    ``exp(top_i - max)`` onto it: 0 for the identity's -inf (never ``exp(0 - max)``,
+    which overflows once every value seen is below about -88.7 in float32)."""
+    top = functools.reduce(jnp.maximum, tops)
+    return top, [jnp.exp(_shifted(t, top)) for t in tops]
+
+
+@jax.custom_jvp
+def _undefined_derivative(top: jax.Array) -> jax.Array:
+    """``top``, whose derivative is NaN where it is not finite (0 elsewhere: the
+    branch of :func:`_log_shifted` it serves is not taken there)."""
+    return top
+
+
+@_undefined_derivative.defjvp
+def _undefined_derivative_jvp(primals: tuple, tangents: tuple) -> tuple:
+    (top,), (dt,) = primals, tangents
+    return top, dt * jnp.where(jnp.isfinite(top), 0, jnp.nan).astype(dt.dtype)
+
+
+def _log_shifted(total: jax.Array, top: jax.Array) -> jax.Array:
+    """``log(total) + top``, or ``top`` itself where it is not finite; there the
+    derivative is NaN, as ``jax.grad(jax.nn.logsumexp)`` (``exp(inf - inf)``), never
+    a share that depends on how rows were chunked. ``total`` is read as 1 there, so
+    that the branch not taken has a finite derivative."""
+    finite = jnp.isfinite(top)
+    shifted = jnp.log(jnp.where(finite, total, 1)) + _finite_or_zero(top)
+    return jnp.where(finite, shifted, _undefined_derivative(top))
 
 
 def nan_weights(hit: jax.Array, total: jax.Array) -> jax.Array:
@@ -399,19 +444,17 @@ class LogSumExp(Monoid):
         if w is not None:
             y = _bound(y, _col(w, y))
         top = jnp.max(y, axis=0)
-        s = jnp.sum(jnp.exp(y - _finite_or_zero(top)[None]), axis=0)
+        s = jnp.sum(jnp.exp(_shifted(y, top[None])), axis=0)
         return top, s, jnp.zeros_like(s)
 
     def merge(self, a: Any, b: Any) -> Any:
-        top = jnp.maximum(a[0], b[0])
-        shift = _finite_or_zero(top)
-        ea, eb = jnp.exp(_finite_or_zero(a[0]) - shift), jnp.exp(_finite_or_zero(b[0]) - shift)
+        top, (ea, eb) = _rescale([a[0], b[0]])
         t, lost = _two_sum(a[1] * ea, b[1] * eb)
         return top, t, a[2] * ea + b[2] * eb + lost
 
     def finalize(self, state: Any, items: Items) -> Any:
         m, s, c = state
-        out = jnp.where(jnp.isfinite(m), jnp.log(s + c) + _finite_or_zero(m), m)
+        out = _log_shifted(s + c, m)
         return out.astype(self.result_dtype(items[0].dtype))
 
     def cotangent(self, ct, ys, idx, keep, state, items, tally=None) -> tuple:
@@ -541,9 +584,11 @@ def _from_key(key: jax.Array, dtype: Any) -> jax.Array:
 
 class TopK(Monoid):
     """``lax.top_k`` along the rows: the ``k`` largest rows per trailing element,
-    largest first, ties to the lower row (``smallest=True``: ``lax.top_k`` of ``-y``,
-    the values given as they are); ``(values, indices)``, each ``(k, *t)``. The
-    derivative goes to the selected rows, as ``jax.grad`` of ``lax.top_k``."""
+    largest first, ties to the lower row (``smallest=True``: the ``k`` smallest,
+    smallest first, ties to the lower row; integers and bools compared as they are,
+    never negated, which wraps); ``(values, indices)``, each ``(k, *t)``. The state
+    keeps each slot's order key, row and value; derivatives of every order go to the
+    selected rows, as ``jax.grad`` of ``lax.top_k``."""
 
     selects = True
 
@@ -556,41 +601,85 @@ class TopK(Monoid):
     def __repr__(self) -> str:
         return f"adv_jax_math.{self.name}"
 
+    def _flip(self, y: jax.Array) -> jax.Array:
+        """``y`` reversed in order for ``smallest`` (exact and its own inverse: ``-y``
+        for floats, ``~y`` for integers and bools)."""
+        if not self.smallest:
+            return y
+        return -y if _inexact(y.dtype) else ~y
+
     def _key(self, y: jax.Array) -> jax.Array:
-        return _order_key(-y if self.smallest else y)
+        return _order_key(self._flip(y))
 
     def _key_min(self, dtype: Any) -> Any:
         return np.iinfo(jax.eval_shape(self._key, jax.ShapeDtypeStruct((1,), dtype)).dtype).min
+
+    @staticmethod
+    def _value_dtype(dtype: Any) -> np.dtype:
+        """A slot's value: at least 32 bits (Mosaic makes scalars of 32-bit vectors)."""
+        dtype = np.dtype(dtype)
+        if dtype.itemsize >= 4:
+            return dtype
+        return np.dtype(np.float32 if _inexact(dtype) else np.int32)
 
     def fill(self, dtype: Any) -> Any:
         return np.zeros((), dtype)[()]  # never selected: fold leaves out weight-0 rows
 
     def init(self, items: Items) -> Any:
-        key_dtype = jax.eval_shape(self._key, jax.ShapeDtypeStruct((1,), items[0].dtype)).dtype
+        dtype = items[0].dtype
+        key_dtype = jax.eval_shape(self._key, jax.ShapeDtypeStruct((1,), dtype)).dtype
         big = np.iinfo(index_dtype()).max
-        keys = tuple(
-            _full(items[0], self._key_min(items[0].dtype), key_dtype) for _ in range(self.k)
+        slots = lambda value, dt: tuple(_full(items[0], value, dt) for _ in range(self.k))
+        return (
+            slots(self._key_min(dtype), key_dtype),
+            slots(big, index_dtype()),
+            slots(0, self._value_dtype(dtype)),
         )
-        return keys, tuple(_full(items[0], big, index_dtype()) for _ in range(self.k))
 
     def fold(self, ys, idx, w) -> Any:
+        """k passes of max-and-remove (any engine, kernels included); the values are
+        read back from the keys (exact, with no derivative: kernels are never
+        differentiated, :meth:`fold_fast` is)."""
         y = ys[0]
         key = self._key(y)
         rows = jnp.broadcast_to(_col(idx.astype(index_dtype()), y), y.shape)
         alive = jnp.ones(y.shape, bool) if w is None else jnp.broadcast_to(_col(w > 0, y), y.shape)
-        return _select(self.k, [(key, rows, alive, 0)], self._key_min(y.dtype))
+        keys, sel = _select(self.k, [(key, rows, alive, 0)], self._key_min(y.dtype))
+        vd = self._value_dtype(y.dtype)
+        return keys, sel, tuple(self._flip(_from_key(kk, y.dtype)).astype(vd) for kk in keys)
+
+    def _picked(self, y: jax.Array, idx: jax.Array, state: Any) -> Any:
+        """``state`` whose values have the derivatives of their rows of ``y``: each
+        value plus ``p - stop_gradient(p)`` for ``p`` its row picked by a 0/1 mask
+        (infinities and NaN zeroed first; a select would need the mask sharded as
+        ``y`` on Explicit meshes)."""
+        keys, sel, values = state
+        if not _inexact(y.dtype):
+            return state
+        rows = _col(idx.astype(index_dtype()), y)
+        v = y.astype(self._value_dtype(y.dtype))
+        v = jnp.where(jnp.isfinite(v), v, jnp.zeros_like(v))
+        pick = lambda s: jnp.sum(v * (rows == s[None]).astype(v.dtype), axis=0)
+        picked = (pick(s) for s in sel)
+        return (
+            keys,
+            sel,
+            tuple(a + (p - lax.stop_gradient(p)) for a, p in zip(values, picked, strict=True)),
+        )
 
     def fold_fast(self, ys, idx, w) -> Any:
         """One ``lax.top_k`` over the rows (XLA's TopK, the lower row first on equal
         values) instead of k passes of max-and-remove; not in kernels. Floats of 32
         bits or fewer are ranked as float32 (XLA:CPU sorts integer keys in full; the
         total order is the same), others by their keys. Rows of weight 0 (repeated)
-        rank last; where one is still selected, the block takes :meth:`fold`."""
+        rank last; where one is still selected, the block takes :meth:`fold`. The
+        values are gathered from ``y``: differentiable (second derivatives)."""
         y = ys[0]
+        slow = lambda: self._picked(y, idx, self.fold(ys, idx, w))
         if y.shape[0] < self.k or _rows_sharded(y):  # lax.top_k: unsharded along its axis
-            return self.fold(ys, idx, w)
+            return slow()
         floats = _inexact(y.dtype) and np.dtype(y.dtype).itemsize <= 4
-        rank = (-y if self.smallest else y).astype(np.float32) if floats else self._key(y)
+        rank = self._flip(y).astype(np.float32) if floats else self._key(y)
         alive = None if w is None else jnp.broadcast_to(_col(w > 0, y), y.shape)
         if alive is not None:  # below everything: -NaN, or the lowest key
             low = np.float32(-np.nan) if floats else self._key_min(y.dtype)
@@ -598,21 +687,25 @@ class TopK(Monoid):
         rows = jnp.broadcast_to(_col(idx.astype(index_dtype()), y), y.shape)
         top, pos = lax.top_k(jnp.moveaxis(rank, 0, -1), self.k)  # (*t, k)
         keys = _order_key(top) if floats else top
-        sel = jnp.take_along_axis(jnp.moveaxis(rows, 0, -1), pos, axis=-1)
-        fast = tuple(jnp.moveaxis(keys, -1, 0)), tuple(jnp.moveaxis(sel, -1, 0))
+        take = lambda a: tuple(jnp.moveaxis(jnp.take_along_axis(a, pos, axis=-1), -1, 0))
+        v = y.astype(self._value_dtype(y.dtype))
+        fast = (
+            tuple(jnp.moveaxis(keys, -1, 0)),
+            take(jnp.moveaxis(rows, 0, -1)),
+            take(jnp.moveaxis(v, 0, -1)),
+        )
         if alive is None:
             return fast
         chosen = jnp.take_along_axis(jnp.moveaxis(alive, 0, -1), pos, axis=-1)
-        return lax.cond(jnp.all(chosen), lambda: fast, lambda: self.fold(ys, idx, w))
+        return lax.cond(jnp.all(chosen), lambda: fast, slow)
 
     def merge(self, a: Any, b: Any) -> Any:
         return _merge_sorted(self.k, a, b)
 
     def finalize(self, state: Any, items: Items) -> Any:
-        keys, rows = (jnp.stack(part) for part in state)
-        values = _from_key(keys, items[0].dtype)
+        _, rows, values = (jnp.stack(part) for part in state)
         # int32 indices, as lax.top_k gives them (also under x64)
-        return (-values if self.smallest else values), rows.astype(np.int32)
+        return values.astype(items[0].dtype), rows.astype(np.int32)
 
     def check_rows(self, n: int) -> None:
         if n < self.k:
@@ -679,46 +772,49 @@ def _select(k: int, lists: list, key_min: Any) -> tuple:
 
 
 def _merge_sorted(k: int, a: tuple, b: tuple) -> tuple:
-    """The ``k`` best of two states ``(keys, rows)``, each sorted best first (the
-    higher key, then the lower row; empty slots ``(key_min, big)`` last): a bitonic
-    merge network. ``a`` and ``b`` reversed form a bitonic sequence; one
+    """The ``k`` best of two states ``(keys, rows, values)``, each sorted best first
+    (the higher key, then the lower row; empty slots ``(key_min, big, 0)`` last): a
+    bitonic merge network. ``a`` and ``b`` reversed form a bitonic sequence; one
     compare-exchange of ``a[i]`` with ``b[size - 1 - i]`` keeps the ``size`` best
     (bitonic again), and ``log2(size)`` rounds of compare-exchanges sort them
     (``size``: k rounded up to a power of two, padded with empty slots). That is
     ``k + k/2 log2 k`` compare-exchanges at depth ``1 + log2 k``, elementwise (any
     engine, kernels included); the k passes of max-and-remove (:func:`_select`) over
     the 2k slots made XLA:GPU fuse one ``loop_and_maximum_minimum_fusion`` that took
-    minutes to compile for k = 16."""
+    minutes to compile for k = 16. Values follow their slots (by ``where``: their
+    derivatives too)."""
     size = 1 << (k - 1).bit_length()
     key_min, big = np.iinfo(a[0][0].dtype).min, np.iinfo(a[1][0].dtype).max
 
-    def padded(state: tuple) -> tuple[list, list]:
-        keys, rows = state
-        empty = size - k
-        return (
-            list(keys) + [jnp.full_like(keys[0], key_min)] * empty,
-            list(rows) + [jnp.full_like(rows[0], big)] * empty,
-        )
+    def padded(state: tuple) -> list[list]:
+        return [
+            list(part) + [jnp.full_like(part[0], fill)] * (size - k)
+            for part, fill in zip(state, (key_min, big, 0), strict=True)
+        ]
 
-    def first(kx: jax.Array, rx: jax.Array, ky: jax.Array, ry: jax.Array) -> jax.Array:
+    def first(x: int, y: int, sx: list, sy: list) -> jax.Array:
+        (kx, rx), (ky, ry) = (sx[0][x], sx[1][x]), (sy[0][y], sy[1][y])
         return (kx > ky) | ((kx == ky) & (rx < ry))
 
-    (ka, ra), (kb, rb) = padded(a), padded(b)
-    keys, rows = [], []
+    pa, pb = padded(a), padded(b)
+    out: list[list] = [[] for _ in pa]
     for i in range(size):  # the better of a[i] and b[size - 1 - i]: the size best
         j = size - 1 - i
-        take = first(ka[i], ra[i], kb[j], rb[j])
-        keys.append(jnp.where(take, ka[i], kb[j]))
-        rows.append(jnp.where(take, ra[i], rb[j]))
+        take = first(i, j, pa, pb)
+        for part, xa, xb in zip(out, pa, pb, strict=True):
+            part.append(jnp.where(take, xa[i], xb[j]))
     half = size // 2
     while half:  # bitonic merge, best first
         for i in (i for i in range(size) if not i & half):
             j = i + half
-            take = first(keys[i], rows[i], keys[j], rows[j])
-            keys[i], keys[j] = jnp.where(take, keys[i], keys[j]), jnp.where(take, keys[j], keys[i])
-            rows[i], rows[j] = jnp.where(take, rows[i], rows[j]), jnp.where(take, rows[j], rows[i])
+            take = first(i, j, out, out)
+            for part in out:
+                part[i], part[j] = (
+                    jnp.where(take, part[i], part[j]),
+                    jnp.where(take, part[j], part[i]),
+                )
         half //= 2
-    return tuple(keys[:k]), tuple(rows[:k])
+    return tuple(tuple(part[:k]) for part in out)
 
 
 # -- softmax-weighted sums --------------------------------------------------------------
@@ -763,6 +859,7 @@ class SoftmaxWeighted(Monoid):
         if w is not None:
             s = _bound(s, _col(w, s))
         top = jnp.max(s, axis=0)
+        # an infinite top is not shifted away: exp(inf - inf) is NaN, as jax.nn.softmax
         e = jnp.exp(s - _finite_or_zero(top)[None])
         if e.ndim == 1 or v.ndim == 1:  # one score or one value per row: no matvec
             # (Pallas Triton's dot takes 2-D operands only; Mosaic's fails on vectors)
@@ -774,9 +871,7 @@ class SoftmaxWeighted(Monoid):
         return top, jnp.sum(e, axis=0), jnp.zeros_like(top), weighted, jnp.zeros_like(weighted)
 
     def merge(self, a: Any, b: Any) -> Any:
-        top = jnp.maximum(a[0], b[0])
-        shift = _finite_or_zero(top)
-        ea, eb = jnp.exp(_finite_or_zero(a[0]) - shift), jnp.exp(_finite_or_zero(b[0]) - shift)
+        top, (ea, eb) = _rescale([a[0], b[0]])
         spread = lambda e, x: e.reshape(e.shape + (1,) * (x.ndim - e.ndim))
         norm, lost = _two_sum(a[1] * ea, b[1] * eb)
         acc, lost2 = _two_sum(a[3] * spread(ea, a[3]), b[3] * spread(eb, b[3]))
@@ -788,7 +883,7 @@ class SoftmaxWeighted(Monoid):
         m, norm, lc, acc, ac = state
         total = norm + lc
         out = (acc + ac) / total.reshape(total.shape + (1,) * (acc.ndim - total.ndim))
-        lse = jnp.where(jnp.isfinite(m), jnp.log(total) + _finite_or_zero(m), m)
+        lse = _log_shifted(total, m)
         return out, lse
 
     def finalize(self, state: Any, items: Items) -> Any:
@@ -899,15 +994,26 @@ class Moments(Monoid):
         n = jnp.where(h > 0, h.astype(ma.dtype) / 2, 1)
         delta = (mb - ma) + (cb - ca)
         mean, lost = _two_sum(ma, delta * (nb / n))
-        m2, lost2 = _two_sum(qa, qb + delta * delta * (na * nb / n))
+        # Chan's update reads inf - inf as NaN: an infinite mean is the plain weighted
+        # one (inf with finite values, NaN with both infinities, as jnp.mean)
+        finite = jnp.isfinite(ma) & jnp.isfinite(mb)
+        mean = jnp.where(finite, mean, (ma * na + mb * nb) / n)
+        # delta * (delta * w), not delta**2 * w: a state of no rows (w = 0) stays exact
+        # where delta**2 overflows (inf * 0)
+        m2, lost2 = _two_sum(qa, qb + delta * (delta * (na * nb / n)))
         return h, mean, ca + lost, m2, cqa + cqb + lost2
 
     def _stats(self, state: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
         h, m, c, q, cq = state
         n = h.astype(m.dtype) / 2
         mean = jnp.where(n > 0, m + c, jnp.nan)
-        var = (q + cq) / jnp.maximum(n - self.ddof, 0)
-        return n, mean, var
+        var = (q + cq) / self._dof(n)
+        # an infinite mean: the variance is NaN (inf - inf), and so is its derivative
+        return n, mean, var * jnp.where(jnp.isfinite(mean), 1, jnp.nan).astype(var.dtype)
+
+    def _dof(self, n: jax.Array) -> jax.Array:
+        """``n - ddof`` where positive, else NaN (``jnp.var`` is NaN for ``ddof >= n``)."""
+        return jnp.where(n > self.ddof, n - self.ddof, jnp.nan)
 
     def finalize(self, state: Any, items: Items) -> Any:
         dtype = self.result_dtype(items[0].dtype)
@@ -927,7 +1033,7 @@ class Moments(Monoid):
         if self.mean:
             out = out + _spread(parts.pop(0) / n, y)
         if self.variance:
-            scale = 2 * parts.pop(0) / jnp.maximum(n - self.ddof, 0)
+            scale = 2 * parts.pop(0) / self._dof(n)
             out = out + _spread(scale, y) * (y.astype(mean.dtype) - _spread(mean, y))
         return (_weigh(out, keep).astype(y.dtype),)
 
@@ -941,7 +1047,7 @@ class Moments(Monoid):
     def tangent_finish(self, raw: Any, state: Any, items: Items) -> Any:
         n, _, _ = self._stats(state)
         d_mean = raw[0] / n
-        d_var = 2 * raw[1] / jnp.maximum(n - self.ddof, 0)
+        d_var = 2 * raw[1] / self._dof(n)
         parts = ([d_mean] if self.mean else []) + ([d_var] if self.variance else [])
         return tuple(parts) if len(parts) == 2 else parts[0]
 

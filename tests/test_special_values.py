@@ -1,0 +1,254 @@
+"""Every monoid on columns of special values, against plain JAX: all very negative
+(below the float32 exponent's range: -88.8, -100, -1e4, -1e30), all very positive,
++-inf, NaN among finite values, both infinities together; at batch sizes 1, 2 and
+n - 1 on the scan engine, the kernel in interpret mode and 4 devices; values and
+gradients. NaN must stay NaN and nothing else may become NaN: the oracle's NaNs
+are compared position by position.
+
+Regressions caught: logsumexp and softmax-weighted sums NaN once every value seen
+was below about -88.7 (the identity's -inf shifted as 0); infinite means, sums and
+softmax-weighted sums NaN (TwoSum's error of an infinite sum is NaN); ``var(ddof)``
+inf for ``ddof >= n``; ``top_k(smallest=True)`` on unsigned ints and on
+``iinfo.min`` (negation wraps); second derivatives through ``top_k`` values zero."""
+
+from __future__ import annotations
+
+import contextlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import enable_x64, needs_kernel
+from jax import lax
+
+import adv_jax_math as ajm
+
+INF, NAN = np.inf, np.nan
+# one column per pattern, N rows each
+COLUMNS = {
+    "-1e4": [-1e4, -1e4 - 1, -1e4 + 2, -1e4, -1e4 - 3, -1e4 + 1, -1e4],
+    "-100": [-100.0, -101, -99, -100, -102, -100.5, -99.5],
+    "-88.8": [-88.8, -88.9, -88.8, -90.0, -88.75, -89.0, -88.8],
+    "-1e30": [-1e30, -2e30, -1e30, -1e30, -3e30, -1e30, -5e29],
+    "+1e4": [1e4, 1e4 + 1, 1e4 - 2, 1e4, 1e4 + 3, 1e4 - 1, 1e4],
+    "-inf": [-INF] * 7,
+    "+inf": [INF] * 7,
+    "-inf and -1e4": [-INF, -1e4, -INF, -200.0, -INF, -1e4 + 5, -INF],
+    "+inf among finite": [1.0, 2.0, INF, -3.0, 0.5, 2.0, 1.0],
+    "NaN among -1e4": [-1e4, NAN, -100.0, -1e4, -1e4 + 1, -300.0, -1e4],
+    "+inf and -inf": [INF, -INF, 1.0, 2.0, -1.0, 0.0, 3.0],
+}
+N = 7
+Y = np.array(list(COLUMNS.values()), np.float32).T  # (N, columns)
+
+
+def _top_k(k, smallest=False):
+    def oracle(y):
+        v, i = lax.top_k(jnp.moveaxis(-y if smallest else y, 0, -1), k)
+        return jnp.moveaxis(-v if smallest else v, -1, 0), jnp.moveaxis(i, -1, 0)
+
+    return oracle
+
+
+def _softmax_weighted(sv):
+    s, v = sv
+    return jnp.tensordot(jax.nn.softmax(s, 0), v, ([0], [0]))
+
+
+# name: (reduction, oracle of fun's output, fun of a row pair (special column, t))
+row = lambda r: r[0] * 1.0
+TABLE = {
+    "ADD": (ajm.ADD, lambda y: jnp.sum(y, 0), row),
+    "MAX": (ajm.MAX, lambda y: jnp.max(y, 0), row),
+    "MIN": (ajm.MIN, lambda y: jnp.min(y, 0), row),
+    "LOGSUMEXP": (ajm.LOGSUMEXP, lambda y: jax.nn.logsumexp(y, 0), row),
+    "MIN_ARGMIN": (ajm.MIN_ARGMIN, lambda y: (jnp.min(y, 0), jnp.argmin(y, 0)), row),
+    "MAX_ARGMAX": (ajm.MAX_ARGMAX, lambda y: (jnp.max(y, 0), jnp.argmax(y, 0)), row),
+    "top_k(2)": (ajm.top_k(2), _top_k(2), row),
+    "top_k(2, smallest)": (ajm.top_k(2, smallest=True), _top_k(2, True), row),
+    "MEAN_VAR": (ajm.MEAN_VAR, lambda y: (jnp.mean(y, 0), jnp.var(y, 0)), row),
+    "var(ddof=1)": (ajm.var(ddof=1), lambda y: jnp.var(y, 0, ddof=1), row),
+    # the special columns as scores (values: a ramp), then as values (scores: a ramp)
+    "softmax_weighted(scores)": (ajm.softmax_weighted(), _softmax_weighted, lambda r: r),
+    "softmax_weighted(values)": (ajm.softmax_weighted(), _softmax_weighted, lambda r: r[::-1]),
+}
+ENGINES = ["scan", "interpret", "shard"]
+
+
+@contextlib.contextmanager
+def engine(name):
+    if name == "interpret" and jax.__version_info__ < (0, 10, 0):
+        pytest.skip(needs_kernel.kwargs["reason"])
+    if name == "shard" and jax.device_count() != 4:
+        pytest.skip("needs the 4 virtual CPU devices")
+    with ajm.config(backend="interpret" if name == "interpret" else "scan"):
+        yield dict(shard=True) if name == "shard" else {}
+
+
+def _close(got, want, what):
+    assert jax.tree.structure(got) == jax.tree.structure(want), what
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        g, w = np.asarray(g), np.asarray(w)
+        assert g.shape == w.shape and g.dtype == w.dtype, (what, g, w)
+        if not np.issubdtype(w.dtype, np.inexact):
+            np.testing.assert_array_equal(g, w, err_msg=what)
+            continue
+        # NaN exactly where the oracle has NaN, infinities exactly, the rest close
+        np.testing.assert_array_equal(np.isnan(g), np.isnan(w), err_msg=f"{what}: NaNs")
+        np.testing.assert_array_equal(np.isinf(g) * np.sign(g), np.isinf(w) * np.sign(w), what)
+        finite = np.isfinite(w)
+        # (1e-4: the variance of float32 values near -1e4 is good to about 1e-4)
+        np.testing.assert_allclose(g[finite], w[finite], rtol=1e-4, atol=1e-5, err_msg=what)
+
+
+def _weights(out):
+    """A fixed random linear functional of the float parts of a result."""
+    rng = np.random.default_rng(1)
+    leaves = [o for o in jax.tree.leaves(out) if jnp.issubdtype(o.dtype, jnp.floating)]
+    return [jnp.asarray(rng.normal(size=o.shape), o.dtype) for o in leaves]
+
+
+def _dot(out, weights):
+    """``sum(out * weights)`` over the float parts: each column's gradient is its own
+    weight times its own derivative (infinite and NaN results included)."""
+    leaves = [o for o in jax.tree.leaves(out) if jnp.issubdtype(o.dtype, jnp.floating)]
+    return sum(jnp.sum(o * w) for o, w in zip(leaves, weights, strict=True))
+
+
+def _undefined_where_infinite(want, want_grad, kw):
+    """jax.grad of an infinite logsumexp is NaN on the rows at the extremum
+    (``exp(inf - inf)``) and 0 on the others; ours is NaN on those rows and NaN or 0
+    on the others (the derivative is undefined there): those columns are checked
+    here and left out of the comparison (set to ours)."""
+    x = (jnp.asarray(Y), jnp.linspace(-1.0, 1.0, N, dtype=np.float32)[:, None])
+    f = lambda x: _dot(ajm.batch_map(row, x, 2, reduction=ajm.LOGSUMEXP, **kw), _weights(want))
+    ours = jax.grad(f)(x)[0]
+    inf = np.broadcast_to(np.isinf(np.asarray(want)), ours.shape)
+    assert np.all(np.isnan(ours)[inf & np.isnan(want_grad[0])])
+    assert np.all((np.isnan(ours) | (ours == 0))[inf])
+    return jnp.where(inf, ours, want_grad[0]), want_grad[1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(TABLE))
+@pytest.mark.parametrize("engine_name", ENGINES)
+def test_special_columns(name, engine_name):
+    monoid, want_of, fun = TABLE[name]
+    x = (jnp.asarray(Y), jnp.linspace(-1.0, 1.0, N, dtype=np.float32)[:, None])
+    want = want_of(fun(x))
+    weights = _weights(want)
+    want_grad = jax.grad(lambda x: _dot(want_of(fun(x)), weights))(x)
+    with engine(engine_name) as kw:
+        for b in (1, 2, N - 1):
+            got = ajm.batch_map(fun, x, b, reduction=monoid, **kw)
+            _close(got, want, f"{name} {engine_name} batch_size={b}")
+        if engine_name != "interpret":  # the kernel's gradient: test_backward.py
+            if monoid is ajm.LOGSUMEXP:
+                want_grad = _undefined_where_infinite(want, want_grad, kw)
+            grad = jax.grad(
+                lambda x: _dot(ajm.batch_map(fun, x, 2, reduction=monoid, **kw), weights)
+            )
+            _close(grad(x), want_grad, f"grad {name} {engine_name}")
+
+
+@pytest.mark.parametrize("engine_name", ENGINES)
+def test_logsumexp_far_below_the_exponent_range(engine_name):
+    """The case of the report: 300 values of -50 v^2 for v in [-3, 3] (every chunk of
+    one row but the middle ones below -88.7), and OTT-JAX's Sinkhorn scores."""
+    v = jnp.linspace(-3.0, 3.0, 300)
+    f = lambda v: -50.0 * v**2
+    with engine(engine_name) as kw:
+        got = ajm.batch_map(f, v, 1, reduction=ajm.LOGSUMEXP, **kw)
+        g = jax.grad(lambda v: ajm.batch_map(f, v, 7, reduction=ajm.LOGSUMEXP, **kw))(v)
+        far = ajm.batch_map(f, v[:17], 2, reduction=ajm.LOGSUMEXP, **kw)
+    _close(got, jax.nn.logsumexp(f(v)), "values")
+    _close(g, jax.grad(lambda v: jax.nn.logsumexp(f(v)))(v), "gradient")
+    _close(far, jax.nn.logsumexp(f(v[:17])), "17 rows, all below -88.7")
+
+
+@pytest.mark.parametrize("engine_name", ENGINES)
+def test_logsumexp_inside_sinkhorn(engine_name):
+    """Sinkhorn's dual updates with our logsumexp over the rows of ``(f + g - C) / eps``
+    (d = 16, eps = 0.2: scores far below -88.7), against ``jax.nn.logsumexp``."""
+    rng = np.random.default_rng(0)
+    x, y = (jnp.asarray(rng.normal(size=(n, 16)), jnp.float32) for n in (40, 30))
+    cost = lambda xs: jnp.sum((xs[:, None] - y[None]) ** 2, -1)  # (rows, 30)
+    eps = 0.2
+
+    def solve(lse_over_x):
+        f, g = jnp.zeros(40), jnp.zeros(30)
+        for _ in range(10):
+            g = -eps * lse_over_x(f, g)
+            f = -eps * jax.nn.logsumexp((g[None] - cost(x)) / eps, axis=1)
+        return f, g
+
+    def ours(f, g, kw):
+        scores = lambda xf: (xf[1][:, None] + g[None] - cost(xf[0])) / eps
+        return ajm.batch_map(scores, (x, f), 8, reduction=ajm.LOGSUMEXP, **kw)
+
+    want = solve(lambda f, g: jax.nn.logsumexp((f[:, None] + g[None] - cost(x)) / eps, axis=0))
+    assert np.all(np.isfinite(np.asarray(want[0])))
+    with engine(engine_name) as kw:
+        got = solve(lambda f, g: ours(f, g, kw))
+    _close(got, want, "Sinkhorn potentials after 10 iterations")
+
+
+@pytest.mark.parametrize("engine_name", ["scan", "interpret"])
+def test_top_k_smallest_on_integers_that_negation_wraps(engine_name):
+    """``top_k(smallest=True)`` ranks integers as they are: unsigned ints, the
+    signed minimum, bools (False first), against a stable ascending sort."""
+    cases = [
+        np.array([3, 0, 7, 1, 0, 9], np.uint32),
+        np.array([3, np.iinfo(np.int32).min, 7, 1, np.iinfo(np.int32).max, -1], np.int32),
+        np.array([5, 255, 0, 3, 0, 200], np.uint8),
+        np.array([True, False, True, False, True, True]),
+    ]
+    with engine(engine_name):
+        for y in cases:
+            got = ajm.batch_map(lambda r: r, jnp.asarray(y), 4, reduction=ajm.top_k(3, True))
+            order = np.argsort(y, kind="stable")[:3]  # ties: the lower row first
+            np.testing.assert_array_equal(np.asarray(got[1]), order, err_msg=str(y.dtype))
+            np.testing.assert_array_equal(np.asarray(got[0]), y[order], err_msg=str(y.dtype))
+            assert got[0].dtype == y.dtype
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "engine_name, dtype", [(e, "float32") for e in ENGINES] + [("scan", "float64")]
+)
+def test_second_derivatives_through_top_k(engine_name, dtype):
+    """Hessians (forward over reverse, and reverse over reverse) of a nonlinear
+    function of the top-k values, as plain ``lax.top_k`` gives them."""
+    ctx = enable_x64() if dtype == "float64" else contextlib.nullcontext()
+    with ctx, engine(engine_name) as kw:
+        x = jnp.asarray([1.0, 3.0, 2.0, 0.5, -1.0, 2.5, 0.25, 1.5], dtype)
+        f = lambda x: (
+            ajm.batch_map(lambda r: r**3, x, 3, reduction=ajm.top_k(3), **kw)[0] ** 2
+        ).sum()
+        g = lambda x: (lax.top_k(x**3, 3)[0] ** 2).sum()
+        _close(jax.hessian(f)(x), jax.hessian(g)(x), "hessian")
+        _close(jax.jacrev(jax.jacrev(f))(x), jax.jacrev(jax.jacrev(g))(x), "rev over rev")
+
+
+@pytest.mark.parametrize("engine_name", ENGINES)
+@pytest.mark.parametrize("ddof", [3, 4])
+def test_var_with_ddof_at_least_the_rows_is_nan(engine_name, ddof):
+    """NaN as ``jnp.var`` (not inf); its gradient NaN too (``jax.grad(jnp.var)`` is
+    NaN for ``ddof == n`` and 0 beyond: we keep NaN, the derivative of 0/0)."""
+    x = jnp.asarray([1.0, 2.0, 4.0])
+    f = lambda x, **kw: ajm.batch_map(lambda r: r, x, 2, reduction=ajm.var(ddof), **kw)
+    with engine(engine_name) as kw:
+        _close(f(x, **kw), jnp.var(x, ddof=ddof), "value")
+        assert np.all(np.isnan(jax.grad(lambda x: f(x, **kw))(x)))
+
+
+@pytest.mark.skipif(jax.device_count() != 4, reason="needs the 4 virtual CPU devices")
+def test_gradient_through_an_integer_result_on_devices():
+    """``jax.grad`` of a float result next to an ARGMIN, sharded: integer outputs
+    have zero cotangents (their merge over devices has nothing to merge)."""
+    x = jnp.linspace(-1.0, 2.0, 9)
+    red = {"f": ajm.MEAN, "i": ajm.ARGMIN}
+    f = lambda x: ajm.batch_map(lambda r: {"f": r**2, "i": r}, x, 2, reduction=red, shard=True)
+    _close(jax.grad(lambda x: f(x)["f"])(x), jax.grad(lambda x: jnp.mean(x**2))(x), "grad")
+    assert int(f(x)["i"]) == int(jnp.argmin(x))
