@@ -15,7 +15,7 @@ from ._monoid import identity
 from ._plan import Call, Plan
 from ._recognize import is_monoid_tree
 from ._shard import as_global
-from ._validate import batch_size_from, check_callable, resolve_mesh
+from ._validate import batch_size_from, check_callable, check_reduction, resolve_mesh
 
 __all__ = ["batch_map", "batch_vmap", "explain"]
 
@@ -45,8 +45,7 @@ _COMMON_PARAMS = """reduction : callable or None
 
 def _check_callables(fun: Any, reduction: Any, chunk_reduction: Any) -> None:
     check_callable(fun, "fun")
-    if reduction is not None and not is_monoid_tree(reduction):
-        check_callable(reduction, "reduction", "a binary callable, monoid objects or None")
+    check_reduction(reduction)
     check_callable(chunk_reduction, "chunk_reduction")
 
 
@@ -151,44 +150,35 @@ def batch_map(
     >>> ajm.batch_map(lambda x: x**2, x, 4, reduction=jnp.add, chunk_reduction=jnp.sum)
     Array(285., dtype=float32)
     """
-    if strip_dim0 and batch_size_from(batch_size, kwargs) == 1:
-        return _strip_dim0(fun, fun_input, reduction, chunk_reduction, shard, mesh)
-    if strip_dim0:
-        warnings.warn(
-            f"strip_dim0=True only works with batch_size=1 (got batch_size={batch_size!r}); "
-            "the flag is ignored",
-            UserWarning,
-            stacklevel=2,
-        )
-    call = _prepare(fun, fun_input, batch_size, reduction, chunk_reduction, shard, mesh, kwargs)
-    return _engines.run(_engines.plan(call), call)
-
-
-def _strip_dim0(
-    fun: Callable,
-    xs: Any,
-    reduction: Callable | None,
-    chunk_reduction: Callable,
-    shard: bool,
-    mesh: Any,
-) -> Any:
-    """``fun`` sees single rows: chunks of one row, the row axis stripped.
-
-    With a reduction and the default ``chunk_reduction``, rows are combined
-    directly (no leading axis of 1 on the result), as in the original library.
-    """
-    out = batch_map(
-        jax.vmap(fun),
-        xs,
-        1,
-        reduction=reduction,
-        chunk_reduction=chunk_reduction,
-        shard=shard,
-        mesh=mesh,
+    stripped = _strip_dim0(fun, batch_size, strip_dim0, kwargs)
+    call = _prepare(
+        stripped or fun, fun_input, batch_size, reduction, chunk_reduction, shard, mesh, kwargs
     )
-    if reduction is not None and chunk_reduction is identity:
+    out = _engines.run(_engines.plan(call), call)
+    combined = reduction is not None and chunk_reduction is identity
+    if stripped and combined and not is_monoid_tree(reduction):
+        # Rows of one combined directly (as the original library): drop that axis.
+        # Monoid objects reduce the row axis themselves.
         out = jax.tree.map(lambda y: y[0], out)
     return out
+
+
+def _strip_dim0(fun: Callable, batch_size: Any, strip_dim0: bool, kwargs: Any) -> Any:
+    """``jax.vmap(fun)`` when ``strip_dim0`` applies (``batch_size=1``: chunks of one row,
+    ``fun`` seeing the row without its axis); None otherwise, with a warning if the
+    flag is ignored."""
+    if not strip_dim0:
+        return None
+    if batch_size_from(batch_size, kwargs) == 1:
+        check_callable(fun, "fun")
+        return jax.vmap(fun)
+    warnings.warn(
+        f"strip_dim0=True only works with batch_size=1 (got batch_size={batch_size!r}); "
+        "the flag is ignored",
+        UserWarning,
+        stacklevel=3,
+    )
+    return None
 
 
 def explain(fun: Callable, fun_input: Any, /, *args: Any, **kwargs: Any) -> Plan:
@@ -223,8 +213,7 @@ def explain(fun: Callable, fun_input: Any, /, *args: Any, **kwargs: Any) -> Plan
     a = inspect.signature(batch_map).bind(fun, fun_input, *args, **kwargs)
     a.apply_defaults()
     batch_size, options, extra = a.arguments["batch_size"], a.arguments, a.arguments["kwargs"]
-    if options["strip_dim0"] and batch_size_from(batch_size, extra) == 1:
-        fun = jax.vmap(fun)
+    fun = _strip_dim0(fun, batch_size, options["strip_dim0"], extra) or fun
     reduction, chunk_reduction = options["reduction"], options["chunk_reduction"]
     shard, mesh = options["shard"], options["mesh"]
     call = _prepare(fun, fun_input, batch_size, reduction, chunk_reduction, shard, mesh, extra)

@@ -21,10 +21,10 @@ import jax.numpy as jnp
 from . import _autotune, _config
 from ._call import Call
 from ._monoid import MonoidReduction, identity
-from ._recognize import is_monoid_tree, recognize
+from ._recognize import check_combine, is_monoid_tree, recognize
 from ._sharding import Lanes, row_sharding
 from ._trace import Traced, rebind, rows_aval, trace
-from ._validate import check_rowwise, mapped_rows
+from ._validate import check_monoid_rows, check_rowwise, mapped_rows
 
 __all__ = [
     "Call",
@@ -385,6 +385,8 @@ def make_plan(call: Call, *, mapped: bool = False) -> Plan:
 
     avals = rows_aval(call.xs, rows)
     raw = trace(call.fun, avals)
+    if is_monoid_tree(call.reduction) and call.chunk_reduction is identity:
+        check_monoid_rows(call.reduction, raw.out_shape, rows)
     reduction, how = _recognized(call, raw) if call.reduction is not None else (None, "")
     if reduction is not None and not mapped:  # (a device's share: checked on all rows)
         reduction.check_rows(n)
@@ -403,6 +405,9 @@ def make_plan(call: Call, *, mapped: bool = False) -> Plan:
             notes.append("fun's output has no row axis, so repeated rows cannot be left out")
             policy, chunks = Policy.REMAINDER, n // rows
     remainder = n - chunks * rows if policy is Policy.REMAINDER else 0
+    if kind is Kind.GENERIC and chunks and (mapped or chunks + bool(remainder) > 1):
+        assert call.reduction is not None  # GENERIC: the user's reduction combines results
+        check_combine(call.reduction, call.chunk_reduction, raw.out_shape, loop=chunks > 1)
     tail = trace(call.fun, rows_aval(call.xs, remainder)) if remainder else None
     traced = raw
     if reduction is not None:

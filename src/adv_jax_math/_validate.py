@@ -13,11 +13,14 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
+from ._monoid import Monoid
 from ._sharding import context_mesh
 
 __all__ = [
     "batch_size_from",
     "check_callable",
+    "check_monoid_rows",
+    "check_reduction",
     "check_rowwise",
     "fits_one_chunk",
     "is_int",
@@ -41,6 +44,83 @@ def is_int(x: Any) -> bool:
 def check_callable(value: Any, name: str, what: str = "callable") -> None:
     if not callable(value):
         raise TypeError(f"{name} must be {what}, got {type(value).__name__}: {value!r}")
+
+
+_REDUCTION = (
+    "a binary callable (e.g. jnp.add), a Monoid object (e.g. adv_jax_math.ADD), a pytree "
+    "of Monoid objects, or None"
+)
+_STEPS = ("init", "fold", "merge", "finalize")
+
+
+def check_reduction(reduction: Any) -> None:
+    """``reduction`` is None, a binary callable, a :class:`Monoid` that defines its four
+    steps, or a pytree whose every leaf is one; a clear error otherwise."""
+    if isinstance(reduction, type):
+        raise TypeError(
+            f"reduction={reduction!r} is a class, not a reduction; pass {_REDUCTION} "
+            "(for a Monoid subclass, an instance: reduction=MyMonoid(...))"
+        )
+    if reduction is None or (callable(reduction) and not isinstance(reduction, Monoid)):
+        return
+    is_leaf = lambda m: m is None or isinstance(m, Monoid | type)
+    flat = jax.tree_util.tree_flatten_with_path(reduction, is_leaf=is_leaf)[0]
+    if not flat:
+        raise TypeError(f"reduction must be {_REDUCTION}, got the empty {reduction!r}")
+    for path, m in flat:
+        where = f"reduction{jax.tree_util.keystr(path)}" if path else "reduction"
+        if m is None:
+            raise ValueError(
+                f"{where} is None in reduction={reduction!r}: in a pytree of reductions "
+                "every leaf must be a Monoid object (None does not leave a part of fun's "
+                "output unreduced); give that part a monoid too (e.g. adv_jax_math.ADD), or "
+                "return only the parts to reduce from fun and map the others in a separate "
+                "batch_map call"
+            )
+        if not isinstance(m, Monoid):
+            what = "a class" if isinstance(m, type) else type(m).__name__
+            raise TypeError(
+                f"reduction must be {_REDUCTION}; {where} is {what}: {m!r} (a pytree of "
+                "reductions holds Monoid objects only)"
+            )
+        missing = [s for s in _STEPS if getattr(type(m), s) is getattr(Monoid, s)]
+        if missing:
+            raise TypeError(
+                f"{where}={m!r} ({type(m).__name__}) does not define {', '.join(missing)}: "
+                "the Monoid base class only describes the protocol. Pass one of "
+                "adv_jax_math's monoids (ADD, MAX, MIN, LOGSUMEXP, ARGMIN, MEAN, VAR, "
+                "top_k(k), softmax_weighted() ...), or a subclass of Monoid that defines "
+                f"{', '.join(_STEPS)}"
+            )
+
+
+def check_monoid_rows(reduction: Any, out_shape: Any, rows: int) -> None:
+    """Monoid objects (default ``chunk_reduction``) reduce the rows of ``fun``'s output:
+    each leaf needs one row per input row. A 0-d or empty output is left to the generic
+    path when every monoid combines results (ADD, MAX, MIN, LOGSUMEXP act as
+    ``jnp.add`` ... on per-chunk results)."""
+    leaves = jax.tree.leaves(out_shape)
+    monoids = jax.tree.leaves(reduction, is_leaf=lambda m: isinstance(m, Monoid))
+    if not leaves or any(not leaf.shape for leaf in leaves):
+        if all(m.combine is not None for m in monoids):
+            return
+        got = (
+            "nothing (no array leaves)"
+            if not leaves
+            else f"{jax.tree.map(lambda s: tuple(s.shape), out_shape)} (a 0-d leaf)"
+        )
+        raise ValueError(
+            f"reduction={reduction!r} reduces the rows of fun's output, but fun returned "
+            f"{got} for a chunk of {rows} rows; fun must return arrays with one row per "
+            "input row (shape (rows, ...)), e.g. lambda x: x or jax.vmap of a per-row function"
+        )
+    need = (
+        f"reduction={reduction!r} reduces axis 0 of each output leaf as the rows, so fun "
+        "must return one row per input row, in order (not transposed or repeated)"
+    )
+    problem = rowwise_problem(out_shape, rows, "fun(chunk)", need)
+    if problem:
+        raise ValueError(problem)
 
 
 def batch_size_from(batch_size: Any, kwargs: Mapping[str, Any]) -> int | Literal["auto"] | None:
