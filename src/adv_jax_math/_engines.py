@@ -19,7 +19,7 @@ from . import _config
 from ._plan import Call, Plan, Rejection, make_plan
 from ._scan import ScanEngine
 from ._shard import ShardEngine
-from ._sharding import typed_mesh
+from ._sharding import follow_layout, typed_mesh
 from ._trace import rows_aval
 from .kernels.fused_reduce.engine import FusedEngine
 
@@ -118,6 +118,7 @@ def run(plan: Plan, call: Call) -> Any:
     consts = list({id(c): c for c in plan.consts()}.values())
 
     def program(xs: Any, values: list) -> Any:
+        xs, values = follow_layout((xs, values))
         local = plan.with_consts({id(c): v for c, v in zip(consts, values, strict=True)})
         return engine.run(local, dataclasses.replace(call, xs=xs))
 

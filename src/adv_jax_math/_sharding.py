@@ -24,6 +24,7 @@ __all__ = [
     "RowSharding",
     "context_mesh",
     "explicit",
+    "follow_layout",
     "place",
     "row_sharding",
     "sharding_of",
@@ -139,6 +140,42 @@ def place(x: Any, mesh: Any, spec: PartitionSpec) -> Any:
     if explicit(sharding_of(x)) or AxisType.Explicit in tuple(mesh.axis_types):
         return jax.sharding.reshard(x, NamedSharding(mesh, spec))
     return x
+
+
+@jax.custom_jvp
+def _follow(x: jax.Array) -> jax.Array:
+    return x
+
+
+@_follow.defjvp
+def _follow_jvp(primals: tuple, tangents: tuple) -> tuple:
+    (x,), (dx,) = primals, tangents
+    # the same tangent either way, read through a select on x: XLA places the tangent
+    # (and the cotangent, the select's transpose) where x lives
+    return x, jnp.where(jnp.isnan(x), dx, dx)
+
+
+def follow_layout(xs: Any) -> Any:
+    """``xs`` unchanged, with derivatives laid out as each value is on Auto axes.
+
+    On an Auto mesh a sharding is no part of a value's type: inside ``jit`` XLA
+    places each value, and it gathered the cotangent of rows split over devices
+    on every device (the chunks' cotangents are written into a buffer it sees no
+    reason to split), where plain JAX keeps the rows' sharding. Tied to its primal
+    through a select, the cotangent goes where the primal is. Floating leaves on a
+    mesh with an Auto axis over several devices only (Explicit axes carry their
+    sharding in the type; elsewhere nothing is split).
+    """
+
+    def follow(x: Any) -> Any:
+        if not isinstance(x, jax.Array) or not jnp.issubdtype(x.dtype, jnp.inexact):
+            return x
+        mesh = getattr(jax.typeof(x).sharding, "mesh", None)
+        sizes, types = getattr(mesh, "axis_sizes", ()), getattr(mesh, "axis_types", ())
+        split = any(t == AxisType.Auto and k > 1 for k, t in zip(sizes, types, strict=True))
+        return _follow(x) if split else x
+
+    return jax.tree.map(follow, xs)
 
 
 def zeros(shape: tuple[int, ...], dtype: Any, like: Any = None, fill: Any = 0) -> jax.Array:
