@@ -9,9 +9,11 @@ for the native call. The native kernel is private (``_private``: ``native_*``).
 - ``test_reduction``: one jitted reduction over axis 0 of a (2^14, 2^10) array. The
   target is ratio >= 1.5 in float32.
 - ``test_chunk_threshold``: the per-chunk reduction inside ``lax.scan``, as the scan
-  engine runs it, for several chunk sizes; this is what ``native_worth_it`` encodes.
+  engine runs it, for several chunk sizes; ``native_worth_it`` (the chunk loop's
+  rule: >= 4096 elements) is recorded.
 - ``test_batch_map_end_to_end``: a ``batch_map`` logsumexp reduction with the native
-  chunk reduction and with ``config(native="off")``.
+  chunk reduction and with ``config(native="off")`` (more cases in
+  ``bench_native_policy.py``).
 """
 
 from __future__ import annotations
@@ -104,11 +106,13 @@ def test_batch_map_end_to_end(benchmark):
     2^12 rows) with the native chunk reduction and without it."""
     x = jnp.linspace(-3, 3, 1 << 24, dtype=jnp.float32).reshape(1 << 16, 256)
     chunked = lambda x: ajm.batch_map(lambda v: v * 1.5, x, 1 << 12, reduction=ajm.LOGSUMEXP)
-    native = jax.jit(lambda x: chunked(x))
-    with ajm.config(native="off"):  # options are read at trace time: trace it here
-        xla = jax.jit(lambda x: chunked(x))
-        jax.block_until_ready(xla(x))
-    assert NATIVE_TARGET in native.lower(x).as_text()
+    # Options are read at trace time: compile under each (a jitted function called
+    # outside the block would be traced again under the options in force there).
+    lowered = jax.jit(chunked).lower(x)  # native="auto": chunks of 2^20 elements
+    with ajm.config(native="off"):
+        xla = jax.jit(chunked).lower(x).compile()
+    native = lowered.compile()
+    assert NATIVE_TARGET in lowered.as_text()
     np.testing.assert_allclose(native(x), xla(x), rtol=1e-5)
     if not benchmark.disabled:
         record(benchmark, native, xla, x, workload="batch_map logsumexp")

@@ -308,42 +308,76 @@ def test_registration_happens_once(monkeypatch):
     assert calls == []  # already registered by the first load in this process
 
 
-# --- batch_map takes the native kernel for large enough chunks ------------------
+# --- when batch_map's chunk loop runs the native kernel -----------------------
 
 _loaded, _why = _native.status()
+ENGINES = {
+    "scan": dict(backend="scan"),
+    "interpret": dict(backend="interpret"),
+    "shard": dict(backend="scan", shard=True),
+}
 
 
 @pytest.mark.skipif(not _loaded, reason=f"native logsumexp not loaded: {_why}")
+@pytest.mark.parametrize("engine", list(ENGINES))
 @pytest.mark.parametrize(
     "reduction, chunk_reduction, axis",
     [(jnp.logaddexp, jax.nn.logsumexp, None), (ajm.LOGSUMEXP, ajm.identity, 0)],
     ids=["all axes", "axis 0"],
 )
-def test_batch_map_uses_native_for_large_chunks(reduction, chunk_reduction, axis):
-    # 2100 rows in chunks of 512 rows x 4 = 2048 >= MIN_ELEMENTS elements: the loop's
-    # chunks and the masked last chunk all reduce natively; chunks of 64 rows do not.
-    x = random_input((2100, 4), np.float32, seed=8)
-    kw = dict(reduction=reduction, chunk_reduction=chunk_reduction)
-    with _config.config(native="auto"):
-        for batch_size, native in [(512, True), (64, False)]:
-            assert _native.worth_it((batch_size, 4), np.float32) == native
-            f = lambda x, bs=batch_size: ajm.batch_map(jnp.sin, x, bs, **kw)
+def test_batch_map_uses_native_for_large_chunks(engine, reduction, chunk_reduction, axis):
+    # 4400 rows (1100 per device with shard): chunks of 1100 rows x 4 = 4400 >=
+    # MIN_ELEMENTS elements reduce natively, forward and reverse; chunks of at most
+    # 300 rows (294 or 275 rows x 4: the old 1024-element rule took the kernel there,
+    # measured slower) do not. The fused kernel (interpret) never calls it.
+    opts = dict(ENGINES[engine])
+    shard = opts.pop("shard", False)
+    if shard and jax.device_count() != 4:
+        pytest.skip("needs the 4 virtual CPU devices of conftest")
+    x = random_input((4400, 4), np.float32, seed=8)
+    kw = dict(reduction=reduction, chunk_reduction=chunk_reduction, shard=shard)
+    loss = lambda w, run, bs: jnp.sum(run(lambda v: jnp.sin(v * w), x, bs, **kw))
+    plain = lambda f, x, bs, **_: jax.nn.logsumexp(f(x), axis=axis)
+    with _config.config(native="auto", **opts):
+        for batch_size, large in [(1100, True), (300, False)]:
+            native = large and engine != "interpret"
+            f = lambda x, bs=batch_size: ajm.batch_map(lambda v: -(v**2) / 0.1, x, bs, **kw)
             assert uses_native(f, x) == native, batch_size
-            assert_tree_close(jax.jit(f)(x), jax.nn.logsumexp(jnp.sin(x), axis=axis))
-        loss = lambda w, run: jnp.sum(run(lambda v: jnp.sin(v * w), x, 512, **kw))
-        plain = lambda f, x, bs, **_: jax.nn.logsumexp(f(x), axis=axis)
-        assert uses_native(lambda w: jax.value_and_grad(loss)(w, ajm.batch_map), 0.5)
-        got = jax.jit(jax.value_and_grad(loss), static_argnums=1)(0.5, ajm.batch_map)
-        assert_tree_close(got, jax.value_and_grad(loss)(0.5, plain), rtol=1e-5, atol=1e-4)
+            assert_tree_close(jax.jit(f)(x), jax.nn.logsumexp(-(x**2) / 0.1, axis=axis))
+            vg = lambda w, bs=batch_size: jax.value_and_grad(loss)(w, ajm.batch_map, bs)
+            assert uses_native(vg, 0.5) == native, batch_size
+            want = jax.value_and_grad(loss)(0.5, plain, batch_size)
+            assert_tree_close(jax.jit(vg)(0.5), want, rtol=1e-5, atol=1e-4)
 
 
-def test_worth_it():
-    assert _native.worth_it((4096, 16), np.float32)
-    assert _native.worth_it((1 << 20,), jnp.float64)
-    assert not _native.worth_it((64, 4), np.float32)
-    assert not _native.worth_it((1 << 20,), jnp.bfloat16)
-    assert not _native.worth_it((1 << 20,), np.int32)
-    assert not _native.worth_it((1 << 20,), "not a dtype")
+@pytest.mark.usefixtures("native")
+def test_decision_says_whether_and_why(monkeypatch):
+    runs = "native logsumexp reduces each chunk"
+    cases = [
+        ("auto", (4096, 16), np.float32, True, f"{runs} (4096x16 float32): side by side"),
+        ("require", (1 << 20,), jnp.float64, True, f"{runs} (1048576 float64)"),
+        ("auto", (256, 4), np.float32, False, "a chunk of 1024 elements (256x4) is below 4096"),
+        ("off", (4096, 16), np.float32, False, "disabled by adv_jax_math.config(native='off')"),
+        ("auto", (1 << 20,), jnp.bfloat16, False, "float32/float64 chunks, not bfloat16"),
+        ("auto", (1 << 20,), np.int32, False, "float32/float64 chunks, not int32"),
+        ("auto", (1 << 20,), "not a dtype", False, "'not a dtype' is not a dtype"),
+    ]
+    for mode, shape, dtype, expected, why in cases:
+        with _config.config(native=mode):
+            got = _native.decision(shape, dtype)
+            assert got[0] is expected and why in got[1], (mode, shape, dtype, got)
+            assert _native.worth_it(shape, dtype) is expected
+    # a library that does not load: "auto" says why and leaves it to XLA
+    _native._load.cache_clear()
+    monkeypatch.setattr(_native, "_find_library", lambda: (None, "library not found"))
+    try:
+        with _config.config(native="auto"):
+            assert _native.decision((4096, 16), np.float32) == (
+                False,
+                "native logsumexp not used: library not found",
+            )
+    finally:
+        _native._load.cache_clear()
 
 
 # --- the library is absent, disabled or broken -----------------------------------
