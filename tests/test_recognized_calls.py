@@ -183,7 +183,6 @@ counter = itertools.count(1)
 LOOKALIKES = {
     "mean": (jnp.add, lambda t: t.mean(0)),
     "sum then max": (jnp.maximum, jnp.sum),
-    "difference": (lambda a, b: a - b, jnp.sum),
     "a*b+1": (lambda a, b: a * b + 1, jnp.sum),
     "sum over axis 1": (jnp.add, lambda t: t.sum(1)),
     "closes over a chunk counter": (jnp.add, lambda t: t.sum() * next(counter)),
