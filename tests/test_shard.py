@@ -201,3 +201,31 @@ def test_batch_vmap_sharded_per_example_grads():
     w, xs = jnp.ones(3) / 3, jnp.asarray(np.random.default_rng(0).normal(size=(11, 3)), jnp.float32)
     f = ajm.batch_vmap(jax.grad(loss), (None, 0), batch_size=2, shard=True)
     assert_tree_close(f(w, xs), jax.vmap(jax.grad(loss), (None, 0))(w, xs))
+
+
+def _ordered_product(m):
+    out = m[0]
+    for a in m[1:]:
+        out = out @ a
+    return out
+
+
+@pytest.mark.parametrize("n", [16, 18])
+def test_generic_reductions_see_one_device_s_chunk_at_a_time(n):
+    """A generic reduction reduces each device's own chunks, then the devices' results
+    in the order of the rows: chunk results that keep a chunk's rows (the identity
+    chunk_reduction) and reductions that do not commute (a product of matrices), as
+    the unsharded call and plain JAX give them. Each chunk used to take the same rows
+    of every device at once: (8,) for (2,), and the product in the wrong order."""
+    x = jnp.arange(float(n))
+    m = jnp.asarray(np.random.default_rng(0).normal(size=(n, 2, 2)), jnp.float32)
+    pair = lambda c: c[0] @ c[1]
+    cases = [
+        (lambda r: r, x, dict(reduction=jnp.add), x.reshape(-1, 2).sum(0)),
+        (lambda r: r, m, dict(reduction=jnp.matmul, chunk_reduction=pair), _ordered_product(m)),
+        (pair, m, dict(reduction=jnp.matmul), _ordered_product(m)),  # fun reduces its chunk
+    ]
+    for f, xs, kw, want in cases:
+        got = ajm.batch_map(f, xs, 2, shard=True, **kw)
+        assert_tree_close(got, want, rtol=1e-4, atol=1e-4)
+        assert_tree_close(got, ajm.batch_map(f, xs, 2, **kw), rtol=1e-4, atol=1e-4)

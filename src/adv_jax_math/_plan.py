@@ -514,6 +514,8 @@ def _over_lanes(plan: Plan, call: Call, lanes: Lanes) -> Plan:
     same rows of every device's share (``lanes.count`` times the chunk's rows)."""
     if plan.policy is Policy.EMPTY or plan.traced is None:
         return plan
+    if plan.kind is Kind.GENERIC:  # each device reduces its own rows (vmapped over them)
+        return dataclasses.replace(plan, lanes=lanes)
     d = lanes.count
 
     def again(traced: Traced | None, rows: int) -> Traced | None:

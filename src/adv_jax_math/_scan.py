@@ -468,24 +468,36 @@ def _generic(plan: Plan, call: Call) -> Any:
     assert traced is not None and plan.n is not None
     reduction, chunk_reduction = call.reduction, call.chunk_reduction
     assert reduction is not None
-    rows = _Rows(plan, 0)
-    views = [rows.view(x) for x in jax.tree.leaves(call.xs)]
-    tree = jax.tree.structure(call.xs)
     b, k, r = plan.rows_per_chunk, plan.chunks, plan.remainder
-    if plan.policy is Policy.SINGLE:
-        return chunk_reduction(traced(call.xs))
-    step = _remat(
-        lambda i: chunk_reduction(traced(jax.tree.unflatten(tree, rows.take(views, i * b, b))))
-    )
-    out = step(jnp.int32(0))
-    if k > 1:
-        out, _ = _steps(lambda i, acc: (reduction(acc, step(i + 1)), None), out, k - 1, rows=b)
-    if not r:
-        return out
-    assert plan.tail is not None
-    rest = chunk_reduction(plan.tail(jax.tree.unflatten(tree, rows.take(views, k * b, r))))
-    _check_same_shapes(out, rest, b, r, reduction)
-    return reduction(out, rest)
+    tree = jax.tree.structure(call.xs)
+    one = _Rows(dataclasses.replace(plan, lanes=None), 0)
+
+    def share(xs: Any) -> Any:  # one device's rows (or all of them)
+        if plan.policy is Policy.SINGLE:
+            return chunk_reduction(traced(xs))
+        leaves = jax.tree.leaves(xs)
+        take = lambda start, size: jax.tree.unflatten(tree, one.take(leaves, start, size))
+        step = _remat(lambda i: chunk_reduction(traced(take(i * b, b))))
+        out = step(jnp.int32(0))
+        if k > 1:
+            out, _ = _steps(lambda i, acc: (reduction(acc, step(i + 1)), None), out, k - 1, rows=b)
+        if not r:
+            return out
+        assert plan.tail is not None
+        rest = chunk_reduction(plan.tail(take(k * b, r)))
+        _check_same_shapes(out, rest, b, r, reduction)
+        return reduction(out, rest)
+
+    rows = _Rows(plan, 0)
+    if not rows.lanes:
+        return share(call.xs)
+    # Each device reduces its own rows (fun and chunk_reduction see one device's chunk,
+    # never the same rows of every device at once), then the devices' results are
+    # combined in the order of the rows.
+    per_device = jax.vmap(share)(jax.tree.map(rows.view, call.xs))
+    per_device = jax.tree.map(rows.lanes.gather, per_device)  # d results, small
+    results = [jax.tree.map(lambda a, j=j: a[j], per_device) for j in range(rows.d)]
+    return functools.reduce(reduction, results)
 
 
 def _check_same_shapes(out: Any, rest: Any, b: int, r: int, reduction: Callable) -> None:
