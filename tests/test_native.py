@@ -343,11 +343,22 @@ def test_batch_map_uses_native_for_large_chunks(engine, reduction, chunk_reducti
             native = large and engine != "interpret"
             f = lambda x, bs=batch_size: ajm.batch_map(lambda v: -(v**2) / 0.1, x, bs, **kw)
             assert uses_native(f, x) == native, batch_size
+            plan = ajm.explain(lambda v: -(v**2) / 0.1, x, batch_size, **kw)
+            plan = plan.shard.local if shard else plan  # each device's chunks
+            said = [n for n in plan.notes if n.startswith("native logsumexp")]
+            if engine == "interpret":  # explain() speaks of the kernel only where it may run
+                assert not said, plan.notes
+            else:
+                assert len(said) == 1 and ("reduces each chunk" in said[0]) == native, said
             assert_tree_close(jax.jit(f)(x), jax.nn.logsumexp(-(x**2) / 0.1, axis=axis))
             vg = lambda w, bs=batch_size: jax.value_and_grad(loss)(w, ajm.batch_map, bs)
             assert uses_native(vg, 0.5) == native, batch_size
             want = jax.value_and_grad(loss)(0.5, plain, batch_size)
             assert_tree_close(jax.jit(vg)(0.5), want, rtol=1e-5, atol=1e-4)
+    if engine == "scan":
+        with _config.config(native="off", **opts):
+            plan = ajm.explain(lambda v: -(v**2) / 0.1, x, 1100, **kw)
+        assert "native logsumexp not used: disabled" in str(plan), str(plan)
 
 
 @pytest.mark.usefixtures("native")

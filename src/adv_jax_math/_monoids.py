@@ -430,11 +430,16 @@ class LogSumExp(Monoid):
     def encode(self, keep: Any, dtype: Any, xp: Any = np) -> Any:
         return _drop(keep, _wide(self.result_dtype(dtype)), xp)
 
+    def native_decision(self, shape: Sequence[int], dtype: Any) -> tuple[bool, str]:
+        """Whether :meth:`fold_fast` reduces rows of ``shape`` and ``dtype`` with the
+        native CPU kernel, and why (``explain()`` shows it)."""
+        return native.decision(shape, _wide(self.result_dtype(dtype)))
+
     def fold_fast(self, ys, idx, w) -> Any:
         y = ys[0].astype(_wide(self.result_dtype(ys[0].dtype)))
         if w is not None:
             y = _bound(y, _col(w, y))
-        if not native.worth_it(y.shape, y.dtype):
+        if not self.native_decision(y.shape, y.dtype)[0]:
             return self.fold([y], idx, None)
         top = native.logsumexp(y, 0)  # one native pass (CPU), as a state of one row
         return top, jnp.ones_like(top), jnp.zeros_like(top)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -57,7 +58,12 @@ class ScanEngine:
     name = "scan"
 
     def accept(self, plan: Plan, call: Call) -> Plan | Rejection:
-        return dataclasses.replace(plan, engine=self.name, reason="lax.scan over chunks")
+        return dataclasses.replace(
+            plan,
+            engine=self.name,
+            reason="lax.scan over chunks",
+            notes=plan.notes + _native_notes(plan),
+        )
 
     def run(self, plan: Plan, call: Call) -> Any:
         if plan.policy is Policy.EMPTY:
@@ -74,6 +80,23 @@ class ScanEngine:
     def states(self, plan: Plan, xs: Any, offset: int) -> list:
         """Each term's state over ``plan``'s rows (global indices from ``offset``)."""
         return states(plan, xs, offset)
+
+
+def _native_notes(plan: Plan) -> tuple[str, ...]:
+    """Whether each term with a native CPU kernel (logsumexp) reduces a chunk with it,
+    and why: the decision ``fold_fast`` takes on a chunk's rows as the term reads them."""
+    if plan.reduction is None or plan.traced is None or not plan.rows_per_chunk:
+        return ()
+    outs = jax.tree.leaves(plan.traced.out_shape)
+    notes = []
+    for leaf in plan.reduction.leaves:
+        decide = getattr(leaf.monoid, "native_decision", None)
+        if decide is None:
+            continue
+        y = outs[leaf.source]
+        shape = (plan.rows_per_chunk, *y.shape[1:])
+        notes.append(decide(shape if leaf.axis == 0 else (math.prod(shape),), y.dtype)[1])
+    return tuple(dict.fromkeys(notes))
 
 
 def _empty_result(plan: Plan, call: Call) -> Any:
