@@ -252,3 +252,27 @@ def test_gradient_through_an_integer_result_on_devices():
     f = lambda x: ajm.batch_map(lambda r: {"f": r**2, "i": r}, x, 2, reduction=red, shard=True)
     _close(jax.grad(lambda x: f(x)["f"])(x), jax.grad(lambda x: jnp.mean(x**2))(x), "grad")
     assert int(f(x)["i"]) == int(jnp.argmin(x))
+
+
+@pytest.mark.skipif(jax.device_count() != 4, reason="needs the 4 virtual CPU devices")
+@pytest.mark.skipif(not hasattr(jax.sharding, "reshard"), reason="needs jax >= 0.10")
+@pytest.mark.parametrize("axis_type", ["Explicit", "Auto"])
+@pytest.mark.parametrize("rows", ["P()", "P('x')"])
+def test_special_values_on_meshes(axis_type, rows):
+    """Rows on a 4-device mesh (each device reduces its own rows, the states merge
+    across devices): logsumexp below -88.7 and an infinite mean, values and gradients."""
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((4,), ("x",), axis_types=(getattr(AxisType, axis_type),))
+    spec = P("x") if rows == "P('x')" else P()
+    v = jax.device_put(jnp.linspace(-3.0, 3.0, 16), NamedSharding(mesh, spec))
+    y = jax.device_put(jnp.array([1.0] * 15 + [np.inf]), NamedSharding(mesh, spec))
+    f = lambda v: -50.0 * v**2
+    with jax.set_mesh(mesh):
+        lse = jax.jit(lambda v: ajm.batch_map(f, v, 1, reduction=ajm.LOGSUMEXP))
+        grad = jax.jit(jax.grad(lambda v: ajm.batch_map(f, v, 3, reduction=ajm.LOGSUMEXP)))
+        mean = jax.jit(lambda y: ajm.batch_map(lambda r: r, y, 3, reduction=ajm.MEAN))
+        _close(lse(v), jax.nn.logsumexp(f(v)), "logsumexp")
+        _close(grad(v), jax.grad(lambda v: jax.nn.logsumexp(f(v)))(v), "gradient")
+        _close(mean(y), jnp.mean(y), "mean")
