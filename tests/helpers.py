@@ -191,3 +191,18 @@ needs_abstract_devices = pytest.mark.skipif(
     jax.__version_info__ < (0, 10, 1),
     reason="lowering for an absent GPU/TPU needs AbstractDevice(platform=), jax >= 0.10.1",
 )
+
+
+@contextlib.contextmanager
+def engine(name: str) -> Iterator[dict[str, Any]]:
+    """Run under one engine: ``"scan"``, ``"interpret"`` (the fused kernel in
+    interpret mode) or ``"shard"`` (4 devices); yields ``batch_map``'s extra keywords.
+    Skips where this jax or the device count cannot run it."""
+    import adv_jax_math as ajm
+
+    if name == "interpret" and jax.__version_info__ < (0, 10, 0):
+        pytest.skip(needs_kernel.kwargs["reason"])
+    if name == "shard" and jax.device_count() != 4:
+        pytest.skip("needs the 4 virtual CPU devices")
+    with ajm.config(backend="interpret") if name == "interpret" else contextlib.nullcontext():
+        yield dict(shard=True) if name == "shard" else {}

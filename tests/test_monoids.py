@@ -7,13 +7,11 @@ against ``jax.grad`` of the oracle. Indices and selections are compared exactly.
 
 from __future__ import annotations
 
-import contextlib
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_tree_close, enable_x64, needs_kernel
+from helpers import assert_tree_close, enable_x64, engine
 from jax import lax
 
 import adv_jax_math as ajm
@@ -44,16 +42,6 @@ TABLE = {
 ENGINES = ["scan", "interpret", "shard"]
 B = 8
 SIZES = [24, 29, 1]  # divisible by B, overlapping chunks, one row
-
-
-@contextlib.contextmanager
-def engine(name):
-    if name == "interpret" and jax.__version_info__ < (0, 10, 0):
-        pytest.skip(needs_kernel.kwargs["reason"])
-    if name == "shard" and jax.device_count() != 4:
-        pytest.skip("needs the 4 virtual CPU devices")
-    with ajm.config(backend="interpret") if name == "interpret" else contextlib.nullcontext():
-        yield dict(shard=True) if name == "shard" else {}
 
 
 def data(n, dtype, seed=0):

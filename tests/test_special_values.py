@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import enable_x64, needs_kernel
+from helpers import enable_x64, engine
 from jax import lax
 
 import adv_jax_math as ajm
@@ -74,16 +74,6 @@ TABLE = {
     "softmax_weighted(values)": (ajm.softmax_weighted(), _softmax_weighted, lambda r: r[::-1]),
 }
 ENGINES = ["scan", "interpret", "shard"]
-
-
-@contextlib.contextmanager
-def engine(name):
-    if name == "interpret" and jax.__version_info__ < (0, 10, 0):
-        pytest.skip(needs_kernel.kwargs["reason"])
-    if name == "shard" and jax.device_count() != 4:
-        pytest.skip("needs the 4 virtual CPU devices")
-    with ajm.config(backend="interpret" if name == "interpret" else "scan"):
-        yield dict(shard=True) if name == "shard" else {}
 
 
 def _close(got, want, what):
