@@ -99,3 +99,29 @@ def test_rows_split_maps_and_generic_reductions(axis_type, spec, set_mesh):
                 same_sharding(got, want)
                 got = ajm.batch_map(lambda v: v**2, x, b, shard=shard, **SUM_SQ)
                 assert_tree_close(got, jnp.sum(x**2, 0), rtol=1e-5, atol=1e-5)
+
+
+INNER = {  # fun with derivative rules or loops of their own, traced into fun's jaxpr
+    "relu": jax.nn.relu,
+    "fori_loop": lambda v: jax.lax.fori_loop(0, 3, lambda i, c: jnp.sin(c) * v, v),
+}
+
+
+@pytest.mark.parametrize("set_mesh", [False, True], ids=["no_mesh", "set_mesh"])
+@pytest.mark.parametrize("backend", ["scan", "interpret"])
+@pytest.mark.parametrize("name", list(INNER))
+def test_gradients_through_rules_traced_on_split_rows(name, backend, set_mesh):
+    """Rows split over an Explicit mesh of 4: a ``custom_jvp`` (``jax.nn.relu``'s
+    select) or a ``fori_loop`` inside ``fun`` is traced with the chunks' sharding, so
+    its tangents agree with the chunks' (they were traced unsharded: "select cases
+    must have the same shardings", "Expected cotangent type float32[8@x,4]")."""
+    mesh, x = place(4, AxisType.Explicit, P("x"))
+    f = INNER[name]
+    with jax.set_mesh(mesh):  # plain JAX's gradient of a fori_loop needs the mesh set
+        want = jax.grad(lambda x: jnp.sum(f(x)))(x)
+    with context(mesh, set_mesh), ajm.config(backend=backend):
+        for red in (None, ajm.ADD):
+            loss = lambda x, red=red: jnp.sum(ajm.batch_map(f, x, B, reduction=red))
+            got = jax.jit(jax.grad(loss))(x)
+            assert_tree_close(got, want)
+            same_sharding(got, want)

@@ -22,7 +22,7 @@ from . import _autotune, _config
 from ._call import Call
 from ._monoid import MonoidReduction, identity
 from ._recognize import check_combine, is_monoid_tree, recognize
-from ._sharding import Lanes, row_sharding
+from ._sharding import Lanes, explicit, row_sharding, sharding_of, typed_mesh
 from ._trace import Traced, rebind, rows_aval, trace
 from ._validate import check_monoid_rows, check_rowwise, mapped_rows
 
@@ -509,6 +509,16 @@ def _sharded_plan(call: Call, n: int, mesh: Any, axes: tuple[str, ...], implicit
     )
 
 
+def _typed(aval: jax.ShapeDtypeStruct, x: Any, lanes: Lanes) -> jax.ShapeDtypeStruct:
+    """``aval`` with its rows split over the lanes' axes, as a chunk of ``x`` is, where
+    ``x`` is typed on Explicit axes."""
+    sharding = sharding_of(x)
+    if not explicit(sharding):
+        return aval
+    split = jax.sharding.NamedSharding(sharding.mesh, lanes.spec())
+    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, sharding=split)
+
+
 def _over_lanes(plan: Plan, call: Call, lanes: Lanes) -> Plan:
     """A device's plan run by all devices at once: each chunk of ``fun`` takes the
     same rows of every device's share (``lanes.count`` times the chunk's rows)."""
@@ -522,7 +532,15 @@ def _over_lanes(plan: Plan, call: Call, lanes: Lanes) -> Plan:
         if traced is None:
             return None
         fun = call.fun if plan.reduction is None else plan.reduction.prepare(call.fun)
-        return trace(fun, rows_aval(call.xs, d * rows))
+        avals = rows_aval(call.xs, d * rows)
+        if explicit(sharding_of(jax.tree.leaves(call.xs)[0])):
+            # rows typed as the chunks will be (split over the lanes' axes): derivative
+            # rules traced into fun's jaxpr (jax.nn.relu's select, a fori_loop's carry)
+            # then make tangents of the chunks' sharding, not unsharded ones
+            avals = jax.tree.map(lambda a, x: _typed(a, x, lanes), avals, call.xs)
+            with typed_mesh(*jax.tree.leaves(call.xs)):
+                return trace(fun, avals)
+        return trace(fun, avals)
 
     return dataclasses.replace(
         plan,
