@@ -592,8 +592,9 @@ class TopK(Monoid):
     largest first, ties to the lower row (``smallest=True``: the ``k`` smallest,
     smallest first, ties to the lower row; integers and bools compared as they are,
     never negated, which wraps); ``(values, indices)``, each ``(k, *t)``. The state
-    keeps each slot's order key, row and value; derivatives of every order go to the
-    selected rows, as ``jax.grad`` of ``lax.top_k``."""
+    keeps each slot's value and row (its order key is computed from the value where
+    slots are compared); derivatives of every order go to the selected rows, as
+    ``jax.grad`` of ``lax.top_k``."""
 
     selects = True
 
@@ -606,7 +607,7 @@ class TopK(Monoid):
     def __repr__(self) -> str:
         return f"adv_jax_math.{self.name}"
 
-    def _flip(self, y: jax.Array) -> jax.Array:
+    def _flip(self, y: Any) -> Any:
         """``y`` reversed in order for ``smallest`` (exact and its own inverse: ``-y``
         for floats, ``~y`` for integers and bools)."""
         if not self.smallest:
@@ -627,19 +628,24 @@ class TopK(Monoid):
             return dtype
         return np.dtype(np.float32 if _inexact(dtype) else np.int32)
 
+    def _empty(self, dtype: Any) -> Any:
+        """The value of an empty slot: the one whose key is the lowest (for floats a
+        NaN whose bits are all ones, before :meth:`_flip`)."""
+        vd = self._value_dtype(dtype)
+        if _inexact(vd):
+            low = np.array(-1, np.int64 if vd.itemsize == 8 else np.int32).view(vd)
+        else:
+            low = np.array(np.iinfo(vd).min, vd)
+        return self._flip(low)[()]
+
     def fill(self, dtype: Any) -> Any:
         return np.zeros((), dtype)[()]  # never selected: fold leaves out weight-0 rows
 
     def init(self, items: Items) -> Any:
         dtype = items[0].dtype
-        key_dtype = jax.eval_shape(self._key, jax.ShapeDtypeStruct((1,), dtype)).dtype
-        big = np.iinfo(index_dtype()).max
         slots = lambda value, dt: tuple(_full(items[0], value, dt) for _ in range(self.k))
-        return (
-            slots(self._key_min(dtype), key_dtype),
-            slots(big, index_dtype()),
-            slots(0, self._value_dtype(dtype)),
-        )
+        empty = self._empty(dtype)
+        return slots(empty, empty.dtype), slots(np.iinfo(index_dtype()).max, index_dtype())
 
     def fold(self, ys, idx, w) -> Any:
         """k passes of max-and-remove (any engine, kernels included); the values are
@@ -651,26 +657,23 @@ class TopK(Monoid):
         alive = jnp.ones(y.shape, bool) if w is None else jnp.broadcast_to(_col(w > 0, y), y.shape)
         keys, sel = _select(self.k, [(key, rows, alive, 0)], self._key_min(y.dtype))
         vd = self._value_dtype(y.dtype)
-        return keys, sel, tuple(self._flip(_from_key(kk, y.dtype)).astype(vd) for kk in keys)
+        return tuple(self._flip(_from_key(kk, y.dtype)).astype(vd) for kk in keys), sel
 
     def _picked(self, y: jax.Array, idx: jax.Array, state: Any) -> Any:
         """``state`` whose values have the derivatives of their rows of ``y``: each
-        value plus ``p - stop_gradient(p)`` for ``p`` its row picked by a 0/1 mask
-        (infinities and NaN zeroed first; a select would need the mask sharded as
-        ``y`` on Explicit meshes)."""
-        keys, sel, values = state
+        finite value plus ``p - stop_gradient(p)`` for ``p`` its row picked by a 0/1
+        mask (infinities and NaN zeroed first; a select would need the mask sharded as
+        ``y`` on Explicit meshes). NaN and infinite values are left as they are:
+        arithmetic may turn a NaN's sign, and with it its rank."""
+        values, sel = state
         if not _inexact(y.dtype):
             return state
         rows = _col(idx.astype(index_dtype()), y)
         v = y.astype(self._value_dtype(y.dtype))
         v = jnp.where(jnp.isfinite(v), v, jnp.zeros_like(v))
         pick = lambda s: jnp.sum(v * (rows == s[None]).astype(v.dtype), axis=0)
-        picked = (pick(s) for s in sel)
-        return (
-            keys,
-            sel,
-            tuple(a + (p - lax.stop_gradient(p)) for a, p in zip(values, picked, strict=True)),
-        )
+        tie = lambda a, p: jnp.where(jnp.isfinite(a), a + (p - lax.stop_gradient(p)), a)
+        return tuple(tie(a, pick(s)) for a, s in zip(values, sel, strict=True)), sel
 
     def fold_fast(self, ys, idx, w) -> Any:
         """One ``lax.top_k`` over the rows (XLA's TopK, the lower row first on equal
@@ -690,25 +693,20 @@ class TopK(Monoid):
             low = np.float32(-np.nan) if floats else self._key_min(y.dtype)
             rank = jnp.where(alive, rank, low)
         rows = jnp.broadcast_to(_col(idx.astype(index_dtype()), y), y.shape)
-        top, pos = lax.top_k(jnp.moveaxis(rank, 0, -1), self.k)  # (*t, k)
-        keys = _order_key(top) if floats else top
+        _, pos = lax.top_k(jnp.moveaxis(rank, 0, -1), self.k)  # (*t, k)
         take = lambda a: tuple(jnp.moveaxis(jnp.take_along_axis(a, pos, axis=-1), -1, 0))
         v = y.astype(self._value_dtype(y.dtype))
-        fast = (
-            tuple(jnp.moveaxis(keys, -1, 0)),
-            take(jnp.moveaxis(rows, 0, -1)),
-            take(jnp.moveaxis(v, 0, -1)),
-        )
+        fast = take(jnp.moveaxis(v, 0, -1)), take(jnp.moveaxis(rows, 0, -1))
         if alive is None:
             return fast
         chosen = jnp.take_along_axis(jnp.moveaxis(alive, 0, -1), pos, axis=-1)
         return lax.cond(jnp.all(chosen), lambda: fast, slow)
 
     def merge(self, a: Any, b: Any) -> Any:
-        return _merge_sorted(self.k, a, b)
+        return _merge_sorted(self.k, a, b, self._key, self._empty(a[0][0].dtype))
 
     def finalize(self, state: Any, items: Items) -> Any:
-        _, rows, values = (jnp.stack(part) for part in state)
+        values, rows = (jnp.stack(part) for part in state)
         # int32 indices, as lax.top_k gives them (also under x64)
         return values.astype(items[0].dtype), rows.astype(np.int32)
 
@@ -776,50 +774,53 @@ def _select(k: int, lists: list, key_min: Any) -> tuple:
     return tuple(keys), tuple(rows)
 
 
-def _merge_sorted(k: int, a: tuple, b: tuple) -> tuple:
-    """The ``k`` best of two states ``(keys, rows, values)``, each sorted best first
-    (the higher key, then the lower row; empty slots ``(key_min, big, 0)`` last): a
-    bitonic merge network. ``a`` and ``b`` reversed form a bitonic sequence; one
-    compare-exchange of ``a[i]`` with ``b[size - 1 - i]`` keeps the ``size`` best
-    (bitonic again), and ``log2(size)`` rounds of compare-exchanges sort them
-    (``size``: k rounded up to a power of two, padded with empty slots). That is
+def _merge_sorted(k: int, a: tuple, b: tuple, key: Any, empty: Any) -> tuple:
+    """The ``k`` best of two states ``(values, rows)``, each sorted best first (the
+    higher ``key(value)``, then the lower row; empty slots ``(empty, big)``, of the
+    lowest key, last): a bitonic merge network. ``a`` and ``b`` reversed form a bitonic
+    sequence; one compare-exchange of ``a[i]`` with ``b[size - 1 - i]`` keeps the
+    ``size`` best (bitonic again), and ``log2(size)`` rounds of compare-exchanges sort
+    them (``size``: k rounded up to a power of two, padded with empty slots). That is
     ``k + k/2 log2 k`` compare-exchanges at depth ``1 + log2 k``, elementwise (any
     engine, kernels included); the k passes of max-and-remove (:func:`_select`) over
     the 2k slots made XLA:GPU fuse one ``loop_and_maximum_minimum_fusion`` that took
-    minutes to compile for k = 16. Values follow their slots (by ``where``: their
-    derivatives too)."""
+    minutes to compile for k = 16. Keys are recomputed from the values at each
+    comparison (a bitcast), not carried: two arrays per slot, as few registers as
+    possible on GPU; values move by ``where``, with their derivatives."""
     size = 1 << (k - 1).bit_length()
-    key_min, big = np.iinfo(a[0][0].dtype).min, np.iinfo(a[1][0].dtype).max
+    big = np.iinfo(a[1][0].dtype).max
 
-    def padded(state: tuple) -> list[list]:
-        return [
-            list(part) + [jnp.full_like(part[0], fill)] * (size - k)
-            for part, fill in zip(state, (key_min, big, 0), strict=True)
-        ]
+    def padded(state: tuple) -> tuple[list, list]:
+        values, rows = state
+        pad = size - k
+        return (
+            list(values) + [jnp.full_like(values[0], empty)] * pad,
+            list(rows) + [jnp.full_like(rows[0], big)] * pad,
+        )
 
-    def first(x: int, y: int, sx: list, sy: list) -> jax.Array:
-        (kx, rx), (ky, ry) = (sx[0][x], sx[1][x]), (sy[0][y], sy[1][y])
+    def first(vx: jax.Array, rx: jax.Array, vy: jax.Array, ry: jax.Array) -> jax.Array:
+        kx, ky = key(vx), key(vy)
         return (kx > ky) | ((kx == ky) & (rx < ry))
 
-    pa, pb = padded(a), padded(b)
-    out: list[list] = [[] for _ in pa]
+    (va, ra), (vb, rb) = padded(a), padded(b)
+    values, rows = [], []
     for i in range(size):  # the better of a[i] and b[size - 1 - i]: the size best
         j = size - 1 - i
-        take = first(i, j, pa, pb)
-        for part, xa, xb in zip(out, pa, pb, strict=True):
-            part.append(jnp.where(take, xa[i], xb[j]))
+        take = first(va[i], ra[i], vb[j], rb[j])
+        values.append(jnp.where(take, va[i], vb[j]))
+        rows.append(jnp.where(take, ra[i], rb[j]))
     half = size // 2
     while half:  # bitonic merge, best first
         for i in (i for i in range(size) if not i & half):
             j = i + half
-            take = first(i, j, out, out)
-            for part in out:
-                part[i], part[j] = (
-                    jnp.where(take, part[i], part[j]),
-                    jnp.where(take, part[j], part[i]),
-                )
+            take = first(values[i], rows[i], values[j], rows[j])
+            values[i], values[j] = (
+                jnp.where(take, values[i], values[j]),
+                jnp.where(take, values[j], values[i]),
+            )
+            rows[i], rows[j] = jnp.where(take, rows[i], rows[j]), jnp.where(take, rows[j], rows[i])
         half //= 2
-    return tuple(tuple(part[:k]) for part in out)
+    return tuple(values[:k]), tuple(rows[:k])
 
 
 # -- softmax-weighted sums --------------------------------------------------------------
