@@ -360,6 +360,13 @@ def test_batch_map_uses_native_for_large_chunks(engine, reduction, chunk_reducti
         with _config.config(native="off", **opts):
             plan = ajm.explain(lambda v: -(v**2) / 0.1, x, 1100, **kw)
         assert "native logsumexp not used: disabled" in str(plan), str(plan)
+        # rows the chunks do not divide: 4 chunks of 1025 rows (x 4 >= MIN_ELEMENTS),
+        # the last overlapping the one before by a row, all reduced natively
+        odd = random_input((4099, 4), np.float32, seed=9)
+        f = lambda x: ajm.batch_map(lambda v: -(v**2) / 0.1, x, 1100, **kw)
+        with _config.config(native="auto", **opts):
+            assert uses_native(f, odd)
+            assert_tree_close(jax.jit(f)(odd), jax.nn.logsumexp(-(odd**2) / 0.1, axis=axis))
 
 
 @pytest.mark.usefixtures("native")

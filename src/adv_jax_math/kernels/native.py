@@ -215,7 +215,7 @@ def decision(shape: Sequence[int], dtype: Any) -> tuple[bool, str]:
 
 def worth_it(shape: Sequence[int], dtype: Any) -> bool:
     """Whether ``batch_map``'s chunk loop uses the native kernel: :func:`decision`'s
-    first element (the name ``LogSumExp.fold_fast`` calls)."""
+    first element, without its reason."""
     return decision(shape, dtype)[0]
 
 
