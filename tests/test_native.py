@@ -19,6 +19,7 @@ from helpers import assert_tree_close
 
 import adv_jax_math as ajm
 from adv_jax_math import _config
+from adv_jax_math._scan import TWO_PASSES
 from adv_jax_math.kernels import native as _native
 
 NEG_INF, POS_INF, NAN = -np.inf, np.inf, np.nan
@@ -330,43 +331,77 @@ def test_batch_map_uses_native_for_large_chunks(engine, reduction, chunk_reducti
     # MIN_ELEMENTS elements reduce natively, forward and reverse; chunks of at most
     # 300 rows (294 or 275 rows x 4: the old 1024-element rule took the kernel there,
     # measured slower) do not. The fused kernel (interpret) never calls it (where the
-    # kernel cannot run, jax < 0.10, the scan engine serves and does).
+    # kernel cannot run, jax < 0.10, the scan engine serves and does). fun mixes the
+    # columns (a matmul): an elementwise fun is computed again per pass instead (see
+    # test_elementwise_fun_is_read_twice_not_stored).
     opts = dict(ENGINES[engine])
     shard = opts.pop("shard", False)
     if shard and jax.device_count() != 4:
         pytest.skip("needs the 4 virtual CPU devices of conftest")
     x = random_input((4400, 4), np.float32, seed=8)
     kw = dict(reduction=reduction, chunk_reduction=chunk_reduction, shard=shard)
-    loss = lambda w, run, bs: jnp.sum(run(lambda v: jnp.sin(v * w), x, bs, **kw))
+    m = np.eye(4, dtype=np.float32) + 0.1
+    g = lambda v: -((v @ m) ** 2) / 0.1
+    loss = lambda w, run, bs: jnp.sum(run(lambda v: jnp.sin((v @ m) * w), x, bs, **kw))
     plain = lambda f, x, bs, **_: jax.nn.logsumexp(f(x), axis=axis)
     with _config.config(native="auto", **opts):
         for batch_size, large in [(1100, True), (300, False)]:
-            plan = ajm.explain(lambda v: -(v**2) / 0.1, x, batch_size, **kw)
+            plan = ajm.explain(g, x, batch_size, **kw)
             plan = plan.shard.local if shard else plan  # each device's chunks
             native = large and plan.engine == "scan"
-            f = lambda x, bs=batch_size: ajm.batch_map(lambda v: -(v**2) / 0.1, x, bs, **kw)
+            f = lambda x, bs=batch_size: ajm.batch_map(g, x, bs, **kw)
             assert uses_native(f, x) == native, batch_size
             said = [n for n in plan.notes if n.startswith("native logsumexp")]
             if plan.engine != "scan":  # explain() speaks of the kernel only where it may run
                 assert not said, plan.notes
             else:
                 assert len(said) == 1 and ("reduces each chunk" in said[0]) == native, said
-            assert_tree_close(jax.jit(f)(x), jax.nn.logsumexp(-(x**2) / 0.1, axis=axis))
+            assert_tree_close(jax.jit(f)(x), jax.nn.logsumexp(g(x), axis=axis))
             vg = lambda w, bs=batch_size: jax.value_and_grad(loss)(w, ajm.batch_map, bs)
             assert uses_native(vg, 0.5) == native, batch_size
             want = jax.value_and_grad(loss)(0.5, plain, batch_size)
             assert_tree_close(jax.jit(vg)(0.5), want, rtol=1e-5, atol=1e-4)
     if engine == "scan":
         with _config.config(native="off", **opts):
-            plan = ajm.explain(lambda v: -(v**2) / 0.1, x, 1100, **kw)
+            plan = ajm.explain(g, x, 1100, **kw)
         assert "native logsumexp not used: disabled" in str(plan), str(plan)
         # rows the chunks do not divide: 4 chunks of 1025 rows (x 4 >= MIN_ELEMENTS),
         # the last overlapping the one before by a row, all reduced natively
         odd = random_input((4099, 4), np.float32, seed=9)
-        f = lambda x: ajm.batch_map(lambda v: -(v**2) / 0.1, x, 1100, **kw)
+        f = lambda x: ajm.batch_map(g, x, 1100, **kw)
         with _config.config(native="auto", **opts):
             assert uses_native(f, odd)
-            assert_tree_close(jax.jit(f)(odd), jax.nn.logsumexp(-(odd**2) / 0.1, axis=axis))
+            assert_tree_close(jax.jit(f)(odd), jax.nn.logsumexp(g(odd), axis=axis))
+
+
+@pytest.mark.skipif(not _loaded, reason=f"native logsumexp not loaded: {_why}")
+@pytest.mark.parametrize("shard", [False, True], ids=["scan", "shard"])
+@pytest.mark.parametrize("axis", [None, 0], ids=["all axes", "axis 0"])
+def test_elementwise_fun_is_read_twice_not_stored(shard, axis):
+    # An elementwise fun is computed once per pass of the logsumexp fold (max, then the
+    # shifted sum), each fused into its reduction: no native call on a stored chunk, two
+    # copies of fun's cos in the compiled loop; values and gradients as plain JAX, and
+    # explain() says why.
+    if shard and jax.device_count() != 4:
+        pytest.skip("needs the 4 virtual CPU devices of conftest")
+    x = random_input((4400, 4), np.float32, seed=8)
+    reduction, chunk_reduction = (
+        (jnp.logaddexp, jax.nn.logsumexp) if axis is None else (ajm.LOGSUMEXP, ajm.identity)
+    )
+    kw = dict(reduction=reduction, chunk_reduction=chunk_reduction, shard=shard)
+    g = lambda w: lambda v: jnp.cos(3 * v) * w - 0.5 * v**2
+    f = lambda w, x: ajm.batch_map(g(w), x, 1100, **kw)
+    with _config.config(native="auto", backend="scan"):
+        plan = ajm.explain(g(1.5), x, 1100, **kw)
+        plan = plan.shard.local if shard else plan
+        assert TWO_PASSES in plan.notes, plan.notes
+        assert not uses_native(lambda x: f(1.5, x), x)
+        hlo = jax.jit(f).lower(1.5, x).compile().as_text()
+        assert hlo.count(" cosine(") == 2, hlo
+        want = lambda w: jax.nn.logsumexp(g(w)(x), axis=axis)
+        assert_tree_close(jax.jit(f)(1.5, x), want(1.5))
+        loss = lambda w: jnp.sum(f(w, x))
+        assert_tree_close(jax.jit(jax.grad(loss))(1.5), jax.grad(lambda w: jnp.sum(want(w)))(1.5))
 
 
 @pytest.mark.usefixtures("native")

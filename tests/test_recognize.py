@@ -13,6 +13,7 @@ from helpers import assert_tree_close
 from jax import lax
 
 from adv_jax_math import ADD, LOGSUMEXP, MAX, MIN, identity
+from adv_jax_math._jaxpr_graph import elementwise
 from adv_jax_math._recognize import Recognition, recognize
 
 F32, I32, BF16 = jnp.float32, jnp.int32, jnp.bfloat16
@@ -435,3 +436,21 @@ def test_prologue_is_differentiable():
     ys = random_chunk(S(4), OTHER_ROWS)
     got = jax.grad(lambda y: jnp.sum(from_recognition(rec, y)))(ys)
     np.testing.assert_allclose(got, jax.grad(lambda y: jnp.sum(chunk(y)))(ys), rtol=1e-5)
+
+
+def test_elementwise_tells_what_may_run_twice():
+    # The scan engine computes a logsumexp chunk once per pass only for such funs.
+    x = jnp.ones((4, 3))
+    seen = lambda f: elementwise(jax.make_jaxpr(f)(x))
+    assert seen(lambda v: jnp.cos(3 * v) - 0.5 * v**2)
+    assert seen(lambda v: jax.nn.relu(jax.jit(jnp.tanh)(v)).reshape(12))  # calls inlined
+    assert seen(lambda v: jnp.broadcast_to(v[:, :, None], (4, 3, 5)) * 2)
+    assert not seen(lambda v: v @ jnp.ones((3, 3)))
+    assert not seen(lambda v: v - v.sum(1, keepdims=True))
+    assert not seen(lambda v: jnp.cumsum(v, 0))
+
+    def printed(v):
+        jax.debug.callback(lambda _: None, v)
+        return v * 2
+
+    assert not seen(printed)  # an effect: running it twice would show twice

@@ -3,7 +3,8 @@
 :func:`graph` flattens a closed jaxpr (calls such as ``jit`` and custom-derivative
 wrappers inlined) into :class:`Node` values; helpers peel casts and reshapes, read
 literal values, compare two graphs by structure, and evaluate an elementwise
-subgraph again at another number of rows. Used by ``_recognize``.
+subgraph again at another number of rows, tell whether a function is elementwise.
+Used by ``_recognize`` and the scan engine.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ __all__ = [
     "KEEPDIMS",
     "Node",
     "deps",
+    "elementwise",
     "evaluate",
     "graph",
     "node_value",
@@ -93,6 +95,21 @@ def graph(closed: ClosedJaxpr) -> tuple[list[Node], list[Node], list[Node]]:
 
     inputs = [new(Node("in", v.aval, idx=i)) for i, v in enumerate(closed.jaxpr.invars)]
     return inputs, run(closed.jaxpr, closed.consts, inputs), nodes
+
+
+def elementwise(closed: ClosedJaxpr) -> bool:
+    """Whether every operation of ``closed`` (calls inlined) is elementwise or a
+    reshape or broadcast, with no effects (a callback, a print): nothing that reads
+    several elements to make one, or that may not run twice."""
+
+    def pure(jaxpr: Jaxpr) -> bool:
+        return not jaxpr.effects and all(
+            eqn.primitive.name in ELEMENTWISE | KEEPDIMS
+            or ((sub := subjaxpr(eqn)) is not None and pure(sub.jaxpr))
+            for eqn in jaxpr.eqns
+        )
+
+    return pure(closed.jaxpr)
 
 
 def subjaxpr(eqn: Any) -> ClosedJaxpr | None:

@@ -69,6 +69,11 @@ class Monoid:
     axes_all : bool
         Whether the monoid may reduce every axis of a leaf (``jnp.sum(y)``), not
         only the rows.
+    reads_twice : bool
+        :meth:`fold_fast` reads the rows in two passes (logsumexp: the maximum,
+        then the shifted sum) and takes them computed a second time when ``fun`` is
+        elementwise and cheap: each pass then fuses ``fun`` into its reduction,
+        where one stored copy read twice would cut the fusion.
 
     Examples
     --------
@@ -86,6 +91,7 @@ class Monoid:
     halves: bool = False
     selects: bool = False
     axes_all: bool = False
+    reads_twice: bool = False
     # For monoids whose state is their result: the plain-JAX binary combine and
     # reduction (``jnp.add``, ``jnp.sum``), used when a Monoid is called directly.
     combine: Callable[[Any, Any], Any] | None = None
@@ -115,8 +121,16 @@ class Monoid:
         or already broadcast to the shape of ``ys[0]`` (inside a kernel)."""
         raise NotImplementedError
 
-    def fold_fast(self, ys: Sequence[jax.Array], idx: jax.Array, w: jax.Array | None) -> State:
-        """:meth:`fold` where a faster implementation may serve (outside kernels)."""
+    def fold_fast(
+        self,
+        ys: Sequence[jax.Array],
+        idx: jax.Array,
+        w: jax.Array | None,
+        again: Sequence[jax.Array] | None = None,
+    ) -> State:
+        """:meth:`fold` where a faster implementation may serve (outside kernels).
+        ``again``: the same rows as ``ys``, computed a second time, given to a monoid
+        that :attr:`reads_twice` when ``fun`` is cheap to run again."""
         return self.fold(ys, idx, w)
 
     def merge(self, a: State, b: State) -> State:
@@ -278,10 +292,17 @@ class LeafReduction:
         spread = lambda a: None if a is None else jnp.repeat(a, per, total_repeat_length=flat.size)
         return [flat], [spread(a) for a in per_row]
 
-    def fold(self, ys: Sequence[Any], idx: Any, w: Any, *, fast: bool = False) -> State:
-        """:meth:`Monoid.fold` over this term's rows (``fast``: :meth:`Monoid.fold_fast`)."""
+    def fold(
+        self, ys: Sequence[Any], idx: Any, w: Any, *, fast: bool = False, again: Any = None
+    ) -> State:
+        """:meth:`Monoid.fold` over this term's rows (``fast``: :meth:`Monoid.fold_fast`,
+        with the rows computed ``again`` if given)."""
         ys, (idx, w) = self._rows(ys, [idx, w])
-        return (self.monoid.fold_fast if fast else self.monoid.fold)(ys, idx, w)
+        if not fast:
+            return self.monoid.fold(ys, idx, w)
+        if again is not None:
+            return self.monoid.fold_fast(ys, idx, w, self._rows(again, [])[0])
+        return self.monoid.fold_fast(ys, idx, w)
 
     def tangent(
         self, ys: Sequence[Any], dys: Sequence[Any], idx: Any, keep: Any, state: State, items: Any

@@ -88,6 +88,38 @@ def _shifted(v: jax.Array, top: jax.Array) -> jax.Array:
     return jnp.where(jnp.isinf(top), fallback, v - top)
 
 
+@jax.custom_jvp
+def _two_passes(y: jax.Array, again: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(top, sum(exp(again - top)))`` over axis 0, ``top`` the maximum of ``y``, where
+    ``again`` is ``y`` computed a second time: two reductions with no select per
+    element, each of which XLA:CPU fuses with the ``fun`` that makes its operand. A
+    non-finite top shifts by 0 (the sum is then a placeholder: such a state
+    finalizes as its top).
+
+    Derivatives come from ``again`` only (``y``'s are never computed): ``top + log
+    sum`` does not change with a finite top, so its tangent is 0 and the sum's is
+    ``sum(exp(again - top) * dagain)``; a non-finite top takes the tangent of the
+    rows equal to it (every row for NaN), which finalize turns into NaN, as
+    ``jax.grad(jax.nn.logsumexp)`` gives."""
+    top = jnp.max(y, axis=0)
+    return top, jnp.sum(jnp.exp(again - _finite_or_zero(top)[None]), axis=0)
+
+
+@_two_passes.defjvp
+def _two_passes_jvp(primals: tuple, tangents: tuple) -> tuple:
+    (y, again), (_, dagain) = primals, tangents
+    top, s = _two_passes(y, again)
+    finite = jnp.isfinite(top)
+    # exp(again - top) <= 1 (a recomputed row may exceed top by an ulp); never inf
+    # where the top is not finite, so that a zero cotangent stays zero
+    e = jnp.exp(jnp.minimum(again - _finite_or_zero(top)[None], 0))
+    ds = jnp.where(finite, jnp.sum(e * dagain, axis=0), 0)
+    # only ever multiplied by NaN (finalize), so a sum of the tied rows' tangents serves
+    tied = (again == top[None]) | jnp.isnan(top)[None]
+    dtop = jnp.where(finite, 0, jnp.sum(jnp.where(tied, dagain, 0), axis=0))
+    return (top, s), (dtop.astype(top.dtype), ds.astype(s.dtype))
+
+
 def _rescale(tops: Sequence[jax.Array]) -> tuple[jax.Array, list[jax.Array]]:
     """The running maximum of several shifted states and each one's factor
     ``exp(top_i - max)`` onto it: 0 for the identity's -inf (never ``exp(0 - max)``,
@@ -414,7 +446,7 @@ class LogSumExp(Monoid):
     """``jax.nn.logsumexp(y, 0)``: shifted by the running maximum, compensated; ints
     become floats."""
 
-    name, axes_all = "logsumexp", True
+    name, axes_all, reads_twice = "logsumexp", True, True
     combine, reduce = staticmethod(jnp.logaddexp), staticmethod(jax.nn.logsumexp)
 
     def result_dtype(self, dtype: Any) -> np.dtype:
@@ -435,19 +467,22 @@ class LogSumExp(Monoid):
         native CPU kernel, and why (``explain()`` shows it)."""
         return native.decision(shape, _wide(self.result_dtype(dtype)))
 
-    def fold_fast(self, ys, idx, w) -> Any:
+    def _rows(self, ys: Sequence[jax.Array], w: Any) -> jax.Array:
         y = ys[0].astype(_wide(self.result_dtype(ys[0].dtype)))
-        if w is not None:
-            y = _bound(y, _col(w, y))
+        return y if w is None else _bound(y, _col(w, y))
+
+    def fold_fast(self, ys, idx, w, again=None) -> Any:
+        y = self._rows(ys, w)
+        if again is not None:  # two passes, each reading the rows as fun makes them
+            top, s = _two_passes(y, self._rows(again, w))
+            return top, s, jnp.zeros_like(s)
         if not self.native_decision(y.shape, y.dtype)[0]:
             return self.fold([y], idx, None)
         top = native.logsumexp(y, 0)  # one native pass (CPU), as a state of one row
         return top, jnp.ones_like(top), jnp.zeros_like(top)
 
     def fold(self, ys, idx, w) -> Any:
-        y = ys[0].astype(_wide(self.result_dtype(ys[0].dtype)))
-        if w is not None:
-            y = _bound(y, _col(w, y))
+        y = self._rows(ys, w)
         top = jnp.max(y, axis=0)
         s = jnp.sum(jnp.exp(_shifted(y, top[None])), axis=0)
         return top, s, jnp.zeros_like(s)
@@ -675,7 +710,7 @@ class TopK(Monoid):
         tie = lambda a, p: jnp.where(jnp.isfinite(a), a + (p - lax.stop_gradient(p)), a)
         return tuple(tie(a, pick(s)) for a, s in zip(values, sel, strict=True)), sel
 
-    def fold_fast(self, ys, idx, w) -> Any:
+    def fold_fast(self, ys, idx, w, again=None) -> Any:
         """One ``lax.top_k`` over the rows (XLA's TopK, the lower row first on equal
         values) instead of k passes of max-and-remove; not in kernels. Floats of 32
         bits or fewer are ranked as float32 (XLA:CPU sorts integer keys in full; the
