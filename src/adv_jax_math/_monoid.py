@@ -74,6 +74,11 @@ class Monoid:
         then the shifted sum) and takes them computed a second time when ``fun`` is
         elementwise and cheap: each pass then fuses ``fun`` into its reduction,
         where one stored copy read twice would cut the fusion.
+    native_kernel : str or None
+        The native CPU kernel (``kernels.native``) that may fold a chunk of the rows
+        in one pass (``"logsumexp"``), or None. The scan engine decides per chunk
+        (the rows in :meth:`native_dtype`) and folds with :meth:`fold_native`; a
+        monoid never imports the kernel.
 
     Examples
     --------
@@ -92,6 +97,7 @@ class Monoid:
     selects: bool = False
     axes_all: bool = False
     reads_twice: bool = False
+    native_kernel: str | None = None
     # For monoids whose state is their result: the plain-JAX binary combine and
     # reduction (``jnp.add``, ``jnp.sum``), used when a Monoid is called directly.
     combine: Callable[[Any, Any], Any] | None = None
@@ -132,6 +138,17 @@ class Monoid:
         ``again``: the same rows as ``ys``, computed a second time, given to a monoid
         that :attr:`reads_twice` when ``fun`` is cheap to run again."""
         return self.fold(ys, idx, w)
+
+    def native_dtype(self, dtype: Any) -> np.dtype:
+        """The dtype in which the :attr:`native_kernel` reduces rows of ``dtype``."""
+        return np.dtype(dtype)
+
+    def fold_native(
+        self, ys: Sequence[jax.Array], w: jax.Array | None, kernel: Callable[[jax.Array], Any]
+    ) -> State:
+        """:meth:`fold` where ``kernel``, the :attr:`native_kernel` (the scan engine
+        passes it for the chunks it gives it), reduces the rows in one pass."""
+        raise NotImplementedError
 
     def merge(self, a: State, b: State) -> State:
         """Two states combined (associative; ``a`` holds the lower row indices)."""
@@ -193,7 +210,7 @@ class Monoid:
     def tally(self) -> Any:
         """A monoid folded over the same rows (per element, along the rows) before
         the reverse pass when :meth:`cotangent` needs more than the final state (a
-        max/min's tied rows: ``_monoids.Tally``), or None. Its state, with each
+        max/min's tied rows: ``_monoids_extrema.Tally``), or None. Its state, with each
         element's share appended, is :meth:`cotangent`'s ``tally``."""
         return None
 
@@ -293,11 +310,21 @@ class LeafReduction:
         return [flat], [spread(a) for a in per_row]
 
     def fold(
-        self, ys: Sequence[Any], idx: Any, w: Any, *, fast: bool = False, again: Any = None
+        self,
+        ys: Sequence[Any],
+        idx: Any,
+        w: Any,
+        *,
+        fast: bool = False,
+        again: Any = None,
+        native: Callable[[jax.Array], Any] | None = None,
     ) -> State:
         """:meth:`Monoid.fold` over this term's rows (``fast``: :meth:`Monoid.fold_fast`,
-        with the rows computed ``again`` if given)."""
+        with the rows computed ``again`` if given; ``native``: :meth:`Monoid.fold_native`
+        with that kernel)."""
         ys, (idx, w) = self._rows(ys, [idx, w])
+        if native is not None:
+            return self.monoid.fold_native(ys, w, native)
         if not fast:
             return self.monoid.fold(ys, idx, w)
         if again is not None:

@@ -47,6 +47,7 @@ from ._plan import Call, Kind, Plan, Policy, Rejection
 from ._sharding import Lanes, zeros
 from ._trace import Traced, size
 from ._validate import check_rowwise
+from .kernels import native
 
 __all__ = ["RECOMPUTED", "ScanEngine", "merge_all", "merge_shares", "tangent_shares"]
 
@@ -57,6 +58,7 @@ TWO_PASSES = (
     "then the shifted sum) computes the chunk again fused into its reduction, which XLA "
     "vectorizes (a stored chunk read twice measured 3.3x slower: bench/workloads.py's logsumexp)"
 )
+_NATIVE_LOGSUMEXP = functools.partial(native.logsumexp, axis=0)  # one pass over the rows
 
 
 class ScanEngine:
@@ -91,22 +93,29 @@ class ScanEngine:
 
 def _native_notes(plan: Plan) -> tuple[str, ...]:
     """Whether each term with a native CPU kernel (logsumexp) reduces a chunk with it,
-    and why: the decision ``fold_fast`` takes on a chunk's rows as the term reads them."""
+    and why: the decision :func:`states` takes on a chunk's rows (:func:`_native`)."""
     if plan.reduction is None or plan.traced is None or not plan.rows_per_chunk:
         return ()
-    outs = jax.tree.leaves(plan.traced.out_shape)
-    notes, cheap = [], _cheap(plan.traced)
-    for leaf in plan.reduction.leaves:
-        decide = getattr(leaf.monoid, "native_decision", None)
-        if decide is None:
-            continue
-        if leaf.monoid.reads_twice and cheap:
-            notes.append(TWO_PASSES)
-            continue
-        y = outs[leaf.source]
-        shape = (plan.rows_per_chunk, *y.shape[1:])
-        notes.append(decide(shape if leaf.axis == 0 else (math.prod(shape),), y.dtype)[1])
-    return tuple(dict.fromkeys(notes))
+    outs, cheap = jax.tree.leaves(plan.traced.out_shape), _cheap(plan.traced)
+    choices = [
+        _native(leaf, outs[leaf.source], plan.rows_per_chunk, cheap)
+        for leaf in plan.reduction.leaves
+    ]
+    return tuple(dict.fromkeys(why for _, why in filter(None, choices)))
+
+
+def _native(leaf: LeafReduction, y: Any, rows: int, cheap: bool) -> tuple[bool, str] | None:
+    """Whether ``leaf``'s monoid folds a chunk of ``rows`` rows of ``y`` (the output it
+    reads) with its native CPU kernel, and why (None: it has none). ``kernels.native``
+    has one kernel, a logsumexp; a monoid names it (``Monoid.native_kernel``)."""
+    monoid = leaf.monoid
+    if monoid.native_kernel != "logsumexp":
+        return None
+    if monoid.reads_twice and cheap:
+        return False, TWO_PASSES
+    shape = (rows, *y.shape[1:])
+    shape = shape if leaf.axis == 0 else (math.prod(shape),)
+    return native.decision(shape, monoid.native_dtype(y.dtype))
 
 
 def _empty_result(plan: Plan, call: Call) -> Any:
@@ -277,7 +286,11 @@ def states(plan: Plan, xs: Any, offset: int = 0) -> list:
             if leaf.monoid.reads_twice and cheap:
                 src2 = [rows.shares(again()[s], n_rows) for s in leaf.sources]
             w = _weights(rows, leaf, [y.dtype for y in src], r, place, keep=False)
-            f = lambda src, idx, w, src2, leaf=leaf: leaf.fold(src, idx, w, fast=True, again=src2)
+            use = _native(leaf, ys[leaf.source], n_rows, cheap)
+            kernel = _NATIVE_LOGSUMEXP if use and use[0] else None
+            f = lambda src, idx, w, src2, leaf=leaf, kernel=kernel: leaf.fold(
+                src, idx, w, fast=True, again=src2, native=kernel
+            )
             state = rows.per_share(f, last=0)(src, idx, w, src2)
             # (a part of a state that is the same for every device, e.g. a count, is
             # broadcast by vmap: kept on the devices' axis like the rest)

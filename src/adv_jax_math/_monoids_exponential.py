@@ -1,0 +1,339 @@
+"""Exponential families: ``LOGSUMEXP`` (``jax.nn.logsumexp``) and softmax-weighted
+sums (``SOFTMAX_WEIGHTED``, :func:`softmax_weighted`). Both shift by their running
+maximum (an online softmax) and sum compensated; a non-finite maximum finalizes as
+itself, with the derivative ``jax.grad(jax.nn.logsumexp)`` gives."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from ._monoid import Monoid, _col
+from ._monoids_numerics import Items, _float, _full, _inexact, _spread, _two_sum, _weigh, _wide
+
+__all__ = ["LOGSUMEXP", "SOFTMAX_WEIGHTED", "LogSumExp", "SoftmaxWeighted", "softmax_weighted"]
+
+
+# -- shifted exponentials ---------------------------------------------------------------
+@jax.custom_jvp
+def _bound(y: jax.Array, high: jax.Array) -> jax.Array:
+    """``min(y, high)``, where ``high`` passes a row (inf) or drops it (-inf)."""
+    return jnp.minimum(y, high)
+
+
+@_bound.defjvp
+def _bound_jvp(primals: tuple, tangents: tuple) -> tuple:
+    # A row passes with its derivative or is dropped: one multiply (the JVP of
+    # min would add comparisons and selects to every chunk's gradient).
+    y, high = primals
+    return _bound(y, high), tangents[0] * (high == np.inf).astype(y.dtype)
+
+
+def _finite_or_zero(top: jax.Array) -> jax.Array:
+    # Shift for a stable exponential: all -inf (or +inf) rows shift by 0, not NaN.
+    return jnp.where(jnp.abs(top) < jnp.inf, top, jnp.zeros_like(top))
+
+
+def _shifted(v: jax.Array, top: jax.Array) -> jax.Array:
+    """``v - top``, the exponent of a shifted exponential, where ``top`` is the
+    maximum of the ``v``. Where ``top`` is infinite (every value -inf, or some +inf) it
+    is 0 for the values equal to ``top`` and -inf for the others: no ``inf - inf`` and
+    no overflow, so that ``exp`` of it and its derivative are finite (a state of
+    non-finite top finalizes as the top itself). A NaN top stays NaN, and so do the
+    derivatives of its rows."""
+    fallback = jnp.where(v == top, jnp.zeros_like(v), jnp.full_like(v, -np.inf))
+    return jnp.where(jnp.isinf(top), fallback, v - top)
+
+
+@jax.custom_jvp
+def _two_passes(y: jax.Array, again: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(top, sum(exp(again - top)))`` over axis 0, ``top`` the maximum of ``y``, where
+    ``again`` is ``y`` computed a second time: two reductions with no select per
+    element, each of which XLA:CPU fuses with the ``fun`` that makes its operand. A
+    non-finite top shifts by 0 (the sum is then a placeholder: such a state
+    finalizes as its top).
+
+    Derivatives come from ``again`` only (``y``'s are never computed): ``top + log
+    sum`` does not change with a finite top, so its tangent is 0 and the sum's is
+    ``sum(exp(again - top) * dagain)``; a non-finite top takes the tangent of the
+    rows equal to it (every row for NaN), which finalize turns into NaN, as
+    ``jax.grad(jax.nn.logsumexp)`` gives."""
+    top = jnp.max(y, axis=0)
+    return top, jnp.sum(jnp.exp(again - _finite_or_zero(top)[None]), axis=0)
+
+
+@_two_passes.defjvp
+def _two_passes_jvp(primals: tuple, tangents: tuple) -> tuple:
+    (y, again), (_, dagain) = primals, tangents
+    top, s = _two_passes(y, again)
+    finite = jnp.isfinite(top)
+    # exp(again - top) <= 1 (a recomputed row may exceed top by an ulp); never inf
+    # where the top is not finite, so that a zero cotangent stays zero
+    e = jnp.exp(jnp.minimum(again - _finite_or_zero(top)[None], 0))
+    ds = jnp.where(finite, jnp.sum(e * dagain, axis=0), 0)
+    # only ever multiplied by NaN (finalize), so a sum of the tied rows' tangents serves
+    tied = (again == top[None]) | jnp.isnan(top)[None]
+    dtop = jnp.where(finite, 0, jnp.sum(jnp.where(tied, dagain, 0), axis=0))
+    return (top, s), (dtop.astype(top.dtype), ds.astype(s.dtype))
+
+
+def _rescale(tops: Sequence[jax.Array]) -> tuple[jax.Array, list[jax.Array]]:
+    """The running maximum of several shifted states and each one's factor
+    ``exp(top_i - max)`` onto it: 0 for the identity's -inf (never ``exp(0 - max)``,
+    which overflows once every value seen is below about -88.7 in float32)."""
+    top = functools.reduce(jnp.maximum, tops)
+    return top, [jnp.exp(_shifted(t, top)) for t in tops]
+
+
+@jax.custom_jvp
+def _undefined_derivative(top: jax.Array) -> jax.Array:
+    """``top``, whose derivative is NaN where it is not finite (0 elsewhere: the
+    branch of :func:`_log_shifted` it serves is not taken there)."""
+    return top
+
+
+@_undefined_derivative.defjvp
+def _undefined_derivative_jvp(primals: tuple, tangents: tuple) -> tuple:
+    (top,), (dt,) = primals, tangents
+    return top, dt * jnp.where(jnp.isfinite(top), 0, jnp.nan).astype(dt.dtype)
+
+
+def _log_shifted(total: jax.Array, top: jax.Array) -> jax.Array:
+    """``log(total) + top``, or ``top`` itself where it is not finite; there the
+    derivative is NaN, as ``jax.grad(jax.nn.logsumexp)`` (``exp(inf - inf)``), never
+    a share that depends on how rows were chunked. ``total`` is read as 1 there, so
+    that the branch not taken has a finite derivative."""
+    finite = jnp.isfinite(top)
+    shifted = jnp.log(jnp.where(finite, total, 1)) + _finite_or_zero(top)
+    return jnp.where(finite, shifted, _undefined_derivative(top))
+
+
+def _drop(keep: Any, dtype: Any, xp: Any) -> Any:
+    """Weights as bounds: ``inf`` keeps a row, ``-inf`` drops it (any weight > 0 keeps)."""
+    return xp.where(xp.asarray(keep) > 0, np.inf, -np.inf).astype(dtype)
+
+
+# -- logsumexp --------------------------------------------------------------------------
+class LogSumExp(Monoid):
+    """``jax.nn.logsumexp(y, 0)``: shifted by the running maximum, compensated; ints
+    become floats. The scan engine may fold a chunk with the native CPU kernel
+    (:meth:`fold_native`)."""
+
+    name, axes_all, reads_twice, native_kernel = "logsumexp", True, True, "logsumexp"
+    combine, reduce = staticmethod(jnp.logaddexp), staticmethod(jax.nn.logsumexp)
+
+    def result_dtype(self, dtype: Any) -> np.dtype:
+        return _float(dtype)
+
+    def fill(self, dtype: Any) -> Any:
+        return np.asarray(-np.inf, self.result_dtype(dtype))[()]
+
+    def init(self, items: Items) -> Any:
+        acc = _wide(self.result_dtype(items[0].dtype))
+        return (_full(items[0], -np.inf, acc), _full(items[0], 0, acc), _full(items[0], 0, acc))
+
+    def encode(self, keep: Any, dtype: Any, xp: Any = np) -> Any:
+        return _drop(keep, _wide(self.result_dtype(dtype)), xp)
+
+    def native_dtype(self, dtype: Any) -> np.dtype:
+        return _wide(self.result_dtype(dtype))
+
+    def _rows(self, ys: Sequence[jax.Array], w: Any) -> jax.Array:
+        y = ys[0].astype(_wide(self.result_dtype(ys[0].dtype)))
+        return y if w is None else _bound(y, _col(w, y))
+
+    def fold_native(self, ys, w, kernel) -> Any:
+        top = kernel(self._rows(ys, w))  # one native pass, as a state of one row
+        return top, jnp.ones_like(top), jnp.zeros_like(top)
+
+    def fold_fast(self, ys, idx, w, again=None) -> Any:
+        if again is None:
+            return self.fold(ys, idx, w)
+        # two passes, each reading the rows as fun makes them
+        top, s = _two_passes(self._rows(ys, w), self._rows(again, w))
+        return top, s, jnp.zeros_like(s)
+
+    def fold(self, ys, idx, w) -> Any:
+        y = self._rows(ys, w)
+        top = jnp.max(y, axis=0)
+        s = jnp.sum(jnp.exp(_shifted(y, top[None])), axis=0)
+        return top, s, jnp.zeros_like(s)
+
+    def merge(self, a: Any, b: Any) -> Any:
+        top, (ea, eb) = _rescale([a[0], b[0]])
+        t, lost = _two_sum(a[1] * ea, b[1] * eb)
+        return top, t, a[2] * ea + b[2] * eb + lost
+
+    def finalize(self, state: Any, items: Items) -> Any:
+        m, s, c = state
+        out = _log_shifted(s + c, m)
+        return out.astype(self.result_dtype(items[0].dtype))
+
+    def cotangent(self, ct, ys, idx, keep, state, items, tally=None) -> tuple:
+        y = ys[0]
+        if ct is None or not _inexact(y.dtype):
+            return (None,)
+        total = LogSumExp.finalize(self, state, [jax.ShapeDtypeStruct((), state[0].dtype)])
+        weight = jnp.exp(y.astype(total.dtype) - _spread(total, y))
+        return (_weigh(_spread(ct, y) * weight, keep).astype(y.dtype),)
+
+    def tangent(self, ys, dys, idx, keep, state, items) -> Any:
+        total = LogSumExp.finalize(self, state, [jax.ShapeDtypeStruct((), state[0].dtype)])
+        y, dy = ys[0].astype(total.dtype), dys[0].astype(total.dtype)
+        weight = jnp.exp(y - total[None])
+        if keep is not None:
+            weight = weight * _col(keep, weight).astype(weight.dtype)
+        return jnp.sum(weight * dy, axis=0)
+
+
+# -- softmax-weighted sums --------------------------------------------------------------
+class SoftmaxWeighted(Monoid):
+    """``jnp.tensordot(jax.nn.softmax(scores, 0), values, ([0], [0]))`` for ``fun``
+    returning ``(scores (n, *s), values (n, *v))``: the result is ``(*s, *v)``
+    (attention for ``s = (queries,)``); with ``return_lse=True`` also
+    ``jax.nn.logsumexp(scores, 0)``, to combine partial results across calls. An
+    online softmax (Milakov & Gimelshein 2018), compensated."""
+
+    arity = 2
+
+    def __init__(self, return_lse: bool = False):
+        self.return_lse = bool(return_lse)
+        self.name = "softmax_weighted" + ("(return_lse=True)" if return_lse else "")
+
+    def __repr__(self) -> str:
+        return "adv_jax_math." + (
+            "softmax_weighted(return_lse=True)" if self.return_lse else "SOFTMAX_WEIGHTED"
+        )
+
+    def _dtypes(self, items: Items) -> tuple[np.dtype, np.dtype]:
+        out = _float(jnp.result_type(items[0].dtype, items[1].dtype))
+        return out, _wide(out)
+
+    def fills(self, dtypes: Sequence[Any]) -> tuple:
+        return np.asarray(-np.inf, _float(dtypes[0]))[()], np.zeros((), dtypes[1])[()]
+
+    def init(self, items: Items) -> Any:
+        _, acc = self._dtypes(items)
+        s, v = items
+        both = jax.ShapeDtypeStruct(s.shape + v.shape, acc)
+        zero = lambda it: _full(it, 0, acc)
+        return _full(s, -np.inf, acc), zero(s), zero(s), zero(both), zero(both)
+
+    def encode(self, keep: Any, dtype: Any, xp: Any = np) -> Any:
+        return _drop(keep, _wide(_float(dtype)), xp)
+
+    def fold(self, ys, idx, w) -> Any:
+        acc = self._dtypes([jax.ShapeDtypeStruct((), y.dtype) for y in ys])[1]
+        s, v = (y.astype(acc) for y in ys)
+        if w is not None:
+            s = _bound(s, _col(w, s))
+        top = jnp.max(s, axis=0)
+        # an infinite top is not shifted away: exp(inf - inf) is NaN, as jax.nn.softmax
+        e = jnp.exp(s - _finite_or_zero(top)[None])
+        if e.ndim == 1 or v.ndim == 1:  # one score or one value per row: no matvec
+            # (Pallas Triton's dot takes 2-D operands only; Mosaic's fails on vectors)
+            ev = e if e.ndim > 1 or v.ndim == 1 else lax.broadcast_in_dim(e, v.shape, (0,))
+            ve = v if v.ndim > 1 or e.ndim == 1 else lax.broadcast_in_dim(v, e.shape, (0,))
+            weighted = jnp.sum(ev * ve, axis=0)
+        else:
+            weighted = jnp.tensordot(e, v, axes=([0], [0]))
+        return top, jnp.sum(e, axis=0), jnp.zeros_like(top), weighted, jnp.zeros_like(weighted)
+
+    def merge(self, a: Any, b: Any) -> Any:
+        top, (ea, eb) = _rescale([a[0], b[0]])
+        spread = lambda e, x: e.reshape(e.shape + (1,) * (x.ndim - e.ndim))
+        norm, lost = _two_sum(a[1] * ea, b[1] * eb)
+        acc, lost2 = _two_sum(a[3] * spread(ea, a[3]), b[3] * spread(eb, b[3]))
+        lc = a[2] * ea + b[2] * eb + lost
+        ac = a[4] * spread(ea, a[4]) + b[4] * spread(eb, b[4]) + lost2
+        return top, norm, lc, acc, ac
+
+    def _parts(self, state: Any) -> tuple[jax.Array, jax.Array]:
+        m, norm, lc, acc, ac = state
+        total = norm + lc
+        out = (acc + ac) / total.reshape(total.shape + (1,) * (acc.ndim - total.ndim))
+        lse = _log_shifted(total, m)
+        return out, lse
+
+    def finalize(self, state: Any, items: Items) -> Any:
+        dtype = self._dtypes(items)[0]
+        out, lse = self._parts(state)
+        return (out.astype(dtype), lse.astype(dtype)) if self.return_lse else out.astype(dtype)
+
+    def empty(self, items: Items) -> Any:
+        dtype = self._dtypes(items)[0]
+        out = jnp.zeros(items[0].shape + items[1].shape, dtype)  # a sum over no rows
+        return (out, jnp.full(items[0].shape, -jnp.inf, dtype)) if self.return_lse else out
+
+    def cotangent(self, ct, ys, idx, keep, state, items, tally=None) -> tuple:
+        out, lse = self._parts(state)
+        s, v = (y.astype(out.dtype) for y in ys)
+        ct_out, ct_lse = ct if self.return_lse else (ct, None)
+        p = jnp.exp(s - lse[None])
+        if keep is not None:
+            p = p * _col(keep, p).astype(p.dtype)
+        ns, nv = s.ndim - 1, v.ndim - 1
+        # out[S, V] = sum_i p_i[S] v_i[V]: d/dv_i = sum over S of p_i ct, and
+        # d/ds_i = p_i (<ct, v_i - out> over V + ct_lse)
+        ct_v = jnp.tensordot(p, ct_out, axes=(list(range(1, ns + 1)), list(range(ns))))
+        spread = lambda a, k: a.reshape(a.shape + (1,) * k)
+        centered = v.reshape(v.shape[:1] + (1,) * ns + v.shape[1:]) - out[None]
+        ct_s = p * jnp.sum(
+            spread(ct_out, 0)[None] * centered, axis=tuple(range(ns + 1, ns + nv + 1))
+        )
+        if ct_lse is not None:
+            ct_s = ct_s + p * ct_lse[None]
+        cast = lambda c, y: c.astype(y.dtype) if _inexact(y.dtype) else None
+        return cast(ct_s, ys[0]), cast(ct_v, ys[1])
+
+    def tangent(self, ys, dys, idx, keep, state, items) -> Any:
+        out, lse = self._parts(state)
+        s, v = (y.astype(out.dtype) for y in ys)
+        ds, dv = (d.astype(out.dtype) for d in dys)
+        p = jnp.exp(s - lse[None])
+        if keep is not None:
+            p = p * _col(keep, p).astype(p.dtype)
+        pds = p * ds
+        dot = lambda a, b: jnp.tensordot(a, b, axes=([0], [0]))
+        return dot(p, dv), dot(pds, v), jnp.sum(pds, axis=0)
+
+    def tangent_finish(self, raw: Any, state: Any, items: Items) -> Any:
+        out, _ = self._parts(state)
+        via_v, via_s, d_lse = raw
+        d_out = via_v + via_s - d_lse.reshape(d_lse.shape + (1,) * (out.ndim - d_lse.ndim)) * out
+        return (d_out, d_lse) if self.return_lse else d_out
+
+
+LOGSUMEXP = LogSumExp()
+SOFTMAX_WEIGHTED = SoftmaxWeighted()
+
+
+def softmax_weighted(return_lse: bool = False) -> SoftmaxWeighted:
+    """Softmax-weighted sums of ``fun``'s ``(scores, values)`` over the rows, as
+    ``jnp.tensordot(jax.nn.softmax(scores, 0), values, ([0], [0]))``.
+
+    ``fun`` returns ``scores`` of shape ``(n, *s)`` and ``values`` of ``(n, *v)``; the
+    result has shape ``(*s, *v)`` (attention over keys for ``s = (queries,)``), computed
+    as an online softmax without the ``(n, *s)`` weights. With ``return_lse=True`` the
+    result is ``(weighted sum, jax.nn.logsumexp(scores, 0))``, so that partial results
+    of several calls or devices can be combined. ``SOFTMAX_WEIGHTED`` is
+    ``softmax_weighted()``.
+
+    Examples
+    --------
+    >>> import jax, jax.numpy as jnp
+    >>> import adv_jax_math as ajm
+    >>> scores = jnp.log(jnp.array([1.0, 1.0, 2.0]))     # weights 1/4, 1/4, 1/2
+    >>> values = jnp.array([4.0, 8.0, 2.0])
+    >>> out, lse = ajm.batch_map(lambda r: r, (scores, values), 2,
+    ...                          reduction=ajm.softmax_weighted(return_lse=True))
+    >>> print(round(float(out), 4), round(float(jnp.exp(lse)), 4))
+    4.0 4.0
+    """
+    return SOFTMAX_WEIGHTED if not return_lse else SoftmaxWeighted(return_lse=True)

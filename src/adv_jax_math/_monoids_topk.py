@@ -1,0 +1,307 @@
+"""Top-k: the ``k`` largest (or smallest) rows per trailing element with their global
+row indices, as ``lax.top_k`` along the rows (:func:`top_k`). States merge by a
+bitonic network; the scan engine folds a chunk with one ``lax.top_k``."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from ._monoid import Monoid, _col, index_dtype
+from ._monoids_numerics import Items, _full, _inexact, _spread
+
+__all__ = ["TopK", "top_k"]
+
+
+def _slot(a: jax.Array, j: int) -> jax.Array:
+    """``a[j]`` as a masked sum over the leading axis (exact: one nonzero term), not a
+    slice: Pallas Triton has no lowering for ``slice``."""
+    lead = lax.broadcasted_iota(np.int32, a.shape, 0)
+    return jnp.sum(jnp.where(lead == j, a, jnp.zeros_like(a)), axis=0)
+
+
+def _rows_sharded(y: jax.Array) -> bool:
+    """Whether ``y``'s rows are sharded in its type (an Explicit mesh axis)."""
+    spec = tuple(getattr(getattr(jax.typeof(y), "sharding", None), "spec", None) or ())
+    return bool(spec) and spec[0] is not None
+
+
+# -- top-k ------------------------------------------------------------------------------
+def _order_key(y: jax.Array) -> jax.Array:
+    """Integers ordered as XLA's total order of ``y`` (NaN above inf, -NaN below -inf,
+    -0 below +0), the order ``lax.top_k`` selects by."""
+    if not _inexact(y.dtype):
+        return y.astype(jnp.int32) if y.dtype == np.bool_ else y
+    wide, ints = (np.float64, np.int64) if y.dtype == np.float64 else (np.float32, np.int32)
+    bits = lax.bitcast_convert_type(y.astype(wide), ints)
+    return jnp.where(bits < 0, bits ^ np.iinfo(ints).max, bits)
+
+
+def _from_key(key: jax.Array, dtype: Any) -> jax.Array:
+    if not _inexact(dtype):
+        return key.astype(dtype)
+    ints = key.dtype
+    bits = jnp.where(key < 0, key ^ np.iinfo(ints).max, key)
+    wide = np.float64 if ints == np.int64 else np.float32
+    return lax.bitcast_convert_type(bits, wide).astype(dtype)
+
+
+class TopK(Monoid):
+    """``lax.top_k`` along the rows: the ``k`` largest rows per trailing element,
+    largest first, ties to the lower row (``smallest=True``: the ``k`` smallest,
+    smallest first, ties to the lower row; integers and bools compared as they are,
+    never negated, which wraps); ``(values, indices)``, each ``(k, *t)``. The state
+    keeps each slot's value and row (its order key is computed from the value where
+    slots are compared); derivatives of every order go to the selected rows, as
+    ``jax.grad`` of ``lax.top_k``."""
+
+    selects = True
+
+    def __init__(self, k: int, smallest: bool = False):
+        if isinstance(k, bool) or not isinstance(k, int | np.integer) or k < 1:
+            raise ValueError(f"top_k(k={k!r}): k must be a positive int")
+        self.k, self.smallest = int(k), bool(smallest)
+        self.name = f"top_k({self.k}{', smallest=True' if smallest else ''})"
+
+    def __repr__(self) -> str:
+        return f"adv_jax_math.{self.name}"
+
+    def _flip(self, y: Any) -> Any:
+        """``y`` reversed in order for ``smallest`` (exact and its own inverse: ``-y``
+        for floats, ``~y`` for integers and bools)."""
+        if not self.smallest:
+            return y
+        return -y if _inexact(y.dtype) else ~y
+
+    def _key(self, y: jax.Array) -> jax.Array:
+        return _order_key(self._flip(y))
+
+    def _key_min(self, dtype: Any) -> Any:
+        return np.iinfo(jax.eval_shape(self._key, jax.ShapeDtypeStruct((1,), dtype)).dtype).min
+
+    @staticmethod
+    def _value_dtype(dtype: Any) -> np.dtype:
+        """A slot's value: at least 32 bits (Mosaic makes scalars of 32-bit vectors)."""
+        dtype = np.dtype(dtype)
+        if dtype.itemsize >= 4:
+            return dtype
+        return np.dtype(np.float32 if _inexact(dtype) else np.int32)
+
+    def _empty(self, dtype: Any) -> Any:
+        """The value of an empty slot: the one whose key is the lowest (for floats a
+        NaN whose bits are all ones, before :meth:`_flip`)."""
+        vd = self._value_dtype(dtype)
+        if _inexact(vd):
+            low = np.array(-1, np.int64 if vd.itemsize == 8 else np.int32).view(vd)
+        else:
+            low = np.array(np.iinfo(vd).min, vd)
+        return self._flip(low)[()]
+
+    def fill(self, dtype: Any) -> Any:
+        return np.zeros((), dtype)[()]  # never selected: fold leaves out weight-0 rows
+
+    def init(self, items: Items) -> Any:
+        dtype = items[0].dtype
+        slots = lambda value, dt: tuple(_full(items[0], value, dt) for _ in range(self.k))
+        empty = self._empty(dtype)
+        return slots(empty, empty.dtype), slots(np.iinfo(index_dtype()).max, index_dtype())
+
+    def fold(self, ys, idx, w) -> Any:
+        """k passes of max-and-remove (any engine, kernels included); the values are
+        read back from the keys (exact, with no derivative: kernels are never
+        differentiated, :meth:`fold_fast` is)."""
+        y = ys[0]
+        key = self._key(y)
+        rows = jnp.broadcast_to(_col(idx.astype(index_dtype()), y), y.shape)
+        alive = jnp.ones(y.shape, bool) if w is None else jnp.broadcast_to(_col(w > 0, y), y.shape)
+        keys, sel = _select(self.k, [(key, rows, alive, 0)], self._key_min(y.dtype))
+        vd = self._value_dtype(y.dtype)
+        return tuple(self._flip(_from_key(kk, y.dtype)).astype(vd) for kk in keys), sel
+
+    def _picked(self, y: jax.Array, idx: jax.Array, state: Any) -> Any:
+        """``state`` whose values have the derivatives of their rows of ``y``: each
+        finite value plus ``p - stop_gradient(p)`` for ``p`` its row picked by a 0/1
+        mask (infinities and NaN zeroed first; a select would need the mask sharded as
+        ``y`` on Explicit meshes). NaN and infinite values are left as they are:
+        arithmetic may turn a NaN's sign, and with it its rank."""
+        values, sel = state
+        if not _inexact(y.dtype):
+            return state
+        rows = _col(idx.astype(index_dtype()), y)
+        v = y.astype(self._value_dtype(y.dtype))
+        v = jnp.where(jnp.isfinite(v), v, jnp.zeros_like(v))
+        pick = lambda s: jnp.sum(v * (rows == s[None]).astype(v.dtype), axis=0)
+        tie = lambda a, p: jnp.where(jnp.isfinite(a), a + (p - lax.stop_gradient(p)), a)
+        return tuple(tie(a, pick(s)) for a, s in zip(values, sel, strict=True)), sel
+
+    def fold_fast(self, ys, idx, w, again=None) -> Any:
+        """One ``lax.top_k`` over the rows (XLA's TopK, the lower row first on equal
+        values) instead of k passes of max-and-remove; not in kernels. Floats of 32
+        bits or fewer are ranked as float32 (XLA:CPU sorts integer keys in full; the
+        total order is the same), others by their keys. Rows of weight 0 (repeated)
+        rank last; where one is still selected, the block takes :meth:`fold`. The
+        values are gathered from ``y``: differentiable (second derivatives)."""
+        y = ys[0]
+        slow = lambda: self._picked(y, idx, self.fold(ys, idx, w))
+        if y.shape[0] < self.k or _rows_sharded(y):  # lax.top_k: unsharded along its axis
+            return slow()
+        floats = _inexact(y.dtype) and np.dtype(y.dtype).itemsize <= 4
+        rank = self._flip(y).astype(np.float32) if floats else self._key(y)
+        alive = None if w is None else jnp.broadcast_to(_col(w > 0, y), y.shape)
+        if alive is not None:  # below everything: -NaN, or the lowest key
+            low = np.float32(-np.nan) if floats else self._key_min(y.dtype)
+            rank = jnp.where(alive, rank, low)
+        rows = jnp.broadcast_to(_col(idx.astype(index_dtype()), y), y.shape)
+        _, pos = lax.top_k(jnp.moveaxis(rank, 0, -1), self.k)  # (*t, k)
+        take = lambda a: tuple(jnp.moveaxis(jnp.take_along_axis(a, pos, axis=-1), -1, 0))
+        v = y.astype(self._value_dtype(y.dtype))
+        fast = take(jnp.moveaxis(v, 0, -1)), take(jnp.moveaxis(rows, 0, -1))
+        if alive is None:
+            return fast
+        chosen = jnp.take_along_axis(jnp.moveaxis(alive, 0, -1), pos, axis=-1)
+        return lax.cond(jnp.all(chosen), lambda: fast, slow)
+
+    def merge(self, a: Any, b: Any) -> Any:
+        return _merge_sorted(self.k, a, b, self._key, self._empty(a[0][0].dtype))
+
+    def finalize(self, state: Any, items: Items) -> Any:
+        values, rows = (jnp.stack(part) for part in state)
+        # int32 indices, as lax.top_k gives them (also under x64)
+        return values.astype(items[0].dtype), rows.astype(np.int32)
+
+    def check_rows(self, n: int) -> None:
+        if n < self.k:
+            raise ValueError(
+                f"{self!r} needs at least k={self.k} rows, got {n} (lax.top_k raises too); "
+                "use a smaller k"
+            )
+
+    def cotangent(self, ct, ys, idx, keep, state, items, tally=None) -> tuple:
+        y = ys[0]
+        if ct is None or ct[0] is None or not _inexact(y.dtype):
+            return (None,)
+        rows = jnp.broadcast_to(_col(idx.astype(index_dtype()), y), y.shape)
+        out = jnp.zeros(y.shape, y.dtype)
+        for j, sel in enumerate(state[1]):  # the row selected in slot j gets slot j's
+            slot = _slot(ct[0], j)
+            out = out + jnp.where(rows == _spread(sel, y), _spread(slot, y), 0).astype(y.dtype)
+        return (out if keep is None else out * (_col(keep, out) > 0).astype(y.dtype),)
+
+    def tangent(self, ys, dys, idx, keep, state, items) -> Any:
+        dy = dys[0]
+        if not _inexact(dy.dtype):
+            return ()
+        rows = _col(idx.astype(index_dtype()), dy)
+        if keep is not None:  # a repeated row's copy adds nothing
+            dy = dy * _col(keep > 0, dy).astype(dy.dtype)
+        return tuple(jnp.sum(jnp.where(rows == sel[None], dy, 0), axis=0) for sel in state[1])
+
+    def tangent_finish(self, raw: Any, state: Any, items: Items) -> Any:
+        index = np.zeros((self.k, *state[1][0].shape), jax.dtypes.float0)
+        if not raw:
+            return np.zeros((self.k, *state[1][0].shape), jax.dtypes.float0), index
+        return jnp.stack(raw), index
+
+
+def _select(k: int, lists: list, key_min: Any) -> tuple:
+    """The ``k`` best ``(key, row)`` pairs of candidate ``lists`` (each ``(keys, rows,
+    alive, axis)``: ``axis`` 0 for a block of rows, None for one slot of a state),
+    highest key first, the lower row on ties; k passes of max-and-remove."""
+    big = np.iinfo(lists[0][1].dtype).max
+
+    def over(values: jax.Array, axis: int | None, reduce: Any) -> jax.Array:
+        return reduce(values, axis=axis) if axis is not None else values
+
+    keys, rows = [], []
+    for _ in range(k):
+        top = functools.reduce(
+            jnp.maximum,
+            [over(jnp.where(al, kk, key_min), ax, jnp.max) for kk, rr, al, ax in lists],
+        )
+        level = lambda ax, top=top: top if ax is None else top[None]
+        sel = functools.reduce(
+            jnp.minimum,
+            [
+                over(jnp.where(al & (kk == level(ax)), rr, big), ax, jnp.min)
+                for kk, rr, al, ax in lists
+            ],
+        )
+        keys.append(top)
+        rows.append(sel)
+        gone = lambda ax, sel=sel: sel if ax is None else sel[None]
+        lists = [(kk, rr, al & (rr != gone(ax)), ax) for kk, rr, al, ax in lists]
+    return tuple(keys), tuple(rows)
+
+
+def _merge_sorted(k: int, a: tuple, b: tuple, key: Any, empty: Any) -> tuple:
+    """The ``k`` best of two states ``(values, rows)``, each sorted best first (the
+    higher ``key(value)``, then the lower row; empty slots ``(empty, big)``, of the
+    lowest key, last): a bitonic merge network. ``a`` and ``b`` reversed form a bitonic
+    sequence; one compare-exchange of ``a[i]`` with ``b[size - 1 - i]`` keeps the
+    ``size`` best (bitonic again), and ``log2(size)`` rounds of compare-exchanges sort
+    them (``size``: k rounded up to a power of two, padded with empty slots). That is
+    ``k + k/2 log2 k`` compare-exchanges at depth ``1 + log2 k``, elementwise (any
+    engine, kernels included); the k passes of max-and-remove (:func:`_select`) over
+    the 2k slots made XLA:GPU fuse one ``loop_and_maximum_minimum_fusion`` that took
+    minutes to compile for k = 16. Keys are recomputed from the values at each
+    comparison (a bitcast), not carried: two arrays per slot, as few registers as
+    possible on GPU; values move by ``where``, with their derivatives."""
+    size = 1 << (k - 1).bit_length()
+    big = np.iinfo(a[1][0].dtype).max
+
+    def padded(state: tuple) -> tuple[list, list]:
+        values, rows = state
+        pad = size - k
+        return (
+            list(values) + [jnp.full_like(values[0], empty)] * pad,
+            list(rows) + [jnp.full_like(rows[0], big)] * pad,
+        )
+
+    def first(vx: jax.Array, rx: jax.Array, vy: jax.Array, ry: jax.Array) -> jax.Array:
+        kx, ky = key(vx), key(vy)
+        return (kx > ky) | ((kx == ky) & (rx < ry))
+
+    (va, ra), (vb, rb) = padded(a), padded(b)
+    values, rows = [], []
+    for i in range(size):  # the better of a[i] and b[size - 1 - i]: the size best
+        j = size - 1 - i
+        take = first(va[i], ra[i], vb[j], rb[j])
+        values.append(jnp.where(take, va[i], vb[j]))
+        rows.append(jnp.where(take, ra[i], rb[j]))
+    half = size // 2
+    while half:  # bitonic merge, best first
+        for i in (i for i in range(size) if not i & half):
+            j = i + half
+            take = first(values[i], rows[i], values[j], rows[j])
+            values[i], values[j] = (
+                jnp.where(take, values[i], values[j]),
+                jnp.where(take, values[j], values[i]),
+            )
+            rows[i], rows[j] = jnp.where(take, rows[i], rows[j]), jnp.where(take, rows[j], rows[i])
+        half //= 2
+    return tuple(values[:k]), tuple(rows[:k])
+
+
+def top_k(k: int, smallest: bool = False) -> TopK:
+    """The ``k`` largest rows (``smallest=True``: smallest) per trailing element, with
+    their global row indices, as ``lax.top_k`` along axis 0 (of ``-y`` for smallest).
+
+    The result is ``(values, indices)``, each ``(k, *t)`` for ``fun`` rows of shape
+    ``t``: largest first (smallest first with ``smallest=True``), ties to the lower row,
+    indices int32. Gradients go to the selected rows, as ``jax.grad`` of ``lax.top_k``.
+    ``batch_map`` raises when there are fewer than ``k`` rows.
+
+    Examples
+    --------
+    >>> import jax.numpy as jnp
+    >>> import adv_jax_math as ajm
+    >>> d = jnp.array([4.0, 1.0, 3.0, 0.5, 2.0])
+    >>> ajm.batch_map(lambda r: r, d, 2, reduction=ajm.top_k(2, smallest=True))
+    (Array([0.5, 1. ], dtype=float32), Array([3, 1], dtype=int32))
+    """
+    return TopK(k, smallest)
