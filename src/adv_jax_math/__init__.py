@@ -25,6 +25,7 @@ from ._monoids import (
     top_k,
     var,
 )
+from ._pairwise import PairwisePlan, explain_pairwise, pairwise
 from ._plan import Kind, Plan, Policy
 from ._vectorize import batch_vectorize
 from .kernels.fused_reduce.targets import target_mesh
@@ -53,6 +54,7 @@ __all__ = [
     "Monoid",
     "MonoidReduction",
     "Options",
+    "PairwisePlan",
     "Plan",
     "Policy",
     "batch_jacfwd",
@@ -63,9 +65,11 @@ __all__ = [
     "batched_vectorize",
     "config",
     "explain",
+    "explain_pairwise",
     "identity",
     "jacfwd_chunked",
     "jacrev_chunked",
+    "pairwise",
     "softmax_weighted",
     "target_mesh",
     "top_k",

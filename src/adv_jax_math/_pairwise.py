@@ -1,0 +1,259 @@
+"""Pairwise reductions: ``out_i = reduce_j f(x_i, y_j)``, nothing N x M ever stored.
+
+``pairwise(f, x, y, reduction)`` takes ``f`` written for one pair (KeOps' lazy
+reductions, in JAX). The reduction over ``j`` has :func:`batch_map`'s semantics
+for a Monoid object reducing the mapped axis (global ``j`` indices, ties and NaN
+as plain JAX); it is computed in tiles of ``bi`` x rows by ``bj`` y rows, each x
+row's monoid state carried across the y tiles. Two engines:
+
+* ``pairwise scan``: x tiles in a chunked ``vmap``, y tiles in a chunked monoid
+  reduction (:func:`batch_vmap` of :func:`batch_map`), each tile rematerialized in a
+  gradient: O(bi * bj) memory forward and backward;
+* ``pairwise kernel``: one Pallas kernel (``kernels/pairwise.py``), a program per x
+  tile looping over the y tiles with the states on chip; in interpret mode on CPU
+  (``config(backend="interpret")``). Its derivatives (forward and reverse mode)
+  are the scan engine's, computed tile by tile.
+
+:func:`explain_pairwise` shows the plan: sizes, tiles, engine and why the others
+were not taken.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from . import _config
+from ._api import batch_map, batch_vmap
+from ._monoid import Monoid, MonoidReduction, identity
+from ._plan import target_platform
+from ._recognize import is_monoid_tree, recognize
+from ._trace import rows_aval
+from .kernels.pairwise import states
+
+__all__ = ["PairwisePlan", "explain_pairwise", "pairwise"]
+
+TILE_ELEMENTS = 1 << 18  # bi * bj of an "auto" tile: 1 MiB per float32 output leaf
+MAX_Y_TILE = 2048  # bj of an "auto" tile
+
+
+@dataclasses.dataclass(frozen=True)
+class PairwisePlan:
+    """What :func:`pairwise` runs: ``n`` x rows, ``m`` y rows, tiles of
+    ``tiles = (bi, bj)`` rows, the engine and why, the engines not taken."""
+
+    n: int
+    m: int
+    tiles: tuple[int, int]
+    reduction: str
+    engine: str
+    reason: str
+    rejected: tuple[tuple[str, str], ...] = ()
+
+    def __str__(self) -> str:
+        bi, bj = self.tiles
+        xt, yt = -(-self.n // bi) if bi else 0, -(-self.m // bj) if bj else 0
+        rows = [
+            ("rows (x, y)", f"{self.n} x {self.m}"),
+            ("tiles", f"{bi} x {bj} rows: {xt} x tile(s), {yt} y tile(s) each"),
+            ("reduction", f"{self.reduction} over the y rows, for each x row"),
+            ("engine", f"{self.engine}: {self.reason}"),
+            *(("rejected", f"{name}: {why}") for name, why in self.rejected),
+        ]
+        return "\n".join(f"{label:<11}: {text}" for label, text in rows)
+
+
+def pairwise(
+    f: Callable,
+    x: Any,
+    y: Any,
+    reduction: Monoid | Any,
+    *,
+    tiles: tuple[int, int] | str = "auto",
+) -> Any:
+    """``reduction`` over ``j`` of ``f(x_i, y_j)``, for every ``i``, in tiles.
+
+    Parameters
+    ----------
+    f : callable
+        ``f(xi, yj)`` for one pair: ``xi`` one row of ``x`` (a pytree), ``yj`` one row
+        of ``y``; returns a pytree. Values it closes over may be differentiated.
+    x, y : pytree of arrays
+        Rows along the leading axis of every leaf: ``N`` rows of ``x``, ``M`` of ``y``.
+    reduction : Monoid or pytree of Monoid
+        ``ADD``, ``MAX``, ``LOGSUMEXP``, ``ARGMIN``, ``top_k(k)``,
+        ``SOFTMAX_WEIGHTED`` (``f`` returns ``(score, value)``), ``MEAN``, ``VAR``...,
+        or one per subtree of ``f``'s output, as ``batch_map(..., reduction=)``.
+    tiles : (int, int) or "auto"
+        ``(bi, bj)``: rows of ``x`` and of ``y`` per tile. ``"auto"`` takes
+        ``bj = min(M, 2048)`` and ``bi`` the power of two (or ``N``) that makes a tile
+        of at most 2^18 pairs.
+
+    Returns
+    -------
+    pytree
+        The reduction's result for each ``x`` row, stacked along a new leading axis
+        of size ``N``: as ``jax.vmap`` over ``x`` of ``batch_map`` over ``y``.
+
+    Examples
+    --------
+    >>> import jax.numpy as jnp
+    >>> import adv_jax_math as ajm
+    >>> x, y = jnp.arange(3.0)[:, None], jnp.arange(5.0)[:, None]
+    >>> gauss = lambda xi, yj: jnp.exp(-jnp.sum((xi - yj) ** 2))
+    >>> [round(v, 3) for v in ajm.pairwise(gauss, x, y, ajm.ADD, tiles=(2, 2)).tolist()]
+    [1.386, 1.754, 1.772]
+    >>> ajm.pairwise(lambda xi, yj: jnp.sum((xi - yj) ** 2), x, y, ajm.ARGMIN)
+    Array([0, 1, 2], dtype=int32)
+    """
+    plan = _plan(f, x, y, reduction, tiles)
+    if plan.engine == _SCAN:
+        return _scan(f, x, y, reduction, plan.tiles)
+    conv, consts = jax.closure_convert(f, _first(x), _first(y))
+    return _fused(conv, list(consts), plan, x, y, reduction)
+
+
+def explain_pairwise(
+    f: Callable,
+    x: Any,
+    y: Any,
+    reduction: Monoid | Any,
+    *,
+    tiles: tuple[int, int] | str = "auto",
+) -> PairwisePlan:
+    """The plan :func:`pairwise` would run for these arguments (``x`` and ``y`` may
+    hold ``jax.ShapeDtypeStruct``)."""
+    return _plan(f, x, y, reduction, tiles)
+
+
+_SCAN, _KERNEL = "pairwise scan", "pairwise kernel (interpret)"
+
+
+def _rows(tree: Any, name: str) -> int:
+    leaves = jax.tree.leaves(tree)
+    if not leaves:
+        raise ValueError(f"pairwise: {name} has no arrays; pass a pytree of arrays with rows")
+    sizes = {tuple(jnp.shape(a))[:1] for a in leaves}
+    if () in sizes or len(sizes) != 1:
+        shapes = [tuple(jnp.shape(a)) for a in leaves]
+        raise ValueError(
+            f"pairwise: every leaf of {name} needs the same leading (row) axis; got shapes {shapes}"
+        )
+    return int(sizes.pop()[0])
+
+
+def _tiles(tiles: tuple[int, int] | str, n: int, m: int) -> tuple[int, int]:
+    if tiles == "auto":
+        bj = max(1, min(m, MAX_Y_TILE))
+        bi = 1 << (TILE_ELEMENTS // bj).bit_length() - 1  # a power of two
+        return max(1, min(n, bi)), bj
+    if (
+        not isinstance(tiles, tuple | list)
+        or len(tiles) != 2
+        or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 1 for t in tiles)
+    ):
+        raise ValueError(f"pairwise: tiles={tiles!r}; pass (bi, bj), two ints >= 1, or 'auto'")
+    return min(tiles[0], max(n, 1)), min(tiles[1], max(m, 1))
+
+
+def _first(tree: Any) -> Any:
+    return jax.tree.map(lambda a: a[0], tree)
+
+
+def _plan(f: Callable, x: Any, y: Any, reduction: Any, tiles: Any) -> PairwisePlan:
+    if not is_monoid_tree(reduction):
+        raise TypeError(
+            f"pairwise: reduction={reduction!r} is not a Monoid (or a pytree of them); pass "
+            "ajm.ADD, ajm.LOGSUMEXP, ajm.ARGMIN, ajm.top_k(k), ..."
+        )
+    n, m = _rows(x, "x"), _rows(y, "y")
+    bi, bj = _tiles(tiles, n, m)
+    red = _recognized(f, x, y, reduction, max(bj, 1))
+    red.check_rows(m)
+    what = ", ".join(dict.fromkeys(leaf.monoid.name for leaf in red.leaves))
+    backend, platform = _config.current().backend, target_platform()
+    if not (n and m):
+        kernel_why = "no rows to tile (N or M is 0)"
+    elif backend == "interpret":
+        return PairwisePlan(n, m, (bi, bj), what, _KERNEL, "requested (backend='interpret')")
+    elif backend == "auto":
+        kernel_why = (
+            "only on request (backend='interpret'): compiled for GPU/TPU targets it is not "
+            "checked yet"
+        )
+    else:
+        kernel_why = f"not requested (backend={backend!r})"
+    why = "x tiles in a chunked vmap, y tiles in a chunked monoid reduction"
+    if backend == "auto":
+        why += f" (default on {platform})"
+    return PairwisePlan(n, m, (bi, bj), what, _SCAN, why, (("pairwise kernel", kernel_why),))
+
+
+def _recognized(f: Callable, x: Any, y: Any, reduction: Any, bj: int) -> MonoidReduction:
+    """The terms over ``j`` of one x row's outputs on ``bj`` y rows."""
+    x_row = jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a)[1:], a.dtype), x)
+    row_out = jax.eval_shape(lambda xi, yc: jax.vmap(f, (None, 0))(xi, yc), x_row, rows_aval(y, bj))
+    rec = recognize(reduction, identity, row_out)
+    if rec.leaves is None:
+        raise ValueError(f"pairwise: reduction={reduction!r} is not recognized: {rec.how}")
+    return MonoidReduction(rec.leaves, rec.out_tree, rec.prologue, rec.how)
+
+
+# -- the scan engine -----------------------------------------------------------------------
+def _scan(f: Callable, x: Any, y: Any, reduction: Any, tiles: tuple[int, int]) -> Any:
+    bi, bj = tiles
+
+    def per_x(xi: Any) -> Any:
+        pairs = lambda yc: jax.vmap(f, (None, 0))(xi, yc)
+        return batch_map(pairs, y, bj, reduction=reduction)
+
+    return batch_vmap(per_x, batch_size=bi)(x)
+
+
+# -- the kernel engine ---------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True, eq=False)
+class Prepared:
+    """``f`` on a tile, traced: ``jaxpr(*consts, *x_leaves, *y_leaves)`` gives each
+    term's source arrays ``(bi, bj, ...)``; ``reduction`` the terms over ``j``;
+    ``rows`` the sources' avals for one x row, ``(bj, ...)``."""
+
+    jaxpr: Any  # ClosedJaxpr of the tile function
+    reduction: MonoidReduction
+    rows: list[jax.ShapeDtypeStruct]
+    m: int
+
+
+def _fused(conv: Callable, consts: list, plan: PairwisePlan, x: Any, y: Any, reduction: Any) -> Any:
+    bi, bj = plan.tiles
+    pair = lambda c: lambda xi, yj: conv(xi, yj, *c)
+    red = _recognized(pair(consts), x, y, reduction, bj)
+
+    def tile(c: list, xt: Any, yt: Any) -> list:
+        return jax.vmap(lambda xi: red.prologue(jax.vmap(pair(c), (None, 0))(xi, yt)))(xt)
+
+    const_avals = [jax.ShapeDtypeStruct(jnp.shape(c), jnp.result_type(c)) for c in consts]
+    jaxpr, out = jax.make_jaxpr(tile, return_shape=True)(
+        const_avals, rows_aval(x, bi), rows_aval(y, bj)
+    )
+    rows = [jax.ShapeDtypeStruct(s.shape[1:], s.dtype) for s in out]
+    prepared = Prepared(jaxpr, red, rows, plan.m)
+    items = [leaf.items(red.reads(rows, leaf)) for leaf in red.leaves]
+
+    @jax.custom_jvp
+    def run(c: list, x: Any, y: Any) -> Any:
+        final = states(prepared, plan.tiles, c, jax.tree.leaves(x), jax.tree.leaves(y))
+        results = lambda *s: red.finish(
+            [leaf.result(st, it) for leaf, st, it in zip(red.leaves, s, items, strict=True)]
+        )
+        return jax.vmap(results)(*final)
+
+    @run.defjvp
+    def _jvp(primals: tuple, tangents: tuple) -> tuple:
+        scan = lambda c, x, y: _scan(pair(c), x, y, reduction, plan.tiles)
+        return jax.jvp(scan, primals, tangents)
+
+    return run(consts, x, y)

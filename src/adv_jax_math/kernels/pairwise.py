@@ -1,0 +1,140 @@
+"""The pairwise kernel: ``out_i = reduce_j f(x_i, y_j)`` in one Pallas call.
+
+A program per tile of ``bi`` x rows (the grid); inside it, a loop over the tiles of
+``bj`` y rows: evaluate ``f``'s tile jaxpr on ``(bi, bj)`` pairs, fold each term's
+monoid over the ``bj`` rows for every x row (``Monoid.fold`` mapped over the x rows,
+with the rows' global ``j`` indices), merge into the state carried across the loop,
+and write each x row's state once. Nothing ``N x M`` is stored. x and y are padded
+to whole tiles with copies of their last row (``f`` only sees real rows); padded y
+rows are filled and weighted out as the 1-D kernel does, padded x rows dropped.
+The caller (``_pairwise``) finalizes the states.
+
+Runs in interpret mode on CPU; GPU/TPU compilation is not checked yet.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from .._monoid import LeafReduction, index_dtype
+from .fused_reduce.interpreter import evaluate
+from .fused_reduce.kernel import _load_const, _to_kernel_const, kernel_const_aval
+
+__all__ = ["KERNEL_NAME", "states"]
+
+KERNEL_NAME = "adv_jax_math_pairwise"
+
+
+def _pad_rows(a: jax.Array, rows: int) -> jax.Array:
+    """``a`` with copies of its last row up to ``rows`` rows."""
+    extra = rows - a.shape[0]
+    if not extra:
+        return a
+    return jnp.concatenate([a, jnp.broadcast_to(a[-1:], (extra, *a.shape[1:]))])
+
+
+def _fold(leaf: LeafReduction, src: list, start: Any, bj: int, m: int) -> Any:
+    """Each x row's state of ``leaf`` over one y tile (``src``: ``(bi, bj, ...)``)."""
+    j = start + lax.broadcasted_iota(jnp.int32, (bj,), 0)
+    w = None
+    if m % bj:
+        keep = j < m
+        fills = leaf.monoid.fills([a.dtype for a in src])
+        src = [
+            jnp.where(keep.reshape((1, bj) + (1,) * (a.ndim - 2)), a, jnp.asarray(fill, a.dtype))
+            for a, fill in zip(src, fills, strict=True)
+        ]
+        w = leaf.monoid.encode(keep.astype(jnp.float32), src[0].dtype, jnp)
+    idx = j.astype(index_dtype())
+    return jax.vmap(lambda rows: leaf.fold(rows, idx, w))(src)
+
+
+def states(
+    prepared: Any, tiles: tuple[int, int], consts: Sequence[Any], xs: list, ys: list
+) -> list:
+    """Each term's state for every x row (leading axis ``N``), ``xs``/``ys`` the leaves
+    of x and y, ``consts`` the values ``f`` closes over (``prepared``: see
+    ``_pairwise.Prepared``)."""
+    bi, bj = tiles
+    n, m = xs[0].shape[0], prepared.m
+    xt, yt = pl.cdiv(n, bi), pl.cdiv(m, bj)
+    xs = [_pad_rows(a, xt * bi) for a in xs]
+    ys = [_pad_rows(a, yt * bj) for a in ys]
+    closed, red = prepared.jaxpr, prepared.reduction
+    kconsts = [*closed.consts, *consts]
+    const_avals = [jax.ShapeDtypeStruct(jnp.shape(c), jnp.result_type(c)) for c in kconsts]
+    own = len(closed.consts)
+
+    def tile(c: list, xv: list, start: Any, yv: list) -> list:
+        srcs = evaluate(closed.jaxpr, c[:own], [*c[own:], *xv, *yv], upcast=False)
+        return [_fold(leaf, [srcs[s] for s in leaf.sources], start, bj, m) for leaf in red.leaves]
+
+    row_states = jax.eval_shape(
+        lambda c, xv, yv: tile(c, xv, 0, yv),
+        const_avals,
+        [jax.ShapeDtypeStruct((bi, *a.shape[1:]), a.dtype) for a in xs],
+        [jax.ShapeDtypeStruct((bj, *a.shape[1:]), a.dtype) for a in ys],
+    )
+    state_avals = jax.tree.leaves(row_states)
+    nc, nx, ny = len(kconsts), len(xs), len(ys)
+
+    def kernel(*refs: Any) -> None:
+        c_refs, x_refs = refs[:nc], refs[nc : nc + nx]
+        y_refs, o_refs = refs[nc + nx : nc + nx + ny], refs[nc + nx + ny :]
+        c = [_load_const(r, a) for r, a in zip(c_refs, const_avals, strict=True)]
+        xv = [r[...] for r in x_refs]
+
+        def at(j: Any) -> list:
+            start = j * bj
+            yv = [r[(pl.ds(start, bj),) + (slice(None),) * (r.ndim - 1)] for r in y_refs]
+            return tile(c, xv, start, yv)
+
+        def step(j: Any, acc: list) -> list:
+            new = at(j)
+            return [
+                jax.vmap(leaf.monoid.merge)(a, b)
+                for leaf, a, b in zip(red.leaves, acc, new, strict=True)
+            ]
+
+        acc = at(0)
+        if yt > 1:
+            acc = lax.fori_loop(1, yt, step, acc)
+        for value, o_ref in zip(jax.tree.leaves(acc), o_refs, strict=True):
+            o_ref[...] = value.reshape(o_ref.shape).astype(o_ref.dtype)
+
+    def spec(shape: tuple, rows: int | None) -> Any:
+        block = shape if rows is None else (rows, *shape[1:])
+        tail = (0,) * (len(shape) - 1)
+        return pl.BlockSpec(
+            block, (lambda i: (0, *tail)) if rows is None else (lambda i: (i, *tail))
+        )
+
+    out_shapes = [
+        jax.ShapeDtypeStruct((xt * bi, *(a.shape[1:] or (1,))), a.dtype) for a in state_avals
+    ]
+    call = pl.pallas_call(
+        kernel,
+        out_shape=out_shapes,
+        grid=(xt,),
+        in_specs=[spec(kernel_const_aval(a).shape, None) for a in const_avals]
+        + [spec(a.shape, bi) for a in xs]
+        + [spec(a.shape, None) for a in ys],
+        out_specs=[spec(s.shape, bi) for s in out_shapes],
+        interpret=True,
+        name=KERNEL_NAME,
+    )
+
+    def kernel_call(*args: Any) -> Any:
+        return call(*args)
+
+    # A named jit makes the kernel visible in lowered text (``@adv_jax_math_pairwise``).
+    kernel_call.__name__ = kernel_call.__qualname__ = KERNEL_NAME
+    flat = jax.jit(kernel_call)(*map(_to_kernel_const, kconsts), *xs, *ys)
+    flat = [o[:n].reshape(n, *a.shape[1:]) for o, a in zip(flat, state_avals, strict=True)]
+    return jax.tree.unflatten(jax.tree.structure(row_states), flat)

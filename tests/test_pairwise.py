@@ -1,0 +1,213 @@
+"""Pairwise reductions ``out_i = reduce_j f(x_i, y_j)`` against the dense oracle.
+
+The oracle stores every pair: ``vmap(vmap(f))`` gives ``(N, M, ...)``, reduced along
+axis 1 with plain JAX. Ragged N and M (no multiple of the tiles), duplicated y
+rows across a tile border (ties: the first index, as jnp), every monoid, a pytree
+of monoids, both engines (``pairwise scan``; ``pairwise kernel`` in interpret
+mode), values and gradients with respect to x, y and a closed-over parameter.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import assert_tree_close
+from jax import lax
+
+import adv_jax_math as ajm
+from adv_jax_math.kernels.pairwise import KERNEL_NAME
+
+N, M, D, TILES = 37, 53, 3, (8, 16)
+ENGINES = {"scan": "pairwise scan", "interpret": "pairwise kernel (interpret)"}
+
+
+def points(n: int, seed: int) -> jax.Array:
+    return jax.random.normal(jax.random.key(seed), (n, D))
+
+
+def inputs():
+    x, y = points(N, 0), points(M, 1)
+    y = y.at[16].set(y[15])  # a tie across the border of the first two y tiles
+    return x, y
+
+
+def sqdist(xi, yj):
+    return jnp.sum((xi - yj) ** 2)
+
+
+def dense(f, x, y):
+    return jax.vmap(jax.vmap(f, (None, 0)), (0, None))(x, y)
+
+
+def _softmax_pair(xi, yj):
+    return -sqdist(xi, yj), jnp.stack([yj[0], jnp.sin(yj[1])])
+
+
+def _two_leaves(xi, yj):
+    d = sqdist(xi, yj)
+    return {"sum": jnp.exp(-d), "near": d}
+
+
+def _top_k(d, k, smallest):
+    v, i = lax.top_k(-d if smallest else d, k)
+    return (-v if smallest else v), i
+
+
+CASES = {  # name: (reduction, f, oracle on the dense (N, M, ...) outputs)
+    "add": (ajm.ADD, lambda a, b: jnp.exp(-sqdist(a, b)), lambda d: d.sum(1)),
+    "max": (ajm.MAX, sqdist, lambda d: d.max(1)),
+    "min": (ajm.MIN, sqdist, lambda d: d.min(1)),
+    "logsumexp": (ajm.LOGSUMEXP, lambda a, b: -sqdist(a, b), lambda d: jax.nn.logsumexp(d, 1)),
+    "argmin": (ajm.ARGMIN, sqdist, lambda d: d.argmin(1)),
+    "argmax": (ajm.ARGMAX, sqdist, lambda d: d.argmax(1)),
+    "min_argmin": (ajm.MIN_ARGMIN, sqdist, lambda d: (d.min(1), d.argmin(1))),
+    "max_argmax": (ajm.MAX_ARGMAX, sqdist, lambda d: (d.max(1), d.argmax(1))),
+    "top_k": (ajm.top_k(3), sqdist, lambda d: _top_k(d, 3, False)),
+    "k_nearest": (ajm.top_k(3, smallest=True), sqdist, lambda d: _top_k(d, 3, True)),
+    "mean": (ajm.MEAN, sqdist, lambda d: d.mean(1)),
+    "var": (ajm.VAR, sqdist, lambda d: d.var(1)),
+    "softmax_weighted": (
+        ajm.SOFTMAX_WEIGHTED,
+        _softmax_pair,
+        lambda d: jnp.einsum("nm,nmk->nk", jax.nn.softmax(d[0], 1), d[1]),
+    ),
+    "pytree": (
+        {"sum": ajm.ADD, "near": ajm.MIN_ARGMIN},
+        _two_leaves,
+        lambda d: {"sum": d["sum"].sum(1), "near": (d["near"].min(1), d["near"].argmin(1))},
+    ),
+}
+
+
+@pytest.mark.parametrize("backend", list(ENGINES))
+@pytest.mark.parametrize("name", list(CASES))
+def test_values_match_dense_oracle(name, backend):
+    reduction, f, want = CASES[name]
+    x, y = inputs()
+    with ajm.config(backend=backend):
+        plan = ajm.explain_pairwise(f, x, y, reduction, tiles=TILES)
+        got = jax.jit(lambda x, y: ajm.pairwise(f, x, y, reduction, tiles=TILES))(x, y)
+    assert plan.engine == ENGINES[backend] and plan.tiles == TILES, str(plan)
+    assert_tree_close(got, want(dense(f, x, y)), rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("backend", list(ENGINES))
+@pytest.mark.parametrize("name", ["add", "logsumexp", "min_argmin", "k_nearest", "var"])
+def test_gradients_match_dense_oracle(name, backend):
+    # w.r.t. x, y and a parameter f closes over; reverse and forward mode
+    reduction, f, want = CASES[name]
+    x, y = inputs()
+    scaled = lambda s: lambda a, b: jax.tree.map(lambda v: v * s, f(a, b))
+
+    def loss(run, s, x, y):
+        out = run(scaled(s), x, y)
+        return sum(jnp.sum(jnp.sin(v)) for v in jax.tree.leaves(out) if v.dtype.kind == "f")
+
+    ours = lambda g, x, y: ajm.pairwise(g, x, y, reduction, tiles=TILES)
+    oracle = lambda g, x, y: want(dense(g, x, y))
+    with ajm.config(backend=backend):
+        got = jax.jit(jax.grad(lambda *a: loss(ours, *a), argnums=(0, 1, 2)))(0.7, x, y)
+        fwd = jax.jvp(lambda s: loss(ours, s, x, y), (0.7,), (1.0,))
+    expect = jax.grad(lambda *a: loss(oracle, *a), argnums=(0, 1, 2))(0.7, x, y)
+    assert_tree_close(got, expect, rtol=2e-4, atol=2e-4)
+    assert_tree_close(fwd, jax.jvp(lambda s: loss(oracle, s, x, y), (0.7,), (1.0,)), rtol=2e-4)
+
+
+def test_kernel_holds_the_whole_forward():
+    # interpret mode: one pallas_call, no scan or while loop outside it
+    reduction, f, _ = CASES["logsumexp"]
+    x, y = inputs()
+    with ajm.config(backend="interpret"):
+        jaxpr = jax.make_jaxpr(lambda x, y: ajm.pairwise(f, x, y, reduction, tiles=TILES))(x, y)
+        text = jax.jit(lambda x, y: ajm.pairwise(f, x, y, reduction, tiles=TILES)).lower(x, y)
+    outside = [e.primitive.name for e in _flat(jaxpr.jaxpr)]
+    assert outside.count("pallas_call") == 1, outside
+    assert not {"scan", "while"} & set(outside), outside
+    assert KERNEL_NAME in text.as_text()
+
+
+def _flat(jaxpr):
+    """Equations of ``jaxpr``, calls (``pjit``, custom derivatives) entered, kernels not."""
+    for e in jaxpr.eqns:
+        body = e.params.get("jaxpr", e.params.get("call_jaxpr"))
+        if e.primitive.name != "pallas_call" and body is not None:
+            yield from _flat(getattr(body, "jaxpr", body))
+        else:
+            yield e
+
+
+@pytest.mark.parametrize("backend", list(ENGINES))
+def test_tiles_of_one_row_and_of_everything(backend):
+    reduction, f, want = CASES["min_argmin"]
+    x, y = inputs()
+    with ajm.config(backend=backend):
+        for tiles in [(1, 1), (N, M), (64, 64), (5, 52)]:
+            got = ajm.pairwise(f, x, y, reduction, tiles=tiles)
+            assert_tree_close(got, want(dense(f, x, y)))
+
+
+def test_explain_names_engine_tiles_and_rejections():
+    reduction, f, _ = CASES["logsumexp"]
+    x, y = inputs()
+    plan = ajm.explain_pairwise(f, x, y, reduction)
+    text = str(plan)
+    assert plan.engine == "pairwise scan" and "pairwise" in text
+    assert plan.tiles == (N, M) and "1 x tile(s), 1 y tile(s)" in text, text
+    assert "rejected   : pairwise kernel: only on request (backend='interpret')" in text, text
+    spec = (
+        jax.ShapeDtypeStruct((10_000, D), jnp.float32),
+        jax.ShapeDtypeStruct((5_000, D), jnp.float32),
+    )
+    big = ajm.explain_pairwise(f, *spec, reduction)
+    assert big.tiles == (128, 2048), str(big)
+
+
+@pytest.mark.parametrize("backend", list(ENGINES))
+def test_empty_sides_give_plain_jax_answers(backend):
+    x, y = inputs()
+    with ajm.config(backend=backend):
+        out = ajm.pairwise(sqdist, x[:0], y, ajm.MIN)
+        assert out.shape == (0,)
+        total = ajm.pairwise(sqdist, x, y[:0], ajm.ADD)
+        assert_tree_close(total, jnp.zeros(N))
+
+
+def test_bad_input_is_named():
+    x, y = inputs()
+    with pytest.raises(ValueError, match=r"k=60 .*53"):
+        ajm.pairwise(sqdist, x, y, ajm.top_k(60))
+    with pytest.raises(TypeError, match="not a Monoid"):
+        ajm.pairwise(sqdist, x, y, jnp.add)
+    with pytest.raises(ValueError, match="same leading"):
+        ajm.pairwise(sqdist, {"a": x, "b": x[:5]}, y, ajm.ADD)
+    with pytest.raises(ValueError, match=r"tiles=\(0, 4\)"):
+        ajm.pairwise(sqdist, x, y, ajm.ADD, tiles=(0, 4))
+    with pytest.raises(TypeError):  # x and y with different feature sizes: f's own error
+        ajm.pairwise(sqdist, x, y[:, :2], ajm.ADD)
+
+
+@pytest.mark.parametrize("backend", list(ENGINES))
+def test_nan_in_y_as_plain_jax(backend):
+    x, y = inputs()
+    y = y.at[20].set(jnp.nan)
+    with ajm.config(backend=backend):
+        for name in ("min_argmin", "logsumexp", "add"):
+            reduction, f, want = CASES[name]
+            got = ajm.pairwise(f, x, y, reduction, tiles=TILES)
+            np.testing.assert_array_equal(
+                np.isnan(np.asarray(jax.tree.leaves(got)[0])),
+                np.isnan(np.asarray(jax.tree.leaves(want(dense(f, x, y)))[0])),
+            )
+            assert_tree_close(got, want(dense(f, x, y)), rtol=2e-5, atol=2e-5)
+
+
+def test_gradient_memory_is_flat_at_two_to_the_fourteen():
+    # value_and_grad of a pairwise logsumexp at N = M = 2^14 on the default engine:
+    # compiled temp <= 48 MiB (the dense gradient holds N x M floats: 1 GiB and more)
+    term = lambda xi, yj: -jnp.sum((xi - yj) ** 2)
+    loss = lambda x, y: jnp.sum(ajm.pairwise(term, x, y, ajm.LOGSUMEXP))
+    pts = jax.ShapeDtypeStruct((1 << 14, D), jnp.float32)
+    compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(pts, pts).compile()
+    assert compiled.memory_analysis().temp_size_in_bytes <= 48 * 2**20
