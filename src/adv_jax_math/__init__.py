@@ -21,9 +21,11 @@ from ._monoids import (
     MIN_ARGMIN,
     SOFTMAX_WEIGHTED,
     VAR,
+    WEIGHTED_LOGSUMEXP,
     softmax_weighted,
     top_k,
     var,
+    weighted_logsumexp,
 )
 from ._pairwise import PairwisePlan, explain_pairwise, pairwise
 from ._plan import Kind, Plan, Policy
@@ -49,6 +51,7 @@ __all__ = [
     "MIN_ARGMIN",
     "SOFTMAX_WEIGHTED",
     "VAR",
+    "WEIGHTED_LOGSUMEXP",
     "Kind",
     "LeafReduction",
     "Monoid",
@@ -75,5 +78,6 @@ __all__ = [
     "top_k",
     "var",
     "vmap_chunked",
+    "weighted_logsumexp",
 ]
 __version__ = "0.1.0"

@@ -14,7 +14,13 @@ by their running maximum; means and variances merge by Chan's update.
 
 from __future__ import annotations
 
-from ._monoids_exponential import LOGSUMEXP, SOFTMAX_WEIGHTED, softmax_weighted
+from ._monoids_exponential import (
+    LOGSUMEXP,
+    SOFTMAX_WEIGHTED,
+    WEIGHTED_LOGSUMEXP,
+    softmax_weighted,
+    weighted_logsumexp,
+)
 from ._monoids_extrema import ARGMAX, ARGMIN, MAX, MAX_ARGMAX, MIN, MIN_ARGMIN, nan_weights
 from ._monoids_sums import ADD, MEAN, MEAN_VAR, VAR, var
 from ._monoids_topk import top_k
@@ -33,10 +39,12 @@ __all__ = [
     "MONOIDS",
     "SOFTMAX_WEIGHTED",
     "VAR",
+    "WEIGHTED_LOGSUMEXP",
     "nan_weights",
     "softmax_weighted",
     "top_k",
     "var",
+    "weighted_logsumexp",
 ]
 
 MONOIDS = (ADD, MAX, MIN, LOGSUMEXP)  # the ones recognized from plain-JAX reductions

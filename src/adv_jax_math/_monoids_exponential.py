@@ -17,7 +17,16 @@ from jax import lax
 from ._monoid import Monoid, _col
 from ._monoids_numerics import Items, _float, _full, _inexact, _spread, _two_sum, _weigh, _wide
 
-__all__ = ["LOGSUMEXP", "SOFTMAX_WEIGHTED", "LogSumExp", "SoftmaxWeighted", "softmax_weighted"]
+__all__ = [
+    "LOGSUMEXP",
+    "SOFTMAX_WEIGHTED",
+    "WEIGHTED_LOGSUMEXP",
+    "LogSumExp",
+    "SoftmaxWeighted",
+    "WeightedLogSumExp",
+    "softmax_weighted",
+    "weighted_logsumexp",
+]
 
 
 # -- shifted exponentials ---------------------------------------------------------------
@@ -310,8 +319,106 @@ class SoftmaxWeighted(Monoid):
         return (d_out, d_lse) if self.return_lse else d_out
 
 
+class WeightedLogSumExp(Monoid):
+    """``jax.nn.logsumexp(a, 0, b=b, return_sign=...)`` for ``fun`` returning
+    ``(a (n, *t), b (n, *t))``: ``log |sum_i b_i exp(a_i)|`` (NaN where the sum is
+    negative), with ``return_sign=True`` also its sign. Rows of weight 0 are left
+    out (their ``a`` may be anything), as jax does; the running maximum of the kept
+    ``a`` shifts the signed, compensated sum, and its derivative is ``jax.nn``'s
+    (through the sum only)."""
+
+    arity = 2
+
+    def __init__(self, return_sign: bool = False):
+        self.return_sign = bool(return_sign)
+        self.name = "weighted_logsumexp" + ("(return_sign=True)" if return_sign else "")
+
+    def __repr__(self) -> str:
+        return "adv_jax_math." + (
+            "weighted_logsumexp(return_sign=True)" if self.return_sign else "WEIGHTED_LOGSUMEXP"
+        )
+
+    def _dtypes(self, items: Items) -> tuple[np.dtype, np.dtype]:
+        a, b = items
+        if tuple(a.shape) != tuple(b.shape):
+            raise ValueError(
+                f"{self!r}: fun returns (a, b) with rows of shapes {tuple(a.shape)} and "
+                f"{tuple(b.shape)}; each row of a needs a weight in b of the same shape"
+            )
+        out = _float(jnp.result_type(a.dtype, b.dtype))
+        return out, _wide(out)
+
+    def fills(self, dtypes: Sequence[Any]) -> tuple:
+        return np.asarray(-np.inf, _float(dtypes[0]))[()], np.zeros((), dtypes[1])[()]
+
+    def init(self, items: Items) -> Any:
+        _, acc = self._dtypes(items)
+        return _full(items[0], -np.inf, acc), _full(items[0], 0, acc), _full(items[0], 0, acc)
+
+    def encode(self, keep: Any, dtype: Any, xp: Any = np) -> Any:
+        return _drop(keep, _wide(_float(dtype)), xp)
+
+    def _kept(self, ys: Sequence[jax.Array], acc: Any, w: Any = None) -> tuple:
+        """``a`` where ``b != 0`` (else -inf) and ``b``, rows dropped by ``w`` (the
+        encoded weights: inf keeps a row, -inf drops it) weighted 0."""
+        a, b = (y.astype(acc) for y in ys)
+        if w is not None:
+            b = jnp.where(_col(w, b) == np.inf, b, jnp.zeros_like(b))
+        return jnp.where(b != 0, a, jnp.full_like(a, -np.inf)), b
+
+    def fold(self, ys, idx, w) -> Any:
+        acc = self._dtypes([jax.ShapeDtypeStruct(y.shape[1:], y.dtype) for y in ys])[1]
+        a, b = self._kept(ys, acc, w)
+        top = lax.stop_gradient(jnp.max(a, axis=0))  # as jax.nn.logsumexp
+        s = jnp.sum(b * jnp.exp(a - _finite_or_zero(top)[None]), axis=0)
+        return top, s, jnp.zeros_like(s)
+
+    def merge(self, a: Any, b: Any) -> Any:
+        # (a state of non-finite top summed with a shift of 0, as jax does: _rescale
+        # keeps it whole, factor 1, and drops the others)
+        top, (ea, eb) = _rescale([a[0], b[0]])
+        t, lost = _two_sum(a[1] * ea, b[1] * eb)
+        return top, t, a[2] * ea + b[2] * eb + lost
+
+    def _parts(self, state: Any) -> tuple[jax.Array, jax.Array]:
+        top, s, c = state
+        total = s + c
+        return jnp.log(jnp.abs(total)) + _finite_or_zero(top), jnp.sign(total)
+
+    def finalize(self, state: Any, items: Items) -> Any:
+        dtype = self._dtypes(items)[0]
+        out, sign = self._parts(state)
+        if self.return_sign:
+            return out.astype(dtype), sign.astype(dtype)
+        return jnp.where(sign < 0, jnp.full_like(out, np.nan), out).astype(dtype)
+
+    def _weights(self, ys, keep, state) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """``sign * exp(a_i - total)`` per row (0 for rows of weight 0), ``b``, and
+        where the result has no derivative (a NaN for a negative sum: jax's where)."""
+        out, sign = self._parts(state)
+        a, b = self._kept(ys, out.dtype)
+        p = _spread(sign, a) * jnp.exp(a - _spread(out, a))
+        if keep is not None:
+            p = p * _col(keep, p).astype(p.dtype)
+        return p, b, (sign < 0) & (not self.return_sign)
+
+    def tangent(self, ys, dys, idx, keep, state, items) -> Any:
+        p, b, none = self._weights(ys, keep, state)
+        da, db = (d.astype(p.dtype) for d in dys)
+        d = jnp.where(none, 0, jnp.sum(p * (b * da + db), axis=0))
+        return (d, jnp.zeros_like(d)) if self.return_sign else d
+
+    def cotangent(self, ct, ys, idx, keep, state, items, tally=None) -> tuple:
+        p, b, none = self._weights(ys, keep, state)
+        ct = jnp.where(none, 0, ct[0] if self.return_sign else ct)
+        g = _spread(ct, p) * p
+        cast = lambda c, y: c.astype(y.dtype) if _inexact(y.dtype) else None
+        return cast(g * b, ys[0]), cast(g, ys[1])
+
+
 LOGSUMEXP = LogSumExp()
 SOFTMAX_WEIGHTED = SoftmaxWeighted()
+WEIGHTED_LOGSUMEXP = WeightedLogSumExp()
 
 
 def softmax_weighted(return_lse: bool = False) -> SoftmaxWeighted:
@@ -337,3 +444,20 @@ def softmax_weighted(return_lse: bool = False) -> SoftmaxWeighted:
     4.0 4.0
     """
     return SOFTMAX_WEIGHTED if not return_lse else SoftmaxWeighted(return_lse=True)
+
+
+def weighted_logsumexp(return_sign: bool = False) -> WeightedLogSumExp:
+    """``jax.nn.logsumexp(a, 0, b=b, return_sign=return_sign)`` of ``fun`` returning
+    ``(a, b)`` per row: a weighted, signed logsumexp (OTT-JAX's Sinkhorn steps with
+    marginal weights; ``WEIGHTED_LOGSUMEXP`` is ``return_sign=False``).
+
+    Examples
+    --------
+    >>> import jax.numpy as jnp
+    >>> import adv_jax_math as ajm
+    >>> a, b = jnp.array([0.0, 1.0, 2.0]), jnp.array([1.0, -1.0, 2.0])
+    >>> out, sign = ajm.batch_map(lambda r: r, (a, b), 2, reduction=ajm.weighted_logsumexp(True))
+    >>> bool(jnp.allclose(out, jnp.log(jnp.abs(1 - jnp.e + 2 * jnp.e**2)))), float(sign)
+    (True, 1.0)
+    """
+    return WeightedLogSumExp(return_sign)
