@@ -10,6 +10,7 @@ from helpers import assert_tree_close
 
 import adv_jax_math as ajm
 from adv_jax_math import _autotune
+from adv_jax_math._autotune_measure import TIMING_ROWS, ChunkProgram
 from adv_jax_math._config import parse_bytes
 from adv_jax_math._validate import batch_size_from
 
@@ -242,3 +243,156 @@ def test_closed_over_tracers_do_not_leak():
         got_grad = jax.grad(f)(jnp.float32(0.5))
     assert np.isfinite(got) and np.isfinite(got_grad)
     assert_tree_close(got, jnp.sum(wide(x * 0.5)), rtol=1e-4)
+
+
+# -- timing: runs through many chunks, noisy timings re-timed side by side ---------------
+
+
+@pytest.fixture
+def programs(monkeypatch):
+    """The ChunkProgram objects the decisions made in the test use."""
+    made = []
+
+    class Recording(ChunkProgram):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(_autotune, "ChunkProgram", Recording)
+    return made
+
+
+def test_timing_program_runs_any_number_of_chunks_and_sums_them(programs):
+    with ajm.config(memory_budget=1 * MIB):
+        ajm.explain(wide, xs(), "auto", reduction=jnp.add, chunk_reduction=jnp.sum)
+    (prog,) = programs
+    assert prog._compiled and prog.long_chunks(16) == TIMING_ROWS // 16
+    for rows in prog._compiled:
+        assert prog.long_chunks(rows) == max(1, min(N // rows, TIMING_ROWS // rows))
+        cargs, xargs = prog._inputs(rows)
+        assert xargs[0].shape == (2, rows, 8)  # two chunks' rows, cycled through
+        per_chunk = [jnp.sum(wide(xargs[0][i])) for i in (0, 1)]
+        for m in (1, 2, 5):
+            (got,) = prog.compiled(rows)[0](cargs, xargs, np.int32(m))
+            want = sum(per_chunk[i % 2] for i in range(m))
+            assert_tree_close(got, want, rtol=1e-4)
+
+
+def test_seconds_is_chunks_times_the_fastest_run_per_chunk(programs):
+    with ajm.config(memory_budget=1 * MIB):
+        ajm.explain(wide, xs(), "auto", reduction=jnp.add, chunk_reduction=jnp.sum)
+    (prog,) = programs
+    rows = 16
+    chunks, long = prog.chunks(rows), prog.long_chunks(rows)
+    assert (chunks, long) == (N // rows, TIMING_ROWS // rows)
+    script, asked = iter([0.5, 0.4, 0.45, 0.3, 0.9]), []
+
+    def run(rows, m):
+        asked.append((rows, m))
+        return next(script)
+
+    prog.run, prog._best = run, {}
+    assert prog.seconds(rows, spend=0.0, runs=3) == pytest.approx(chunks * 0.4 / long)
+    assert asked == [(rows, long)] * 3
+    assert prog.seconds(rows, spend=0.0, runs=1) == pytest.approx(chunks * 0.3 / long)
+    assert prog.seconds(rows, spend=0.0, runs=1) == pytest.approx(chunks * 0.3 / long)  # kept
+    assert prog.chunks(N) == prog.long_chunks(N) == 1
+
+
+def scripted_runs(calls):
+    """A stand-in for ChunkProgram.run: the call takes 1 - log2(rows) / 100 seconds
+    (larger chunks are faster), but timings are noisy: a size's first two runs (the
+    search's) are the slower the larger the chunk (noise that misleads the search),
+    its fifth (the last re-timing round) 1.5x."""
+
+    def run(self, rows, m):
+        before = sum(r == rows for r, _ in calls)
+        calls.append((rows, m))
+        t = m * (1 - np.log2(rows) / 100) / self.chunks(rows)
+        if before < 2:
+            t *= 1 + np.log2(rows) / 10
+        elif before == 4:
+            t *= 1.5
+        return t
+
+    return run
+
+
+def test_fastest_sizes_are_retimed_interleaved_and_the_fastest_run_kept(monkeypatch, programs):
+    calls = []
+    monkeypatch.setattr(ChunkProgram, "run", scripted_runs(calls))
+    with ajm.config(memory_budget=1 * MIB):
+        d = ajm.explain(wide, xs(), "auto", reduction=jnp.add, chunk_reduction=jnp.sum).autotune
+    (prog,) = programs
+    timed = [c.rows for c in d.candidates if c.seconds is not None]
+    assert len(timed) == _autotune.MAX_COMPILES
+    run = lambda r: (r, prog.long_chunks(r))
+    m = 2 * len(timed)
+    search, again = calls[:m], calls[m:]
+    assert sorted(search) == sorted(run(r) for r in timed for _ in range(2))
+    order = sorted(timed)  # fastest first by the search's timings
+    rounds = [order, order[::-1], order]  # each round the previous one reversed
+    assert again == [run(r) for rnd in rounds for r in rnd]
+    for c in d.candidates:  # from the fastest run: neither the search's nor the burst
+        if c.seconds is not None:
+            assert c.seconds == pytest.approx(1 - np.log2(c.rows) / 100)
+    # the search's timings alone would have chosen the smallest size
+    assert d.batch_size == max(timed) != min(timed)
+    sizes_text = ", ".join(map(str, order))
+    assert f"{sizes_text} rows timed again interleaved, 3 rounds, the fastest run" in d.reason
+
+
+def test_no_retiming_keeps_the_first_timings(monkeypatch):
+    calls = []
+    monkeypatch.setattr(ChunkProgram, "run", scripted_runs(calls))
+    monkeypatch.setattr(_autotune, "RETIME_ROUNDS", 0)
+    with ajm.config(memory_budget=1 * MIB):
+        d = ajm.explain(wide, xs(), "auto", reduction=jnp.add, chunk_reduction=jnp.sum).autotune
+    timed = [c.rows for c in d.candidates if c.seconds is not None]
+    assert len(calls) == 2 * len(timed) and d.batch_size == min(timed)
+    assert "again" not in d.reason
+
+
+class FakeProgram:
+    """Takes ``step`` seconds of a fake clock to time a size; says 1 s per call."""
+
+    def __init__(self, clock, step):
+        self.clock, self.step, self.calls = clock, step, []
+
+    def seconds(self, rows, spend=0.01, runs=2):
+        self.clock[0] += self.step
+        self.calls.append(rows)
+        return 1.0
+
+
+@pytest.mark.parametrize(
+    ("secs", "step", "retimed", "rounds"),
+    [
+        ({16: 1.0, 32: 1.1, 64: 1.2, 128: 1.3}, 0.01, [16, 32, 64], 3),  # the fastest 3
+        ({16: 1.0, 32: 2.5, 64: 1.9}, 0.01, [16, 64], 3),  # 32 is over 2x the fastest
+        ({16: 1.0, 32: 1.1, 64: 1.2}, 0.1, [16, 32, 64], 1),  # 0.3 s a round: 1 fits 0.5 s
+        ({16: 1.0, 32: 1.1}, 0.1, [16, 32], 2),  # 0.2 s a round: 2 fit
+        ({16: 1.0, 32: 2.5}, 0.01, [16], 0),  # one size: nothing to compare
+    ],
+)
+def test_retime_is_bounded(monkeypatch, secs, step, retimed, rounds):
+    clock = [0.0]
+    monkeypatch.setattr(_autotune, "_clock", lambda: clock[0])
+    prog = FakeProgram(clock, step)
+    before = dict(secs)
+    assert _autotune._retime(prog, 4096, secs) == (retimed, rounds)
+    assert len(prog.calls) == len(retimed) * rounds
+    assert clock[0] <= max(_autotune.RETIME_SECONDS, step * len(retimed)) + 1e-9
+    for r in before:
+        assert secs[r] == (1.0 if r in retimed and rounds else before[r])
+
+
+def test_explain_prints_planning_time():
+    with ajm.config(memory_budget=1 * MIB):
+        plan = ajm.explain(wide, xs(), "auto", reduction=jnp.add, chunk_reduction=jnp.sum)
+        again = ajm.explain(wide, xs(), "auto", reduction=jnp.add, chunk_reduction=jnp.sum)
+    d = plan.autotune
+    assert d.seconds > 0
+    line = next(line for line in str(plan).splitlines() if line.startswith("autotune"))
+    assert f"computed, {d.seconds * 1e3:.0f} ms planning" in line
+    assert "memory cache hit" in str(again) and "ms planning" in str(again)

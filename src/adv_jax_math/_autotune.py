@@ -2,15 +2,22 @@
 
 When a call with ``batch_size="auto"`` is planned (at trace time), one chunk's
 program -- ``chunk_reduction(fun(rows))``, and its VJP when the call is being
-differentiated -- is compiled with ``jax.jit(...).lower(avals).compile()`` at a few
-candidate sizes (powers of two). ``memory_analysis()`` gives its bytes
+differentiated, run over a few chunks in a loop as the call runs them (see
+``_autotune_measure``) -- is compiled with ``jax.jit(...).lower(avals).compile()``
+at up to ``MAX_COMPILES`` candidate sizes (powers of two). ``memory_analysis()`` gives its bytes
 (temporaries, outputs and the chunk's rows), fitted as ``a + b * rows``; rows the
 whole call holds regardless of the chunk size (a map's outputs, the cotangent of a
 differentiated input) are added to ``a``. Candidates the model puts under the
 budget are timed on synthetic inputs of the right shapes and dtypes (real
-compiled runs, a few repetitions each): the whole call's time is estimated as
-``chunks * seconds per chunk``, and a local search over the sizes that fit keeps
-the fastest. The chosen size has always been compiled and measured itself.
+compiled runs through many chunks, the fastest of a few): the whole call's time is
+estimated as ``chunks * seconds per chunk`` (``ChunkProgram.seconds``), and a local
+search over the sizes that fit finds the fastest. Timings taken one size after
+another are at the mercy of other processes (a burst of load makes one size look
+slow), so the fastest few sizes are then timed again side by side, round by round,
+one run of each size per round, each size keeping its fastest run; the fastest
+estimate is chosen. Re-timing is bounded (``RETIME_ROUNDS``
+rounds, ``RETIME_SECONDS``). The chosen size has always been compiled and measured
+itself; ``explain`` shows the time planning took (``ms planning``).
 
 Rule for "differentiated" (``config(autotune_grad="auto")``): a mapped input leaf
 or a value ``fun`` closes over is a float tracer of an autodiff transformation
@@ -60,8 +67,17 @@ __all__ = ["BudgetError", "Candidate", "Decision", "autodiff_leaves", "choose", 
 
 SMALLEST = 16  # first candidate (smaller ones only when 16 rows do not fit)
 SECOND_PROBE = 256  # second point of the memory model
-MAX_COMPILES = 4  # chunk programs compiled per decision, at most
+MAX_COMPILES = 3  # chunk programs compiled per decision, at most
 HEADROOM = 0.05  # estimated bytes plus 5% must fit the budget
+# Re-timing (_retime): the RETIME_TOP fastest timed sizes within RETIME_WITHIN times
+# the fastest are timed again, one run each per round, for up to RETIME_ROUNDS
+# interleaved rounds; no round is started that would take re-timing past
+# RETIME_SECONDS (the first always runs).
+RETIME_TOP = 3
+RETIME_WITHIN = 2.0
+RETIME_ROUNDS = 3
+RETIME_SECONDS = 0.5
+_clock = time.perf_counter
 
 
 class BudgetError(MemoryError):
@@ -291,8 +307,7 @@ def _search(prog: ChunkProgram, n: int, sizes: list[int], budget: int, source: s
         if rows not in secs:
             if not fits_measured(rows):
                 return None
-            chunks = 1 if rows >= n else -(-n // rows)
-            secs[rows] = chunks * prog.seconds(rows)
+            secs[rows] = prog.seconds(rows)
         return secs[rows]
 
     for rows in sorted(mem):
@@ -304,10 +319,17 @@ def _search(prog: ChunkProgram, n: int, sizes: list[int], budget: int, source: s
             break
         if timed(nxt) is None:  # the model was optimistic: refit through the largest sizes
             fixed, per_row = _fit(mem, upper=True)
+    retimed, rounds = _retime(prog, n, secs)
     best = min(secs, key=lambda r: secs[r])
     cands = tuple(Candidate(s, estimate(s), s in mem, fits(s), secs.get(s)) for s in sizes)
     ranked = sorted(secs, key=lambda r: secs[r])
     why = f"{best} rows: the fastest of {len(secs)} timed sizes that fit"
+    if rounds:
+        sizes_text = ", ".join(map(str, sorted(retimed)))
+        why += (
+            f"; {sizes_text} rows timed again interleaved, {rounds} "
+            f"round{'s' if rounds > 1 else ''}, the fastest run of each kept"
+        )
     if len(ranked) > 1:
         r = ranked[1]
         why += f" ({secs[best] * 1e3:.2f} ms per call vs {secs[r] * 1e3:.2f} ms at {r} rows)"
@@ -317,6 +339,29 @@ def _search(prog: ChunkProgram, n: int, sizes: list[int], budget: int, source: s
     return Decision(
         best, n, budget, source, int(fixed), float(per_row), cands, prog.grad_text(), why
     )
+
+
+def _retime(prog: ChunkProgram, n: int, secs: dict[int, float]) -> tuple[list[int], int]:
+    """Time the fastest sizes of ``secs`` again, side by side: the ``RETIME_TOP``
+    fastest within ``RETIME_WITHIN`` times the fastest. Each round times one run of
+    each of them (``prog.seconds``, which keeps each size's fastest run, the
+    search's included), in the previous round's order reversed, so that load from
+    other processes hits them alike. At most ``RETIME_ROUNDS`` rounds; one starts
+    only if re-timing, with one more round as long as the last, stays within
+    ``RETIME_SECONDS`` (the first always runs). Returns the sizes re-timed and the
+    number of rounds (none when fewer than two sizes qualify)."""
+    fastest = min(secs.values(), default=0.0)
+    ranked = sorted(secs, key=lambda r: secs[r])
+    order = [r for r in ranked if secs[r] <= RETIME_WITHIN * fastest][:RETIME_TOP]
+    if len(order) < 2:
+        return order, 0
+    start, last, done = _clock(), 0.0, 0
+    while done < RETIME_ROUNDS and (done == 0 or _clock() - start + last <= RETIME_SECONDS):
+        t0 = _clock()
+        for rows in order:
+            secs[rows] = prog.seconds(rows, spend=0.0, runs=1)
+        last, done, order = _clock() - t0, done + 1, order[::-1]
+    return sorted(order), done
 
 
 def _next_size(ok: list[int], secs: dict[int, float]) -> int | None:
