@@ -16,7 +16,8 @@ from typing import Any, Protocol
 import jax
 
 from . import _config
-from ._plan import Call, Plan, Rejection, make_plan
+from ._plan import Call, Plan, Rejection
+from ._planner import make_plan
 from ._scan import ScanEngine
 from ._shard import ShardEngine
 from ._sharding import follow_layout, typed_mesh

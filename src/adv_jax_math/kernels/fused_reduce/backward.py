@@ -20,37 +20,36 @@ last bit off), every cotangent is NaN, never silently wrong.
 
 Rows past ``n`` in the last block are replaced by the program's first row before
 ``fun`` sees them (their cotangent is 0, but ``0 * inf`` in the VJP would be NaN).
+
+The backward kernel itself is ``backward_kernel``'s; this module plans the reverse
+pass (the tallies, the block, the compile check) and runs it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 from jax.experimental import pallas as pl
 
-from ..._monoid import LeafReduction, MonoidReduction, index_dtype
-from .blocks import tpu_block
-from .interpreter import evaluate
-from .kernel import (
-    Grid,
-    Kernel,
-    Term,
-    _load_const,
-    _to_kernel_const,
-    compiler_params,
-    forward,
-    kernel_const_aval,
+from ..._monoid import LeafReduction, MonoidReduction
+from .backward_kernel import (
+    BACKWARD_NAME,
+    Backward,
+    _block_args,
+    _block_vjp,
+    _partial,
 )
+from .blocks import tpu_block
+from .kernel import Kernel, Term, _to_kernel_const, forward, kernel_const_aval
 from .probe import probe
 from .rules import analyze, live_at_peak, triton_size_problem
-from .targets import KERNEL_NAME, TPU_F32_MATH, Target, tpu_vmem_limit
+from .targets import TPU_F32_MATH, Target, tpu_vmem_limit
 
 __all__ = [
     "BACKWARD_NAME",
@@ -62,7 +61,6 @@ __all__ = [
     "run_reverse",
 ]
 
-BACKWARD_NAME = KERNEL_NAME + "_backward"
 MAX_PARTIAL_BYTES = 256 << 20  # the per-program partials of the constants' cotangents
 # The share of the VMEM limit the model lets a backward block fill before the planner
 # also traces smaller blocks (the compiler then picks among them; lowered only, the
@@ -73,61 +71,6 @@ MAX_PARTIAL_BYTES = 256 << 20  # the per-program partials of the constants' cota
 TPU_MARGIN_BACKWARD = 0.6
 
 
-@dataclasses.dataclass(frozen=True)
-class Backward(Grid):
-    """Everything static about one backward kernel."""
-
-    jaxpr: Any  # the prepared fun on a block of ``rows`` rows, constants as constvars
-    const_avals: tuple[jax.ShapeDtypeStruct, ...]
-    in_avals: tuple[jax.ShapeDtypeStruct, ...]  # the (n, ...) inputs
-    c_idx: tuple[int, ...]  # constants with a cotangent
-    x_idx: tuple[int, ...]  # inputs with a cotangent
-    terms: tuple[Term, ...]
-    per_term: tuple  # per term (cotangent, final state, tally or None): avals
-    n: int
-    rows: int
-    steps: int
-    target: Target
-    interpret: bool
-
-    def whole(self) -> list[jax.ShapeDtypeStruct]:
-        """What every program reads whole (cotangents, states, tallies), flat."""
-        return jax.tree.leaves(self.per_term)
-
-    def sums(self) -> list[jax.ShapeDtypeStruct]:
-        """What each program sums: the constants' cotangents, then per tallied term
-        the count of rows it selected (per element of a row)."""
-        seen = [
-            jax.ShapeDtypeStruct(t.items[0].shape, tally[2].dtype)
-            for t, (_, _, tally) in zip(self.terms, self.per_term, strict=True)
-            if tally is not None
-        ]
-        return [self.const_avals[i] for i in self.c_idx] + seen
-
-    def args(self) -> list[jax.ShapeDtypeStruct]:
-        offset = jax.ShapeDtypeStruct((1, 1), np.int32)
-        consts = [kernel_const_aval(a) for a in self.const_avals]
-        return [offset, *consts, *self.in_avals, *map(kernel_const_aval, self.whole())]
-
-    def call(self) -> Callable[..., Any]:
-        return _pallas_call(self)
-
-    def key(self) -> tuple:
-        terms = tuple(t.key() for t in self.terms)
-        shapes = (self.const_avals, self.in_avals, str(self.per_term))
-        return (
-            "backward",
-            str(self.jaxpr),
-            shapes,
-            self.c_idx,
-            self.x_idx,
-            terms,
-            self.n,
-            self.rows,
-            self.steps,
-        )
-
-
 def float_positions(values: Sequence[Any]) -> list[int]:
     """The positions of the floating-point values (those with a cotangent)."""
     return [j for j, v in enumerate(values) if jnp.issubdtype(jnp.result_type(v), jnp.inexact)]
@@ -135,126 +78,6 @@ def float_positions(values: Sequence[Any]) -> list[int]:
 
 def _aval(a: Any) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(np.shape(a), jnp.result_type(a))
-
-
-def _partial(a: jax.ShapeDtypeStruct) -> tuple[int, ...]:
-    """One program's partial sum of ``a`` in the kernel's outputs (no 0-d blocks)."""
-    return (1, *(a.shape or (1,)))
-
-
-def _zero_cotangent(y: jax.ShapeDtypeStruct) -> Any:
-    if jnp.issubdtype(y.dtype, jnp.inexact):
-        return jnp.zeros(y.shape, y.dtype)
-    return np.zeros(y.shape, jax.dtypes.float0)
-
-
-def _pallas_call(k: Backward) -> Callable[..., Any]:
-    nc, nx, nw = len(k.const_avals), len(k.in_avals), len(k.whole())
-    ndx = len(k.x_idx)
-    per_term_tree = jax.tree.structure(k.per_term)
-
-    def kernel(offset_ref, *refs):
-        c_refs, x_refs = refs[:nc], refs[nc : nc + nx]
-        w_refs, o_refs = refs[nc + nx : nc + nx + nw], refs[nc + nx + nw :]
-        dx_refs, sum_refs = o_refs[:ndx], o_refs[ndx:]
-        consts = [_load_const(r, a) for r, a in zip(c_refs, k.const_avals, strict=True)]
-        whole = [_load_const(r, a) for r, a in zip(w_refs, k.whole(), strict=True)]
-        per_term = jax.tree.unflatten(per_term_tree, whole)
-        offset = offset_ref[...].reshape(())
-        tile_start = pl.program_id(0) * k.tile
-
-        firsts = [  # a program's first row is always one of the n
-            r[(pl.ds(0, 1),) + (slice(None),) * (a.ndim - 1)]
-            for r, a in zip(x_refs, k.in_avals, strict=True)
-            if k.n % k.tile
-        ]
-
-        def block(j: Any, sums: list) -> list:
-            start: Any = 0
-            if k.steps == 1:
-                xs = [r[...] for r in x_refs]
-            else:
-                start = j * k.rows if isinstance(j, int) else pl.multiple_of(j * k.rows, k.rows)
-                xs = [
-                    r[(pl.ds(start, k.rows),) + (slice(None),) * (a.ndim - 1)]
-                    for r, a in zip(x_refs, k.in_avals, strict=True)
-                ]
-            first_row = tile_start + start
-            if k.n % k.tile:  # rows past n: the program's first row (finite, never NaN)
-                row = lambda x: first_row + lax.broadcasted_iota(jnp.int32, x.shape, 0)
-                xs = [
-                    jnp.where(row(x) < k.n, x, jnp.broadcast_to(f, x.shape))
-                    for x, f in zip(xs, firsts, strict=True)
-                ]
-
-            def f(c_nz: list, x_nz: list) -> list:
-                cvals, xvals = list(consts), list(xs)
-                for i, v in zip(k.c_idx, c_nz, strict=True):
-                    cvals[i] = v
-                for i, v in zip(k.x_idx, x_nz, strict=True):
-                    xvals[i] = v
-                return evaluate(k.jaxpr, cvals, xvals, upcast=k.target.triton)
-
-            ys, vjp = jax.vjp(f, [consts[i] for i in k.c_idx], [xs[i] for i in k.x_idx])
-            ct_ys: list = [None] * len(ys)
-            seen = []
-            for term, (ct, state, tally) in zip(k.terms, per_term, strict=True):
-                src = [ys[s] for s in term.leaf.sources]
-                local = lax.broadcasted_iota(jnp.int32, src[0].shape, 0)
-                keep = (first_row + local < k.n).astype(jnp.float32) if k.n % k.tile else None
-                idx = (offset + first_row + local).astype(index_dtype())
-                if tally is not None:  # the rows this pass selects, checked against the tally
-                    hit = term.leaf.monoid.tally.selected(src[0], idx, tally)
-                    seen.append(jnp.sum(hit if keep is None else hit * keep, axis=0))
-                row_cts = term.leaf.monoid.cotangent(ct, src, idx, keep, state, term.items, tally)
-                for s, c in zip(term.leaf.sources, row_cts, strict=True):
-                    if c is not None:
-                        ct_ys[s] = c if ct_ys[s] is None else ct_ys[s] + c
-            ct_ys = [
-                _zero_cotangent(y) if c is None else c.astype(y.dtype)
-                for y, c in zip(ys, ct_ys, strict=True)
-            ]
-            dc, dx = vjp(ct_ys)
-            for o_ref, d, i in zip(dx_refs, dx, k.x_idx, strict=True):
-                if k.steps == 1:
-                    o_ref[...] = d.astype(o_ref.dtype)
-                else:
-                    at = (pl.ds(start, k.rows),) + (slice(None),) * (k.in_avals[i].ndim - 1)
-                    o_ref[at] = d.astype(o_ref.dtype)
-            new = [*dc, *seen]
-            sums = [a + b.reshape(a.shape).astype(a.dtype) for a, b in zip(sums, new, strict=True)]
-            return sums
-
-        sums = block(0, [jnp.zeros(_partial(a), a.dtype) for a in k.sums()])
-        if k.steps > 1:
-            sums = lax.fori_loop(1, k.steps, block, sums)
-        for o_ref, a in zip(sum_refs, sums, strict=True):
-            o_ref[...] = a.reshape(o_ref.shape).astype(o_ref.dtype)
-
-    index_map = lambda first, ndim: lambda i: (i if first else 0,) + (0,) * (ndim - 1)
-    whole = lambda shape: pl.BlockSpec(shape, index_map(False, len(shape)))
-    rows = lambda shape: pl.BlockSpec((k.tile, *shape[1:]), index_map(True, len(shape)))
-
-    def partial(shape: tuple[int, ...]) -> Any:
-        return pl.BlockSpec((None, *shape), index_map(True, len(shape) + 1))
-
-    dx_avals = [k.in_avals[i] for i in k.x_idx]
-    return pl.pallas_call(
-        kernel,
-        out_shape=[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in dx_avals]
-        + [jax.ShapeDtypeStruct((k.grid, *_partial(a)), a.dtype) for a in k.sums()],
-        grid=(k.grid,),
-        in_specs=[whole((1, 1))]
-        + [whole(kernel_const_aval(a).shape) for a in k.const_avals]
-        + [rows(a.shape) for a in k.in_avals]
-        + [whole(kernel_const_aval(a).shape) for a in k.whole()],
-        out_specs=[rows(a.shape) for a in dx_avals] + [partial(_partial(a)) for a in k.sums()],
-        interpret=k.interpret,
-        compiler_params=compiler_params(
-            k.target, k.interpret, k.rows * max(math.prod(a.shape[1:]) for a in k.in_avals)
-        ),
-        name=BACKWARD_NAME,
-    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -439,22 +262,6 @@ def reverse_rows(
     c_idx, x_idx = float_positions(closed.consts), float_positions(xs)
     k = _build(closed, out_shape, xs, reduction, c_idx, x_idx, per_term, (rows, 1), target)
     return _tpu_rows(k)
-
-
-def _block_args(k: Backward) -> list:
-    """Avals of one block's VJP inputs (for the static analysis of its jaxpr)."""
-    block = [jax.ShapeDtypeStruct((k.rows, *a.shape[1:]), a.dtype) for a in k.in_avals]
-    return [list(k.const_avals), block]
-
-
-def _block_vjp(k: Backward, consts: list, xs: list) -> list:
-    f = lambda c, x: evaluate(k.jaxpr, c, x, upcast=k.target.triton)
-    ys, vjp = jax.vjp(f, consts, xs)
-    cts = [
-        jnp.ones(y.shape, y.dtype) if jnp.issubdtype(y.dtype, jnp.inexact) else _zero_cotangent(y)
-        for y in ys
-    ]
-    return jax.tree.leaves(vjp(cts))
 
 
 def _tallies(r: Reverse, closed: Any, xs: Sequence[Any]) -> list:

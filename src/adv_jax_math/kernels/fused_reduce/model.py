@@ -12,7 +12,8 @@ import numpy as np
 
 from ... import _roofline as rl
 from ..._trace import rows_aval
-from .backward import Reverse, _block_vjp
+from .backward import Reverse
+from .backward_kernel import _block_vjp
 from .interpreter import evaluate
 from .kernel import Kernel
 
