@@ -56,6 +56,28 @@ ERRORS = {
         r"reduction=<function argmin.*cannot combine two results of chunk_reduction "
         r"\(float32\[\d+, 3\]\).*return one of the same shape.*reduction=adv_jax_math\.ARGMIN",
     ),
+    # a reduction over rows passed as the combine: the error and a hint, not a
+    # KeyError from the table of hints (a regression)
+    "jax.nn.logsumexp as the combine": (
+        lambda r: r,
+        jax.nn.logsumexp,
+        jax.nn.logsumexp,
+        lambda r: r,
+        TypeError,
+        r"reduction=<function logsumexp.*cannot combine two results of chunk_reduction "
+        r"\(float32\[\]\): calling it raised TypeError.*e\.g\. jnp\.add; for logsumexp over "
+        r"rows use reduction=adv_jax_math\.LOGSUMEXP.*with reduction=jnp\.logaddexp",
+    ),
+    "a combine that fails, no hint": (
+        lambda r: r,
+        lambda a, b: a.reshape(7) + b,
+        SUM0,
+        lambda r: r,
+        TypeError,
+        r"reduction=<function <lambda>.*cannot combine two results of chunk_reduction "
+        r"\(float32\[3\]\): calling it raised TypeError.*return one of the same shape, "
+        r"e\.g\. jnp\.add$",
+    ),
     "an enum class": (
         lambda r: r,
         ajm.Kind,
