@@ -270,11 +270,12 @@ def test_timing_program_runs_any_number_of_chunks_and_sums_them(programs):
     for rows in prog._compiled:
         assert prog.long_chunks(rows) == max(1, min(N // rows, TIMING_ROWS // rows))
         cargs, xargs = prog._inputs(rows)
-        assert xargs[0].shape == (2, rows, 8)  # two chunks' rows, cycled through
-        per_chunk = [jnp.sum(wide(xargs[0][i])) for i in (0, 1)]
-        for m in (1, 2, 5):
+        k = prog.long_chunks(rows)  # distinct rows for every chunk of a run, as the call
+        assert xargs[0].shape == (k, rows, 8)
+        per_chunk = [jnp.sum(wide(xargs[0][i])) for i in range(k)]
+        for m in (1, 2, 5, k + 1):
             (got,) = prog.compiled(rows)[0](cargs, xargs, np.int32(m))
-            want = sum(per_chunk[i % 2] for i in range(m))
+            want = sum(per_chunk[i % k] for i in range(m))
             assert_tree_close(got, want, rtol=1e-4)
 
 
@@ -321,6 +322,7 @@ def scripted_runs(calls):
 def test_fastest_sizes_are_retimed_interleaved_and_the_fastest_run_kept(monkeypatch, programs):
     calls = []
     monkeypatch.setattr(ChunkProgram, "run", scripted_runs(calls))
+    monkeypatch.setattr(_autotune, "RETIME_ROUNDS", 3)  # the burst is in the last round
     with ajm.config(memory_budget=1 * MIB):
         d = ajm.explain(wide, xs(), "auto", reduction=jnp.add, chunk_reduction=jnp.sum).autotune
     (prog,) = programs
@@ -368,10 +370,11 @@ class FakeProgram:
 @pytest.mark.parametrize(
     ("secs", "step", "retimed", "rounds"),
     [
-        ({16: 1.0, 32: 1.1, 64: 1.2, 128: 1.3}, 0.01, [16, 32, 64], 3),  # the fastest 3
-        ({16: 1.0, 32: 2.5, 64: 1.9}, 0.01, [16, 64], 3),  # 32 is over 2x the fastest
+        ({16: 1.0, 32: 1.1, 64: 1.2, 128: 1.3}, 0.01, [16, 32, 64], 5),  # the fastest 3
+        ({16: 1.0, 32: 2.5, 64: 1.9}, 0.01, [16, 64], 5),  # 32 is over 2x the fastest
         ({16: 1.0, 32: 1.1, 64: 1.2}, 0.1, [16, 32, 64], 1),  # 0.3 s a round: 1 fits 0.5 s
         ({16: 1.0, 32: 1.1}, 0.1, [16, 32], 2),  # 0.2 s a round: 2 fit
+        ({16: 1.0, 32: 1.1}, 0.001, [16, 32], 5),  # RETIME_ROUNDS at most
         ({16: 1.0, 32: 2.5}, 0.01, [16], 0),  # one size: nothing to compare
     ],
 )

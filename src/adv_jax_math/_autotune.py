@@ -75,7 +75,7 @@ HEADROOM = 0.05  # estimated bytes plus 5% must fit the budget
 # RETIME_SECONDS (the first always runs).
 RETIME_TOP = 3
 RETIME_WITHIN = 2.0
-RETIME_ROUNDS = 3
+RETIME_ROUNDS = 5
 RETIME_SECONDS = 0.5
 _clock = time.perf_counter
 
