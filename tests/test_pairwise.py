@@ -211,3 +211,23 @@ def test_gradient_memory_is_flat_at_two_to_the_fourteen():
     pts = jax.ShapeDtypeStruct((1 << 14, D), jnp.float32)
     compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(pts, pts).compile()
     assert compiled.memory_analysis().temp_size_in_bytes <= 48 * 2**20
+
+
+@pytest.mark.parametrize("name", ["logsumexp", "min_argmin", "k_nearest"])
+def test_shard_spreads_x_rows_over_devices(name):
+    if jax.device_count() != 4:
+        pytest.skip("needs the 4 virtual CPU devices of conftest")
+    reduction, f, want = CASES[name]
+    x, y = inputs()
+    plan = ajm.explain_pairwise(f, x, y, reduction, tiles=TILES, shard=True)
+    assert plan.engine == "pairwise scan" and "spread over the devices" in plan.reason, str(plan)
+    with ajm.config(backend="interpret"):  # the kernel does not shard: the scan engine runs
+        assert "does not spread" in str(ajm.explain_pairwise(f, x, y, reduction, shard=True))
+        got = jax.jit(lambda x, y: ajm.pairwise(f, x, y, reduction, tiles=TILES, shard=True))(x, y)
+    assert_tree_close(got, want(dense(f, x, y)), rtol=2e-5, atol=2e-5)
+    loss = lambda run, x: jnp.sum(jnp.sin(jax.tree.leaves(run(x))[0]))
+    ours = lambda x: ajm.pairwise(f, x, y, reduction, tiles=TILES, shard=True)
+    g = jax.jit(jax.grad(lambda x: loss(ours, x)))(x)
+    assert_tree_close(
+        g, jax.grad(lambda x: loss(lambda x: want(dense(f, x, y)), x))(x), rtol=2e-4, atol=2e-4
+    )

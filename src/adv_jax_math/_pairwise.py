@@ -74,6 +74,8 @@ def pairwise(
     reduction: Monoid | Any,
     *,
     tiles: tuple[int, int] | str = "auto",
+    shard: bool = False,
+    mesh: jax.sharding.Mesh | None = None,
 ) -> Any:
     """``reduction`` over ``j`` of ``f(x_i, y_j)``, for every ``i``, in tiles.
 
@@ -92,6 +94,12 @@ def pairwise(
         ``(bi, bj)``: rows of ``x`` and of ``y`` per tile. ``"auto"`` takes
         ``bj = min(M, 2048)`` and ``bi`` the power of two (or ``N``) that makes a tile
         of at most 2^18 pairs.
+    shard : bool
+        Spread the rows of ``x`` over the devices of ``mesh`` (each device reduces
+        its own x rows over all of ``y``), as ``batch_vmap(..., shard=True)``.
+    mesh : jax.sharding.Mesh or None
+        The mesh for ``shard=True`` (default: the one of ``jax.set_mesh``, else all
+        devices).
 
     Returns
     -------
@@ -110,9 +118,9 @@ def pairwise(
     >>> ajm.pairwise(lambda xi, yj: jnp.sum((xi - yj) ** 2), x, y, ajm.ARGMIN)
     Array([0, 1, 2], dtype=int32)
     """
-    plan = _plan(f, x, y, reduction, tiles)
+    plan = _plan(f, x, y, reduction, tiles, shard)
     if plan.engine == _SCAN:
-        return _scan(f, x, y, reduction, plan.tiles)
+        return _scan(f, x, y, reduction, plan.tiles, shard=shard, mesh=mesh)
     conv, consts = jax.closure_convert(f, _first(x), _first(y))
     return _fused(conv, list(consts), plan, x, y, reduction)
 
@@ -124,10 +132,11 @@ def explain_pairwise(
     reduction: Monoid | Any,
     *,
     tiles: tuple[int, int] | str = "auto",
+    shard: bool = False,
 ) -> PairwisePlan:
     """The plan :func:`pairwise` would run for these arguments (``x`` and ``y`` may
     hold ``jax.ShapeDtypeStruct``)."""
-    return _plan(f, x, y, reduction, tiles)
+    return _plan(f, x, y, reduction, tiles, shard)
 
 
 _SCAN, _KERNEL = "pairwise scan", "pairwise kernel (interpret)"
@@ -164,7 +173,7 @@ def _first(tree: Any) -> Any:
     return jax.tree.map(lambda a: a[0], tree)
 
 
-def _plan(f: Callable, x: Any, y: Any, reduction: Any, tiles: Any) -> PairwisePlan:
+def _plan(f: Callable, x: Any, y: Any, reduction: Any, tiles: Any, shard: bool) -> PairwisePlan:
     if not is_monoid_tree(reduction):
         raise TypeError(
             f"pairwise: reduction={reduction!r} is not a Monoid (or a pytree of them); pass "
@@ -176,8 +185,12 @@ def _plan(f: Callable, x: Any, y: Any, reduction: Any, tiles: Any) -> PairwisePl
     red.check_rows(m)
     what = ", ".join(dict.fromkeys(leaf.monoid.name for leaf in red.leaves))
     backend, platform = _config.current().backend, target_platform()
+    if not isinstance(shard, bool):
+        raise TypeError(f"pairwise: shard={shard!r} must be a bool")
     if not (n and m):
         kernel_why = "no rows to tile (N or M is 0)"
+    elif shard:
+        kernel_why = "shard=True: the kernel does not spread over devices yet"
     elif backend == "interpret":
         return PairwisePlan(n, m, (bi, bj), what, _KERNEL, "requested (backend='interpret')")
     elif backend == "auto":
@@ -188,7 +201,9 @@ def _plan(f: Callable, x: Any, y: Any, reduction: Any, tiles: Any) -> PairwisePl
     else:
         kernel_why = f"not requested (backend={backend!r})"
     why = "x tiles in a chunked vmap, y tiles in a chunked monoid reduction"
-    if backend == "auto":
+    if shard:
+        why += "; the x rows spread over the devices (shard=True)"
+    elif backend == "auto":
         why += f" (default on {platform})"
     return PairwisePlan(n, m, (bi, bj), what, _SCAN, why, (("pairwise kernel", kernel_why),))
 
@@ -204,14 +219,22 @@ def _recognized(f: Callable, x: Any, y: Any, reduction: Any, bj: int) -> MonoidR
 
 
 # -- the scan engine -----------------------------------------------------------------------
-def _scan(f: Callable, x: Any, y: Any, reduction: Any, tiles: tuple[int, int]) -> Any:
+def _scan(
+    f: Callable,
+    x: Any,
+    y: Any,
+    reduction: Any,
+    tiles: tuple[int, int],
+    shard: bool = False,
+    mesh: Any = None,
+) -> Any:
     bi, bj = tiles
 
     def per_x(xi: Any) -> Any:
         pairs = lambda yc: jax.vmap(f, (None, 0))(xi, yc)
         return batch_map(pairs, y, bj, reduction=reduction)
 
-    return batch_vmap(per_x, batch_size=bi)(x)
+    return batch_vmap(per_x, batch_size=bi, shard=shard, mesh=mesh)(x)
 
 
 # -- the kernel engine ---------------------------------------------------------------------
