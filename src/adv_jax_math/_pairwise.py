@@ -174,6 +174,8 @@ def _first(tree: Any) -> Any:
 
 
 def _plan(f: Callable, x: Any, y: Any, reduction: Any, tiles: Any, shard: bool) -> PairwisePlan:
+    if not isinstance(shard, bool):
+        raise TypeError(f"pairwise: shard={shard!r} must be a bool")
     if not is_monoid_tree(reduction):
         raise TypeError(
             f"pairwise: reduction={reduction!r} is not a Monoid (or a pytree of them); pass "
@@ -185,8 +187,6 @@ def _plan(f: Callable, x: Any, y: Any, reduction: Any, tiles: Any, shard: bool) 
     red.check_rows(m)
     what = ", ".join(dict.fromkeys(leaf.monoid.name for leaf in red.leaves))
     backend, platform = _config.current().backend, target_platform()
-    if not isinstance(shard, bool):
-        raise TypeError(f"pairwise: shard={shard!r} must be a bool")
     if not (n and m):
         kernel_why = "no rows to tile (N or M is 0)"
     elif shard:
