@@ -20,7 +20,7 @@ ratio is of minimums over the rounds (the median ratio is reported too, and that
 the fixed-size program of the size "auto" chose: two programs of the same size
 differ by a few percent from run to run, up to ~10% on a busy machine). Planning
 cost: the first trace with "auto" against the compile time of the chosen program
-(at most 5x);
+(at most 6x);
 the second trace (a cache hit) against a trace with the chosen fixed size.
 
 ``python bench/bench_autotune.py`` writes ``bench/results/autotune_table.md``;
@@ -212,8 +212,9 @@ def test_auto_fits_budget_and_is_fast(name, budget):
 def test_planning_cost(name):
     r = auto(name, 32)
     # Three chunk programs are compiled, each about as large as the whole call's
-    # (2.5-2.9x its compile time), then timed (0.3-0.7 s): 5x bounds what it costs.
-    assert r["planning"] <= 5 * r["compile_chosen"], r
+    # (2.5-2.9x its compile time), then timed and re-timed (0.5-1 s): measured
+    # 4.4-5.3x at be78b04; 6x bounds what it costs.
+    assert r["planning"] <= 6 * r["compile_chosen"], r
     assert r["second"] <= r["fixed_trace"] + 0.05, r  # a cache hit: as cheap as a fixed size
 
 
