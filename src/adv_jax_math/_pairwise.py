@@ -118,11 +118,11 @@ def pairwise(
     >>> ajm.pairwise(lambda xi, yj: jnp.sum((xi - yj) ** 2), x, y, ajm.ARGMIN)
     Array([0, 1, 2], dtype=int32)
     """
-    plan = _plan(f, x, y, reduction, tiles, shard)
+    plan, red = _plan(f, x, y, reduction, tiles, shard)
     if plan.engine == _SCAN:
         return _scan(f, x, y, reduction, plan.tiles, shard=shard, mesh=mesh)
     conv, consts = jax.closure_convert(f, _first(x), _first(y))
-    return _fused(conv, list(consts), plan, x, y, reduction)
+    return _fused(conv, list(consts), plan, red, x, y, reduction)
 
 
 def explain_pairwise(
@@ -136,7 +136,7 @@ def explain_pairwise(
 ) -> PairwisePlan:
     """The plan :func:`pairwise` would run for these arguments (``x`` and ``y`` may
     hold ``jax.ShapeDtypeStruct``)."""
-    return _plan(f, x, y, reduction, tiles, shard)
+    return _plan(f, x, y, reduction, tiles, shard)[0]
 
 
 _SCAN, _KERNEL = "pairwise scan", "pairwise kernel (interpret)"
@@ -173,7 +173,10 @@ def _first(tree: Any) -> Any:
     return jax.tree.map(lambda a: a[0], tree)
 
 
-def _plan(f: Callable, x: Any, y: Any, reduction: Any, tiles: Any, shard: bool) -> PairwisePlan:
+def _plan(
+    f: Callable, x: Any, y: Any, reduction: Any, tiles: Any, shard: bool
+) -> tuple[PairwisePlan, MonoidReduction]:
+    """The plan, and the terms over ``j`` it recognized in ``reduction``."""
     if not isinstance(shard, bool):
         raise TypeError(f"pairwise: shard={shard!r} must be a bool")
     if not is_monoid_tree(reduction):
@@ -192,7 +195,8 @@ def _plan(f: Callable, x: Any, y: Any, reduction: Any, tiles: Any, shard: bool) 
     elif shard:
         kernel_why = "shard=True: the kernel does not spread over devices yet"
     elif backend == "interpret":
-        return PairwisePlan(n, m, (bi, bj), what, _KERNEL, "requested (backend='interpret')")
+        plan = PairwisePlan(n, m, (bi, bj), what, _KERNEL, "requested (backend='interpret')")
+        return plan, red
     elif backend == "auto":
         kernel_why = (
             "only on request (backend='interpret'): compiled for GPU/TPU targets it is not "
@@ -205,7 +209,8 @@ def _plan(f: Callable, x: Any, y: Any, reduction: Any, tiles: Any, shard: bool) 
         why += "; the x rows spread over the devices (shard=True)"
     elif backend == "auto":
         why += f" (default on {platform})"
-    return PairwisePlan(n, m, (bi, bj), what, _SCAN, why, (("pairwise kernel", kernel_why),))
+    rejected = (("pairwise kernel", kernel_why),)
+    return PairwisePlan(n, m, (bi, bj), what, _SCAN, why, rejected), red
 
 
 def _recognized(f: Callable, x: Any, y: Any, reduction: Any, bj: int) -> MonoidReduction:
@@ -242,18 +247,26 @@ def _scan(
 class Prepared:
     """``f`` on a tile, traced: ``jaxpr(*consts, *x_leaves, *y_leaves)`` gives each
     term's source arrays ``(bi, bj, ...)``; ``reduction`` the terms over ``j``;
-    ``rows`` the sources' avals for one x row, ``(bj, ...)``."""
+    ``m`` the rows of ``y``."""
 
     jaxpr: Any  # ClosedJaxpr of the tile function
     reduction: MonoidReduction
-    rows: list[jax.ShapeDtypeStruct]
     m: int
 
 
-def _fused(conv: Callable, consts: list, plan: PairwisePlan, x: Any, y: Any, reduction: Any) -> Any:
+def _fused(
+    conv: Callable,
+    consts: list,
+    plan: PairwisePlan,
+    red: MonoidReduction,
+    x: Any,
+    y: Any,
+    reduction: Any,
+) -> Any:
+    """The kernel's result; ``red`` the terms :func:`_plan` recognized (from ``f``'s
+    output shapes, which ``conv`` shares)."""
     bi, bj = plan.tiles
     pair = lambda c: lambda xi, yj: conv(xi, yj, *c)
-    red = _recognized(pair(consts), x, y, reduction, bj)
 
     def tile(c: list, xt: Any, yt: Any) -> list:
         return jax.vmap(lambda xi: red.prologue(jax.vmap(pair(c), (None, 0))(xi, yt)))(xt)
@@ -263,7 +276,7 @@ def _fused(conv: Callable, consts: list, plan: PairwisePlan, x: Any, y: Any, red
         const_avals, rows_aval(x, bi), rows_aval(y, bj)
     )
     rows = [jax.ShapeDtypeStruct(s.shape[1:], s.dtype) for s in out]
-    prepared = Prepared(jaxpr, red, rows, plan.m)
+    prepared = Prepared(jaxpr, red, plan.m)
     items = [leaf.items(red.reads(rows, leaf)) for leaf in red.leaves]
 
     @jax.custom_jvp
