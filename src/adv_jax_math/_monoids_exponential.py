@@ -202,14 +202,27 @@ class LogSumExp(Monoid):
 
 
 # -- softmax-weighted sums --------------------------------------------------------------
-class SoftmaxWeighted(Monoid):
+class _ExponentAndCompanion(Monoid):
+    """A monoid over two leaves per row, an exponent and what it weighs (softmax
+    scores and values; logsumexp exponents and weights): a row that does not exist
+    has exponent -inf and a zero companion, a row dropped by the weights an exponent
+    bounded to -inf."""
+
+    arity = 2
+
+    def fills(self, dtypes: Sequence[Any]) -> tuple:
+        return np.asarray(-np.inf, _float(dtypes[0]))[()], np.zeros((), dtypes[1])[()]
+
+    def encode(self, keep: Any, dtype: Any, xp: Any = np) -> Any:
+        return _drop(keep, _wide(_float(dtype)), xp)
+
+
+class SoftmaxWeighted(_ExponentAndCompanion):
     """``jnp.tensordot(jax.nn.softmax(scores, 0), values, ([0], [0]))`` for ``fun``
     returning ``(scores (n, *s), values (n, *v))``: the result is ``(*s, *v)``
     (attention for ``s = (queries,)``); with ``return_lse=True`` also
     ``jax.nn.logsumexp(scores, 0)``, to combine partial results across calls. An
     online softmax (Milakov & Gimelshein 2018), compensated."""
-
-    arity = 2
 
     def __init__(self, return_lse: bool = False):
         self.return_lse = bool(return_lse)
@@ -224,18 +237,12 @@ class SoftmaxWeighted(Monoid):
         out = _float(jnp.result_type(items[0].dtype, items[1].dtype))
         return out, _wide(out)
 
-    def fills(self, dtypes: Sequence[Any]) -> tuple:
-        return np.asarray(-np.inf, _float(dtypes[0]))[()], np.zeros((), dtypes[1])[()]
-
     def init(self, items: Items) -> Any:
         _, acc = self._dtypes(items)
         s, v = items
         both = jax.ShapeDtypeStruct(s.shape + v.shape, acc)
         zero = lambda it: _full(it, 0, acc)
         return _full(s, -np.inf, acc), zero(s), zero(s), zero(both), zero(both)
-
-    def encode(self, keep: Any, dtype: Any, xp: Any = np) -> Any:
-        return _drop(keep, _wide(_float(dtype)), xp)
 
     def fold(self, ys, idx, w) -> Any:
         acc = self._dtypes([jax.ShapeDtypeStruct((), y.dtype) for y in ys])[1]
@@ -319,15 +326,13 @@ class SoftmaxWeighted(Monoid):
         return (d_out, d_lse) if self.return_lse else d_out
 
 
-class WeightedLogSumExp(Monoid):
+class WeightedLogSumExp(_ExponentAndCompanion):
     """``jax.nn.logsumexp(a, 0, b=b, return_sign=...)`` for ``fun`` returning
     ``(a (n, *t), b (n, *t))``: ``log |sum_i b_i exp(a_i)|`` (NaN where the sum is
     negative), with ``return_sign=True`` also its sign. Rows of weight 0 are left
     out (their ``a`` may be anything), as jax does; the running maximum of the kept
     ``a`` shifts the signed, compensated sum, and its derivative is ``jax.nn``'s
     (through the sum only)."""
-
-    arity = 2
 
     def __init__(self, return_sign: bool = False):
         self.return_sign = bool(return_sign)
@@ -348,15 +353,9 @@ class WeightedLogSumExp(Monoid):
         out = _float(jnp.result_type(a.dtype, b.dtype))
         return out, _wide(out)
 
-    def fills(self, dtypes: Sequence[Any]) -> tuple:
-        return np.asarray(-np.inf, _float(dtypes[0]))[()], np.zeros((), dtypes[1])[()]
-
     def init(self, items: Items) -> Any:
         _, acc = self._dtypes(items)
         return _full(items[0], -np.inf, acc), _full(items[0], 0, acc), _full(items[0], 0, acc)
-
-    def encode(self, keep: Any, dtype: Any, xp: Any = np) -> Any:
-        return _drop(keep, _wide(_float(dtype)), xp)
 
     def _kept(self, ys: Sequence[jax.Array], acc: Any, w: Any = None) -> tuple:
         """``a`` where ``b != 0`` (else -inf) and ``b``, rows dropped by ``w`` (the
