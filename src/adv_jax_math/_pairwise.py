@@ -11,8 +11,8 @@ row's monoid state carried across the y tiles. Two engines:
   gradient: O(bi * bj) memory forward and backward;
 * ``pairwise kernel``: one Pallas kernel (``kernels/pairwise.py``), a program per x
   tile looping over the y tiles with the states on chip; in interpret mode on CPU
-  (``config(backend="interpret")``). Its derivatives (forward and reverse mode)
-  are the scan engine's, computed tile by tile.
+  (``config(backend="interpret")``). Its reverse pass is pairwise sums run by the
+  same kernel (``_pairwise_grad``); forward mode takes the scan engine's tangent.
 
 :func:`explain_pairwise` shows the plan: sizes, tiles, engine and why the others
 were not taken.
@@ -29,11 +29,11 @@ import jax.numpy as jnp
 
 from . import _config
 from ._api import batch_map, batch_vmap
-from ._monoid import Monoid, MonoidReduction, identity
+from ._monoid import Monoid, MonoidReduction
+from ._pairwise_grad import Pairs, fused
+from ._pairwise_kernel import first_row, recognized
 from ._plan import target_platform
-from ._recognize import is_monoid_tree, recognize
-from ._trace import rows_aval
-from .kernels.pairwise import states
+from ._recognize import is_monoid_tree
 
 __all__ = ["PairwisePlan", "explain_pairwise", "pairwise"]
 
@@ -121,7 +121,7 @@ def pairwise(
     plan, red = _plan(f, x, y, reduction, tiles, shard)
     if plan.engine == _SCAN:
         return _scan(f, x, y, reduction, plan.tiles, shard=shard, mesh=mesh)
-    conv, consts = jax.closure_convert(f, _first(x), _first(y))
+    conv, consts = jax.closure_convert(f, first_row(x), first_row(y))
     return _fused(conv, list(consts), plan, red, x, y, reduction)
 
 
@@ -169,10 +169,6 @@ def _tiles(tiles: tuple[int, int] | str, n: int, m: int) -> tuple[int, int]:
     return min(tiles[0], max(n, 1)), min(tiles[1], max(m, 1))
 
 
-def _first(tree: Any) -> Any:
-    return jax.tree.map(lambda a: a[0], tree)
-
-
 def _plan(
     f: Callable, x: Any, y: Any, reduction: Any, tiles: Any, shard: bool
 ) -> tuple[PairwisePlan, MonoidReduction]:
@@ -186,7 +182,7 @@ def _plan(
         )
     n, m = _rows(x, "x"), _rows(y, "y")
     bi, bj = _tiles(tiles, n, m)
-    red = _recognized(f, x, y, reduction, max(bj, 1))
+    red = recognized(f, x, y, reduction, max(bj, 1))
     red.check_rows(m)
     what = ", ".join(dict.fromkeys(leaf.monoid.name for leaf in red.leaves))
     backend, platform = _config.current().backend, target_platform()
@@ -213,16 +209,6 @@ def _plan(
     return PairwisePlan(n, m, (bi, bj), what, _SCAN, why, rejected), red
 
 
-def _recognized(f: Callable, x: Any, y: Any, reduction: Any, bj: int) -> MonoidReduction:
-    """The terms over ``j`` of one x row's outputs on ``bj`` y rows."""
-    x_row = jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a)[1:], a.dtype), x)
-    row_out = jax.eval_shape(lambda xi, yc: jax.vmap(f, (None, 0))(xi, yc), x_row, rows_aval(y, bj))
-    rec = recognize(reduction, identity, row_out)
-    if rec.leaves is None:
-        raise ValueError(f"pairwise: reduction={reduction!r} is not recognized: {rec.how}")
-    return MonoidReduction(rec.leaves, rec.out_tree, rec.prologue, rec.how)
-
-
 # -- the scan engine -----------------------------------------------------------------------
 def _scan(
     f: Callable,
@@ -242,18 +228,7 @@ def _scan(
     return batch_vmap(per_x, batch_size=bi, shard=shard, mesh=mesh)(x)
 
 
-# -- the kernel engine ---------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True, eq=False)
-class Prepared:
-    """``f`` on a tile, traced: ``jaxpr(*consts, *x_leaves, *y_leaves)`` gives each
-    term's source arrays ``(bi, bj, ...)``; ``reduction`` the terms over ``j``;
-    ``m`` the rows of ``y``."""
-
-    jaxpr: Any  # ClosedJaxpr of the tile function
-    reduction: MonoidReduction
-    m: int
-
-
+# -- the kernel engine (``_pairwise_kernel``; its derivatives: ``_pairwise_grad``) ---------
 def _fused(
     conv: Callable,
     consts: list,
@@ -265,31 +240,5 @@ def _fused(
 ) -> Any:
     """The kernel's result; ``red`` the terms :func:`_plan` recognized (from ``f``'s
     output shapes, which ``conv`` shares)."""
-    bi, bj = plan.tiles
-    pair = lambda c: lambda xi, yj: conv(xi, yj, *c)
-
-    def tile(c: list, xt: Any, yt: Any) -> list:
-        return jax.vmap(lambda xi: red.prologue(jax.vmap(pair(c), (None, 0))(xi, yt)))(xt)
-
-    const_avals = [jax.ShapeDtypeStruct(jnp.shape(c), jnp.result_type(c)) for c in consts]
-    jaxpr, out = jax.make_jaxpr(tile, return_shape=True)(
-        const_avals, rows_aval(x, bi), rows_aval(y, bj)
-    )
-    rows = [jax.ShapeDtypeStruct(s.shape[1:], s.dtype) for s in out]
-    prepared = Prepared(jaxpr, red, plan.m)
-    items = [leaf.items(red.reads(rows, leaf)) for leaf in red.leaves]
-
-    @jax.custom_jvp
-    def run(c: list, x: Any, y: Any) -> Any:
-        final = states(prepared, plan.tiles, c, jax.tree.leaves(x), jax.tree.leaves(y))
-        results = lambda *s: red.finish(
-            [leaf.result(st, it) for leaf, st, it in zip(red.leaves, s, items, strict=True)]
-        )
-        return jax.vmap(results)(*final)
-
-    @run.defjvp
-    def _jvp(primals: tuple, tangents: tuple) -> tuple:
-        scan = lambda c, x, y: _scan(pair(c), x, y, reduction, plan.tiles)
-        return jax.jvp(scan, primals, tangents)
-
-    return run(consts, x, y)
+    scan = lambda c, x, y: _scan(lambda xi, yj: conv(xi, yj, *c), x, y, reduction, plan.tiles)
+    return fused(Pairs(conv, red, plan.tiles, scan), consts, x, y)

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from .._monoid import LeafReduction, index_dtype
+from .._monoid import LeafReduction, index_dtype, merge_stacked
 from .fused_reduce.interpreter import evaluate
 from .fused_reduce.kernel import _load_const, _to_kernel_const, kernel_const_aval
 
@@ -56,11 +56,21 @@ def _fold(leaf: LeafReduction, src: list, start: Any, bj: int, m: int) -> Any:
 
 
 def states(
-    prepared: Any, tiles: tuple[int, int], consts: Sequence[Any], xs: list, ys: list
+    prepared: Any,
+    tiles: tuple[int, int],
+    consts: Sequence[Any],
+    xs: list,
+    ys: list,
+    summed: Sequence[int] = (),
+    reference: bool = False,
 ) -> list:
     """Each term's state for every x row (leading axis ``N``), ``xs``/``ys`` the leaves
     of x and y, ``consts`` the values ``f`` closes over (``prepared``: see
-    ``_pairwise.Prepared``)."""
+    ``_pairwise_kernel.Prepared``). The sums numbered in ``summed`` are merged over
+    the x rows too: one state per x tile (leading axis: the tiles), for the caller to
+    merge (a reverse pass's cotangents of the values ``f`` closes over).
+    ``reference``: the same computation in plain JAX (a map over the x tiles), which
+    JAX can differentiate."""
     bi, bj = tiles
     n, m = xs[0].shape[0], prepared.m
     xt, yt = pl.cdiv(n, bi), pl.cdiv(m, bj)
@@ -75,6 +85,23 @@ def states(
         srcs = evaluate(closed.jaxpr, c[:own], [*c[own:], *xv, *yv], upcast=False)
         return [_fold(leaf, [srcs[s] for s in leaf.sources], start, bj, m) for leaf in red.leaves]
 
+    def program(i: Any, c: list, xv: list, y_tile: Any) -> list:
+        """The states of x tile ``i`` (``y_tile(start)``: the y rows from ``start``)."""
+
+        def step(j: Any, acc: list) -> list:
+            new = tile(c, xv, j * bj, y_tile(j * bj))
+            merge = lambda leaf, a, b: jax.vmap(leaf.monoid.merge)(a, b)
+            return [merge(leaf, a, b) for leaf, a, b in zip(red.leaves, acc, new, strict=True)]
+
+        acc = tile(c, xv, 0, y_tile(0))
+        if yt > 1:
+            acc = lax.fori_loop(1, yt, step, acc)
+        real = n - i * bi  # the x rows of this tile that are not padding
+        return [
+            _over_rows(leaf, a, real) if t in summed else a
+            for t, (leaf, a) in enumerate(zip(red.leaves, acc, strict=True))
+        ]
+
     row_states = jax.eval_shape(
         lambda c, xv, yv: tile(c, xv, 0, yv),
         const_avals,
@@ -82,6 +109,40 @@ def states(
         [jax.ShapeDtypeStruct((bj, *a.shape[1:]), a.dtype) for a in ys],
     )
     state_avals = jax.tree.leaves(row_states)
+    # Per output leaf: whether its term is summed over the x rows (one row per program).
+    over_x = [t in summed for t, s in enumerate(row_states) for _ in jax.tree.leaves(s)]
+    block_of = [1 if o else bi for o in over_x]
+    out_shapes = [
+        jax.ShapeDtypeStruct((xt * b, *(a.shape[1:] or (1,))), a.dtype)
+        for b, a in zip(block_of, state_avals, strict=True)
+    ]
+    if reference:
+        by_tile = [a.reshape(xt, bi, *a.shape[1:]) for a in xs]
+        rows = lambda start: [lax.dynamic_slice_in_dim(a, start, bj) for a in ys]
+        one = lambda args: jax.tree.leaves(program(args[0], kconsts, args[1], rows))
+        flat = lax.map(one, (jnp.arange(xt), by_tile))
+        flat = [o.reshape(s.shape) for o, s in zip(flat, out_shapes, strict=True)]
+    else:
+        flat = _kernel(program, kconsts, const_avals, xs, ys, out_shapes, tiles, block_of)
+    flat = [
+        o.reshape(xt, *a.shape[1:]) if summed_leaf else o[:n].reshape(n, *a.shape[1:])
+        for o, summed_leaf, a in zip(flat, over_x, state_avals, strict=True)
+    ]
+    return jax.tree.unflatten(jax.tree.structure(row_states), flat)
+
+
+def _kernel(
+    program: Any,
+    kconsts: list,
+    const_avals: list,
+    xs: list,
+    ys: list,
+    out_shapes: list,
+    tiles: tuple[int, int],
+    block_of: list,
+) -> list:
+    """``program`` run as one Pallas call: a program per x tile, y read whole."""
+    bi, bj = tiles
     nc, nx, ny = len(kconsts), len(xs), len(ys)
 
     def kernel(*refs: Any) -> None:
@@ -89,22 +150,10 @@ def states(
         y_refs, o_refs = refs[nc + nx : nc + nx + ny], refs[nc + nx + ny :]
         c = [_load_const(r, a) for r, a in zip(c_refs, const_avals, strict=True)]
         xv = [r[...] for r in x_refs]
-
-        def at(j: Any) -> list:
-            start = j * bj
-            yv = [r[(pl.ds(start, bj),) + (slice(None),) * (r.ndim - 1)] for r in y_refs]
-            return tile(c, xv, start, yv)
-
-        def step(j: Any, acc: list) -> list:
-            new = at(j)
-            return [
-                jax.vmap(leaf.monoid.merge)(a, b)
-                for leaf, a, b in zip(red.leaves, acc, new, strict=True)
-            ]
-
-        acc = at(0)
-        if yt > 1:
-            acc = lax.fori_loop(1, yt, step, acc)
+        rows = lambda start: [
+            r[(pl.ds(start, bj),) + (slice(None),) * (r.ndim - 1)] for r in y_refs
+        ]
+        acc = program(pl.program_id(0), c, xv, rows)
         for value, o_ref in zip(jax.tree.leaves(acc), o_refs, strict=True):
             o_ref[...] = value.reshape(o_ref.shape).astype(o_ref.dtype)
 
@@ -115,17 +164,14 @@ def states(
             block, (lambda i: (0, *tail)) if rows is None else (lambda i: (i, *tail))
         )
 
-    out_shapes = [
-        jax.ShapeDtypeStruct((xt * bi, *(a.shape[1:] or (1,))), a.dtype) for a in state_avals
-    ]
     call = pl.pallas_call(
         kernel,
         out_shape=out_shapes,
-        grid=(xt,),
+        grid=(xs[0].shape[0] // bi,),
         in_specs=[spec(kernel_const_aval(a).shape, None) for a in const_avals]
         + [spec(a.shape, bi) for a in xs]
         + [spec(a.shape, None) for a in ys],
-        out_specs=[spec(s.shape, bi) for s in out_shapes],
+        out_specs=[spec(s.shape, b) for s, b in zip(out_shapes, block_of, strict=True)],
         interpret=True,
         name=KERNEL_NAME,
     )
@@ -135,6 +181,15 @@ def states(
 
     # A named jit makes the kernel visible in lowered text (``@adv_jax_math_pairwise``).
     kernel_call.__name__ = kernel_call.__qualname__ = KERNEL_NAME
-    flat = jax.jit(kernel_call)(*map(_to_kernel_const, kconsts), *xs, *ys)
-    flat = [o[:n].reshape(n, *a.shape[1:]) for o, a in zip(flat, state_avals, strict=True)]
-    return jax.tree.unflatten(jax.tree.structure(row_states), flat)
+    return list(jax.jit(kernel_call)(*map(_to_kernel_const, kconsts), *xs, *ys))
+
+
+def _over_rows(leaf: LeafReduction, state: Any, real: Any) -> Any:
+    """One tile's sums (leading axis: its x rows) merged into one (leading axis 1),
+    the rows from ``real`` on (padding) left out."""
+    assert leaf.monoid.name == "add", "only sums are merged over the x rows"
+    rows = jax.tree.leaves(state)[0].shape[0]
+    keep = lax.broadcasted_iota(jnp.int32, (rows,), 0) < real
+    at = lambda a: keep.reshape((rows,) + (1,) * (a.ndim - 1))
+    masked = jax.tree.map(lambda a: jnp.where(at(a), a, jnp.zeros_like(a)), state)
+    return jax.tree.map(lambda a: a[None], merge_stacked(leaf.monoid.merge, masked))
