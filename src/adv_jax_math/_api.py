@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import warnings
 from collections.abc import Callable, Sequence
@@ -10,7 +11,7 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 
-from . import _engines
+from . import _engines, _nested
 from ._monoid import identity
 from ._plan import Call, Plan
 from ._recognize import is_monoid_tree
@@ -248,6 +249,34 @@ def _axes_per_leaf(in_axes: Any, args: tuple) -> list[int | None]:
     ]
 
 
+@dataclasses.dataclass(frozen=True)
+class _Mapped:
+    """One call of a :func:`batch_vmap` function: its argument leaves, their axes,
+    the mapped ones (``mapped``: positions; ``moved``: their mapped axis first)."""
+
+    f: Callable
+    leaves: list
+    treedef: Any
+    axes: list
+    mapped: list[int]
+    moved: list
+
+    def with_rows(self, rows: list) -> Any:
+        """``f`` on one example: ``rows`` for the mapped leaves."""
+        full = list(self.leaves)
+        for i, leaf in zip(self.mapped, rows, strict=True):
+            full[i] = leaf
+        call_args, call_kwargs = jax.tree.unflatten(self.treedef, full)
+        return self.f(*call_args, **call_kwargs)
+
+    def one(self, *rows: Any) -> Any:
+        """``f`` on one example, heard by an outer call listening for nested calls."""
+        return _nested.heard(lambda: self.with_rows(list(rows)))
+
+    def chunk_fun(self, rows: list) -> Any:
+        return jax.vmap(self.one)(*rows)
+
+
 def batch_vmap(
     f: Callable,
     /,
@@ -285,7 +314,18 @@ def batch_vmap(
     Returns
     -------
     callable
-        The vectorized, chunked function.
+        The vectorized, chunked function. Its ``explain(*args)`` gives the plan of a
+        call without running it.
+
+    Notes
+    -----
+    A pairwise reduction written as nested calls, ``batch_vmap(lambda xi:
+    batch_vmap(lambda yj: f(xi, yj), batch_size=bj, reduction=M)(y),
+    batch_size=bi)(x)`` with a :class:`Monoid` ``M``, runs as
+    ``pairwise(f, x, y, M, tiles=(bi, bj))`` (see :func:`pairwise`): the outer call
+    reads that form from its trace of ``f`` (one inner call whose result it returns
+    as is, the inner call's mapped inputs closed over). ``explain`` says why another
+    form is not read.
 
     Examples
     --------
@@ -304,7 +344,7 @@ def batch_vmap(
     batch_size_from(batch_size, kwargs)  # fail at definition time, like the original
     _check_callables(f, reduction, chunk_reduction)
 
-    def vectorized(*args: Any, **fkwargs: Any) -> Any:
+    def mapped_call(args: tuple, fkwargs: dict) -> _Mapped:
         leaves, treedef = jax.tree.flatten((args, fkwargs))
         axes = _axes_per_leaf(in_axes, args) + [0] * len(jax.tree.leaves(fkwargs))
         mapped = [i for i, axis in enumerate(axes) if axis is not None]
@@ -329,28 +369,83 @@ def batch_vmap(
                     f"{leaf.shape} (ndim {leaf.ndim})"
                 )
             moved.append(jnp.moveaxis(leaf, axis, 0))
+        return _Mapped(f, leaves, treedef, axes, mapped, moved)
 
-        def chunk_fun(rows: list) -> Any:
-            def one(*row_leaves: Any) -> Any:
-                full = list(leaves)
-                for i, leaf in zip(mapped, row_leaves, strict=True):
-                    full[i] = leaf
-                call_args, call_kwargs = jax.tree.unflatten(treedef, full)
-                return f(*call_args, **call_kwargs)
+    def stacked(m: _Mapped) -> tuple[Call, Plan, _nested.Nested | str]:
+        """The plan of a call that stacks its results, made while listening for a
+        pairwise reduction written as nested calls, and that form (or why not)."""
+        with _nested.listen() as listener:
+            call = _prepare(m.chunk_fun, m.moved, batch_size, None, identity, shard, mesh, kwargs)
+            plan = _engines.plan(call)
+        rows = [jax.ShapeDtypeStruct(a.shape[1:], a.dtype) for a in m.moved]
+        return call, plan, _nested.find(listener, m.one, rows)
 
-            return jax.vmap(one)(*rows)
+    def pairwise_of(call: Call, m: _Mapped, form: _nested.Nested) -> tuple[tuple, dict]:
+        tiles = _nested.tiles(call.batch_size, form.batch_size, m.moved, form.y)
+        return (form.pair, m.moved, form.y, form.reduction), dict(tiles=tiles, shard=shard)
 
-        return batch_map(
-            chunk_fun,
-            moved,
+    def run(m: _Mapped) -> Any:
+        if reduction is not None or chunk_reduction is not identity:
+            return batch_map(
+                m.chunk_fun,
+                m.moved,
+                batch_size,
+                reduction=reduction,
+                chunk_reduction=chunk_reduction,
+                shard=shard,
+                mesh=mesh,
+                **kwargs,
+            )
+        call, plan, form = stacked(m)
+        if isinstance(form, str):
+            return _engines.run(plan, call)
+        from ._pairwise import pairwise  # _pairwise builds on this module
+
+        args, options = pairwise_of(call, m, form)
+        return pairwise(*args, **options, mesh=mesh)
+
+    def vectorized(*args: Any, **fkwargs: Any) -> Any:
+        m = mapped_call(args, fkwargs)
+        inner = _nested.Inner(
+            m.with_rows,
+            [m.leaves[i] for i in m.mapped],
+            [m.axes[i] for i in m.mapped],
+            reduction,
             batch_size,
-            reduction=reduction,
-            chunk_reduction=chunk_reduction,
-            shard=shard,
-            mesh=mesh,
-            **kwargs,
+            chunk_reduction is identity,
+            shard,
+        )
+        return _nested.as_inner(inner, lambda: run(m))
+
+    def explain_call(*args: Any, **fkwargs: Any) -> Any:
+        """The plan of this function's call on these arguments (without running it):
+        a :class:`PairwisePlan` for a pairwise reduction written as nested calls,
+        else :func:`explain`'s plan (with why it is not pairwise, where it stacks)."""
+        m = mapped_call(args, fkwargs)
+        if reduction is not None or chunk_reduction is not identity:
+            return explain(
+                m.chunk_fun,
+                m.moved,
+                batch_size,
+                reduction=reduction,
+                chunk_reduction=chunk_reduction,
+                shard=shard,
+                mesh=mesh,
+                **kwargs,
+            )
+        call, plan, form = stacked(m)
+        if isinstance(form, str):
+            note = f"pairwise engine: not a pairwise reduction written as nested calls: {form}"
+            return dataclasses.replace(plan, notes=(*plan.notes, note))
+        from ._pairwise import explain_pairwise
+
+        args, options = pairwise_of(call, m, form)
+        pairs = explain_pairwise(*args, **options)
+        return dataclasses.replace(
+            pairs, reason=f"{pairs.reason}; read from nested batch_vmap calls"
         )
 
+    vectorized.explain = explain_call  # type: ignore[attr-defined]
     return vectorized
 
 

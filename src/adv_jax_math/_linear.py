@@ -36,6 +36,7 @@ class _Spec:
         self.impl, self.transpose = impl, transpose
         self.lin_tree, self.res_tree, self.n_lin = lin_tree, res_tree, n_lin
         self.out_tree: Any = None
+        self.out_avals: list | None = None  # given by the caller, or from impl's trace
 
     def split(self, flat: list) -> tuple[Any, Any]:
         lin = jax.tree.unflatten(self.lin_tree, flat[: self.n_lin])
@@ -52,13 +53,18 @@ _linear = Primitive("adv_jax_math_linear")
 _linear.multiple_results = True
 
 
-def linear_call(impl: Callable, transpose: Callable, lin: Any, res: Any) -> Any:
+def linear_call(impl: Callable, transpose: Callable, lin: Any, res: Any, out: Any = None) -> Any:
     """``impl(lin, res)``, linear in ``lin``, whose transpose is ``transpose(cts, res)``
-    (returning the cotangents of ``lin``, same structure)."""
+    (returning the cotangents of ``lin``, same structure). ``out``: the result's
+    structure (``ShapeDtypeStruct`` leaves), if known: then ``impl`` is traced only
+    where forward mode evaluates it."""
     lin_flat, lin_tree = jax.tree.flatten(lin)
     res_flat, res_tree = jax.tree.flatten(res)
     spec = _Spec(impl, transpose, lin_tree, res_tree, len(lin_flat))
-    jax.eval_shape(spec.call, *lin_flat, *res_flat)  # the output structure
+    if out is None:
+        jax.eval_shape(spec.call, *lin_flat, *res_flat)  # the output structure
+    else:
+        spec.out_avals, spec.out_tree = jax.tree.flatten(out)
     out = _linear.bind(*lin_flat, *res_flat, spec=spec)
     return jax.tree.unflatten(spec.out_tree, out)
 
@@ -68,8 +74,9 @@ def _impl(*flat: Any, spec: _Spec) -> list:
 
 
 def _abstract_eval(*avals: Any, spec: _Spec) -> list:
-    structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
-    out = jax.eval_shape(spec.call, *structs)
+    out = spec.out_avals
+    if out is None:
+        out = jax.eval_shape(spec.call, *[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals])
     return [jax.core.ShapedArray(o.shape, o.dtype) for o in out]
 
 
@@ -89,7 +96,9 @@ def _transpose(cts: list, *args: Any, spec: _Spec) -> list:
     assert not any(ad.is_undefined_primal(r) for r in res_flat)  # linear in `lin` only
     struct = lambda x: jax.ShapeDtypeStruct(x.aval.shape, x.aval.dtype)
     lin_structs = [struct(x) if ad.is_undefined_primal(x) else x for x in lin]
-    outs = jax.eval_shape(spec.call, *lin_structs, *res_flat)
+    outs = spec.out_avals
+    if outs is None:
+        outs = jax.eval_shape(spec.call, *lin_structs, *res_flat)
     cts = [
         jnp.zeros(o.shape, o.dtype) if type(c) is ad.Zero else c
         for c, o in zip(cts, outs, strict=True)

@@ -26,6 +26,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
 
 from . import _config
 from ._api import batch_map, batch_vmap
@@ -34,6 +35,7 @@ from ._pairwise_grad import Pairs, fused
 from ._pairwise_kernel import first_row, recognized
 from ._plan import target_platform
 from ._recognize import is_monoid_tree
+from ._sharding import explicit, sharding_of
 
 __all__ = ["PairwisePlan", "explain_pairwise", "pairwise"]
 
@@ -119,8 +121,14 @@ def pairwise(
     Array([0, 1, 2], dtype=int32)
     """
     plan, red = _plan(f, x, y, reduction, tiles, shard)
-    if plan.engine == _SCAN:
+    y = jax.tree.map(_whole, y)
+    if plan.engine == _SCAN and shard:
         return _scan(f, x, y, reduction, plan.tiles, shard=shard, mesh=mesh)
+    if plan.engine == _SCAN:
+        # x whole too: jax (0.12) cannot vmap a loop over rows split on Explicit axes;
+        # the result's rows are split as x's were
+        out = _scan(f, jax.tree.map(_whole, x), y, reduction, plan.tiles)
+        return jax.tree.map(lambda o: _rows_like(o, x), out)
     conv, consts = jax.closure_convert(f, first_row(x), first_row(y))
     return _fused(conv, list(consts), plan, red, x, y, reduction)
 
@@ -140,6 +148,23 @@ def explain_pairwise(
 
 
 _SCAN, _KERNEL = "pairwise scan", "pairwise kernel (interpret)"
+
+
+def _whole(a: Any) -> Any:
+    """A leaf of ``y`` replicated where its type has it split (Explicit axes): every
+    x row reads every row of ``y`` (as a value closed over by ``f`` would be)."""
+    sharding = sharding_of(a)
+    if not explicit(sharding) or all(s is None for s in sharding.spec):
+        return a
+    return jax.sharding.reshard(a, NamedSharding(sharding.mesh, PartitionSpec()))
+
+
+def _rows_like(out: jax.Array, x: Any) -> jax.Array:
+    """``out`` with its rows split as those of ``x`` are, where that is in the types."""
+    sharding = sharding_of(jax.tree.leaves(x)[0])
+    if not explicit(sharding) or not sharding.spec or sharding.spec[0] is None:
+        return out
+    return jax.sharding.reshard(out, NamedSharding(sharding.mesh, PartitionSpec(sharding.spec[0])))
 
 
 def _rows(tree: Any, name: str) -> int:
@@ -221,11 +246,12 @@ def _scan(
 ) -> Any:
     bi, bj = tiles
 
-    def per_x(xi: Any) -> Any:
+    def per_x(xi: Any, y: Any) -> Any:
         pairs = lambda yc: jax.vmap(f, (None, 0))(xi, yc)
         return batch_map(pairs, y, bj, reduction=reduction)
 
-    return batch_vmap(per_x, batch_size=bi, shard=shard, mesh=mesh)(x)
+    # y an unmapped argument, not closed over: with shard=True it is placed on the mesh
+    return batch_vmap(per_x, (0, None), batch_size=bi, shard=shard, mesh=mesh)(x, y)
 
 
 # -- the kernel engine (``_pairwise_kernel``; its derivatives: ``_pairwise_grad``) ---------

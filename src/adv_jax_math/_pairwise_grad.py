@@ -32,7 +32,7 @@ import numpy as np
 
 from ._linear import linear_call
 from ._monoid import LeafReduction, MonoidReduction, index_dtype
-from ._pairwise_kernel import kernel_states, kernel_sums
+from ._pairwise_kernel import kernel_states, kernel_sums, like
 from ._tangent import nonzero
 
 __all__ = ["Pairs", "fused"]
@@ -125,8 +125,11 @@ def fused(p: Pairs, consts: list, x: Any, y: Any) -> Any:
             return jax.linear_transpose(lambda lin: tangent(lin, res), structs)(cts)[0]
 
         transpose.defjvp(lambda pr, ts: jax.jvp(reference, pr, ts))
-        douts = linear_call(tangent, transpose, lin, res)
         per_out = p.red.out_tree.flatten_up_to(out)
+        # the tangent's structure: the result's float leaves (the scan tangent is traced
+        # only where forward mode runs it)
+        floats = [jax.tree.map(lambda o: _struct(o) if _inexact(o) else None, o) for o in per_out]
+        douts = linear_call(tangent, transpose, lin, res, out=floats)
         float0 = lambda d, o: np.zeros(o.shape, jax.dtypes.float0) if d is None else d
         dout = p.red.finish(
             [
@@ -219,5 +222,8 @@ def _reverse(p: Pairs, cts: list, res: tuple, items: list, pos: list) -> tuple:
     for n, t in zip(got, tallied, strict=True):
         count, share = tallies[t][2], tallies[t][3]
         wrong = wrong | jnp.any((n != count) & (share > 0))
-    spoil = lambda a: jnp.where(wrong, jnp.asarray(jnp.nan, a.dtype), a)
-    return tuple([spoil(a) for a in part] for part in (dc, dx, dy))
+    spoil = lambda a, primal: like(jnp.where(wrong, jnp.asarray(jnp.nan, a.dtype), a), primal)
+    return tuple(
+        [spoil(a, primal) for a, primal in zip(part, pick(arg, ks), strict=True)]
+        for part, arg, ks in zip((dc, dx, dy), (c, x, y), pos, strict=True)
+    )

@@ -16,14 +16,16 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from ._monoid import MonoidReduction, identity, merge_stacked
 from ._monoids_sums import ADD
 from ._recognize import recognize
+from ._sharding import explicit, sharding_of, typed_mesh
 from ._trace import rows_aval
 from .kernels.pairwise import states
 
-__all__ = ["Prepared", "first_row", "kernel_states", "kernel_sums", "recognized"]
+__all__ = ["Prepared", "first_row", "kernel_states", "kernel_sums", "like", "recognized"]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -38,7 +40,9 @@ class Prepared:
 
 
 def first_row(tree: Any) -> Any:
-    return jax.tree.map(lambda a: a[0], tree)
+    """One row's avals (closure conversion's example; slicing a row of rows split over
+    devices is not allowed)."""
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a)[1:], jnp.result_type(a)), tree)
 
 
 def _struct(a: Any) -> jax.ShapeDtypeStruct:
@@ -85,7 +89,27 @@ def kernel_states(
     # in plain JAX.
     kernel = jax.custom_jvp(run(False))
     kernel.defjvp(lambda primals, tangents: jax.jvp(run(True), primals, tangents))
-    return kernel(list(consts), jax.tree.leaves(x), jax.tree.leaves(y)), items
+    # the tile jaxpr's own constants are arguments too (shard_map takes no closed-over
+    # values typed on Explicit axes)
+    args = ([*jaxpr.consts, *consts], jax.tree.leaves(x), jax.tree.leaves(y))
+    with typed_mesh(args):
+        mesh = jax.sharding.get_abstract_mesh()
+        if mesh.empty or AxisType.Explicit not in tuple(mesh.axis_types):
+            return kernel(*args), items
+        # A kernel runs with manual mesh axes only: under an Explicit context mesh, on
+        # every device, its arguments replicated (as the 1-D kernel does).
+        whole = NamedSharding(mesh, PartitionSpec())
+        args = jax.tree.map(lambda a: jax.sharding.reshard(jnp.asarray(a), whole), args)
+        everywhere = jax.shard_map(
+            kernel, mesh=mesh, in_specs=PartitionSpec(), out_specs=PartitionSpec(), check_vma=False
+        )
+        return everywhere(*args), items
+
+
+def like(ct: Any, primal: Any) -> Any:
+    """A cotangent with its primal's sharding, where that is in its type."""
+    sharding = sharding_of(primal)
+    return jax.sharding.reshard(ct, sharding) if explicit(sharding) else ct
 
 
 def kernel_sums(

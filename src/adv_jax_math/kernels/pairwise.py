@@ -19,6 +19,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
@@ -47,7 +48,7 @@ def _fold(leaf: LeafReduction, src: list, start: Any, bj: int, m: int) -> Any:
         keep = j < m
         fills = leaf.monoid.fills([a.dtype for a in src])
         src = [
-            jnp.where(keep.reshape((1, bj) + (1,) * (a.ndim - 2)), a, jnp.asarray(fill, a.dtype))
+            jnp.where(keep.reshape((1, bj) + (1,) * (a.ndim - 2)), a, np.asarray(fill, a.dtype))
             for a, fill in zip(src, fills, strict=True)
         ]
         w = leaf.monoid.encode(keep.astype(jnp.float32), src[0].dtype, jnp)
@@ -65,10 +66,11 @@ def states(
     reference: bool = False,
 ) -> list:
     """Each term's state for every x row (leading axis ``N``), ``xs``/``ys`` the leaves
-    of x and y, ``consts`` the values ``f`` closes over (``prepared``: see
-    ``_pairwise_kernel.Prepared``). The sums numbered in ``summed`` are merged over
-    the x rows too: one state per x tile (leading axis: the tiles), for the caller to
-    merge (a reverse pass's cotangents of the values ``f`` closes over).
+    of x and y, ``consts`` the values of the tile jaxpr's constants then those ``f``
+    closes over (``prepared``: see ``_pairwise_kernel.Prepared``). The sums numbered
+    in ``summed`` are merged over the x rows too: one state per x tile (leading axis:
+    the tiles), for the caller to merge (a reverse pass's cotangents of the values
+    ``f`` closes over).
     ``reference``: the same computation in plain JAX (a map over the x tiles), which
     JAX can differentiate."""
     bi, bj = tiles
@@ -77,9 +79,9 @@ def states(
     xs = [_pad_rows(a, xt * bi) for a in xs]
     ys = [_pad_rows(a, yt * bj) for a in ys]
     closed, red = prepared.jaxpr, prepared.reduction
-    kconsts = [*closed.consts, *consts]
+    kconsts = list(consts)
     const_avals = [jax.ShapeDtypeStruct(jnp.shape(c), jnp.result_type(c)) for c in kconsts]
-    own = len(closed.consts)
+    own = len(closed.jaxpr.constvars)
 
     def tile(c: list, xv: list, start: Any, yv: list) -> list:
         srcs = evaluate(closed.jaxpr, c[:own], [*c[own:], *xv, *yv], upcast=False)

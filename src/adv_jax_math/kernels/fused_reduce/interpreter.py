@@ -31,6 +31,9 @@ UPCAST_ON_TRITON = frozenset(
 )
 _CALLS = ("pjit", "jit", "closed_call", "custom_jvp_call", "custom_vjp_call")
 _BODIES = ("jaxpr", "call_jaxpr", "fun_jaxpr")  # params holding the body of a call
+# Placements a trace under a mesh records (a constant typed on an Explicit mesh): a
+# kernel's values have none, and under shard_map a placed value is a closed-over one.
+_PLACEMENTS = ("reshard", "sharding_constraint")
 
 
 def _is_half(x: Any) -> bool:
@@ -55,7 +58,9 @@ def evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], *, upcast: 
     abstract mesh of the caller, not of the trace), with 16-bit float operands of
     :data:`UPCAST_ON_TRITON` operations computed in float32 when ``upcast``."""
     env: dict[Any, Any] = {}
-    read = lambda v: v.val if isinstance(v, Literal) else env[v]
+    # A literal read as a host value: a jax.Array literal typed on an Explicit mesh
+    # would be a closed-over value where the kernel runs under shard_map.
+    read = lambda v: np.asarray(v.val) if isinstance(v, Literal) else env[v]
     env.update(zip(jaxpr.constvars, consts, strict=True))
     env.update(zip(jaxpr.invars, args, strict=True))
     for eqn in jaxpr.eqns:
@@ -65,6 +70,8 @@ def evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], *, upcast: 
             outs = evaluate(
                 body.jaxpr, body.consts, invals[-len(body.jaxpr.invars) :], upcast=upcast
             )
+        elif eqn.primitive.name in _PLACEMENTS:
+            outs = invals
         elif upcast and eqn.primitive.name in UPCAST_ON_TRITON and any(map(_is_half, invals)):
             wide = [x.astype(jnp.float32) if _is_half(x) else x for x in invals]
             out = eqn.primitive.bind(*wide, **eqn.params)

@@ -1,0 +1,182 @@
+"""Nested calls that are pairwise reductions, found and run on the pairwise engine.
+
+Users write ``out_i = reduce_j f(x_i, y_j)`` as nested per-example calls::
+
+    inner = lambda xi: batch_vmap(lambda yj: f(xi, yj), batch_size=bj, reduction=M)(y)
+    out = batch_vmap(inner, batch_size=bi)(x)
+
+The outer call (a ``batch_vmap`` that stacks its results) listens while it plans:
+the trace of its function it makes anyway records the ``batch_vmap`` calls made in
+it. Where that is exactly one, with a :class:`Monoid` reduction, it traces its
+function once more on one row (a *probe*, where the inner call only records itself)
+to check that the function returns the inner call's result unchanged and closes over
+the inner call's mapped inputs (they do not depend on the outer row). Then it runs
+:func:`pairwise` with ``f(xi, yj)`` = the outer function on ``xi`` where the inner
+call evaluates its own function on the row ``yj`` (a *pair* evaluation), and tiles
+``(bi, bj)``. Anything else runs as planned; ``explain`` says why.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from ._recognize import is_monoid_tree
+
+__all__ = ["Inner", "Nested", "as_inner", "find", "heard", "listen"]
+
+_MODE = threading.local()  # .value: None, a _Listen, a _Record or a _Pair
+
+
+@dataclasses.dataclass
+class _Listen:
+    seen: list  # per trace of the outer function: the Inner calls made in it
+
+
+@dataclasses.dataclass
+class _Record:
+    calls: list  # the Inner calls met while tracing the outer function
+    probe: bool  # only record them (their results: zeros of their shapes)
+
+
+@dataclasses.dataclass
+class _Pair:
+    row: list  # one row of each mapped input of the inner call
+
+
+@dataclasses.dataclass
+class Inner:
+    """One inner ``batch_vmap`` call: its function on one example with the mapped
+    leaves substituted (``with_rows(rows)``), its mapped inputs and their axes, its
+    reduction and batch size, and what it returned in the probe."""
+
+    with_rows: Callable[[list], Any]
+    mapped: list  # as given
+    axes: list  # their mapped axes
+    reduction: Any
+    batch_size: Any
+    chunk_reduction_is_identity: bool
+    shard: bool
+    out: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Nested:
+    """The pairwise form of an outer call: ``pair(x_row, y_row)``, ``y`` (the inner
+    call's mapped inputs, rows first), its reduction and batch size."""
+
+    pair: Callable[[list, list], Any]
+    y: list
+    reduction: Any
+    batch_size: Any
+
+
+@contextlib.contextmanager
+def _mode(value: Any) -> Iterator[Any]:
+    before = getattr(_MODE, "value", None)
+    _MODE.value = value
+    try:
+        yield value
+    finally:
+        _MODE.value = before
+
+
+@contextlib.contextmanager
+def listen() -> Iterator[_Listen]:
+    """Record the inner calls of the outer function's traces (see :func:`heard`)."""
+    with _mode(_Listen([])) as listener:
+        yield listener
+
+
+def heard(call: Callable[[], Any]) -> Any:
+    """``call()`` (the outer function on its row), recording its inner calls when
+    listening."""
+    mode = getattr(_MODE, "value", None)
+    if not isinstance(mode, _Listen):
+        return call()
+    with _mode(_Record([], probe=False)) as record:
+        out = call()
+    mode.seen.append(record.calls)
+    return out
+
+
+def as_inner(inner: Inner, run: Callable[[], Any]) -> Any:
+    """What a ``batch_vmap`` call returns: ``run()`` (its result), recorded while an
+    outer call listens; under a probe only recorded (zeros of its result's shape
+    returned); in a pair evaluation its function on that row."""
+    mode = getattr(_MODE, "value", None)
+    if isinstance(mode, _Pair):
+        with _mode(None):
+            return inner.with_rows(mode.row)
+    if not isinstance(mode, _Record):
+        with _mode(None):
+            return run()
+    with _mode(None):
+        if mode.probe:
+            shapes = jax.eval_shape(run)
+            inner.out = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+        else:
+            inner.out = run()
+    mode.calls.append(inner)
+    return inner.out
+
+
+def find(listener: _Listen, one: Callable[..., Any], rows: list) -> Nested | str:
+    """The pairwise form of ``one`` (the outer function on one row: its mapped leaves
+    as positional arguments, ``rows`` their avals) after ``listener`` heard its
+    planning trace, or why it has none."""
+    if not listener.seen:
+        return "its function was not traced"
+    heard = listener.seen[0]
+    if len(heard) != 1:
+        return f"its function makes {len(heard)} batch_vmap calls, not one"
+    if not is_monoid_tree(heard[0].reduction) or not heard[0].chunk_reduction_is_identity:
+        return "the inner call's reduction is not a Monoid (ajm.ADD, ajm.LOGSUMEXP, ...)"
+    if heard[0].shard:
+        return "the inner call shards"
+    found: dict[str, Any] = {}
+
+    def probe(*row: Any) -> list:
+        with _mode(_Record([], probe=True)) as p:
+            out = one(*row)
+        if len(p.calls) != 1:
+            found["why"] = f"traced on one row, it makes {len(p.calls)} batch_vmap calls"
+            return []
+        inner = found["inner"] = p.calls[0]
+        mine, theirs = jax.tree.flatten(out), jax.tree.flatten(inner.out)
+        same = str(mine[1]) == str(theirs[1]) and all(
+            a is b for a, b in zip(mine[0], theirs[0], strict=True)
+        )
+        if not same:
+            found["why"] = "its function does not return the inner call's result as is"
+        return inner.mapped
+
+    closed = jax.make_jaxpr(probe)(*rows)
+    if "why" in found:
+        return found["why"]
+    inner: Inner = found["inner"]
+    consts = closed.jaxpr.constvars
+    if not all(v in consts for v in closed.jaxpr.outvars):
+        return "the inner call's mapped inputs are computed inside it; close over them instead"
+
+    def pair(x_row: list, y_row: list) -> Any:
+        with _mode(_Pair(y_row)):
+            return one(*x_row)
+
+    y = [jnp.moveaxis(a, axis, 0) for a, axis in zip(inner.mapped, inner.axes, strict=True)]
+    return Nested(pair, y, inner.reduction, inner.batch_size)
+
+
+def tiles(bi: Any, bj: Any, x: list, y: list) -> tuple[int, int] | str:
+    """The pairwise tiles from the outer and inner batch sizes (None: every row;
+    "auto" on either side: "auto")."""
+    if bi == "auto" or bj == "auto":
+        return "auto"
+    n, m = x[0].shape[0], y[0].shape[0]
+    return max(1, bi or n), max(1, bj or m)
