@@ -11,7 +11,7 @@ VENV_COMPAT ?= .venv-compat
 PIP_FLAGS ?= --quiet --disable-pip-version-check
 PYTEST_FLAGS ?=
 
-.PHONY: all demo test test-upstream test-compat test-asan test-accel test-clients lint bench \
+.PHONY: all demo test test-upstream test-compat test-asan test-accel accel-pairwise test-clients lint bench \
   bench-monoids docs clean
 
 all: test
@@ -78,6 +78,24 @@ test-accel: $(VENV)/.installed
 	done; \
 	$(VENV)/bin/python bench/accel/table.py $(ACCEL_OUT) $(if $(ACCEL_FLAGS),,--readme README.md) > /dev/null; \
 	$(VENV)/bin/python bench/accel/roofline_table.py $(ACCEL_OUT) $(if $(ACCEL_FLAGS),,--readme README.md) > /dev/null; \
+	exit $$status
+
+# The pairwise tile kernel (kernels/pairwise_device.py) compiled for the same targets,
+# deviceless, at KeOps-like sizes (bench/accel/pairwise_targets.py); the README table
+# between the pairwise-accel markers. PAIRWISE_FLAGS=--quick compiles the small size only.
+PAIRWISE_FLAGS ?=
+PAIRWISE_OUT ?= bench/results/accel-pairwise
+accel-pairwise: $(VENV)/.installed
+	bash bench/accel/setup_venvs.sh
+	mkdir -p $(PAIRWISE_OUT)
+	status=0; for t in $(ACCEL_TARGETS); do \
+	  case $$t in v*) venv=.venv-accel-tpu;; *) venv=.venv-accel-gpu;; esac; \
+	  JAX_PLATFORMS=cpu PYTHONPATH=src $$venv/bin/python bench/accel/pairwise_targets.py \
+	    --target $$t --json $(PAIRWISE_OUT)/$$t.json $(PAIRWISE_FLAGS) > $(PAIRWISE_OUT)/$$t.log 2>&1 \
+	    || { status=1; tail -n 20 $(PAIRWISE_OUT)/$$t.log; }; \
+	done; \
+	$(VENV)/bin/python bench/accel/pairwise_targets.py --table $(PAIRWISE_OUT) \
+	  $(if $(PAIRWISE_FLAGS),,--readme README.md); \
 	exit $$status
 
 # Downstream: DESC (desc-opt) installed next to this checkout by pip, DESC's own

@@ -32,10 +32,11 @@ from . import _config
 from ._api import batch_map, batch_vmap
 from ._monoid import Monoid, MonoidReduction
 from ._pairwise_grad import Pairs, fused
-from ._pairwise_kernel import first_row, recognized
+from ._pairwise_kernel import first_row, layout_problem, recognized
 from ._plan import target_platform
 from ._recognize import is_monoid_tree
 from ._sharding import explicit, sharding_of
+from .kernels.pairwise_device import Layout
 
 __all__ = ["PairwisePlan", "explain_pairwise", "pairwise"]
 
@@ -120,7 +121,7 @@ def pairwise(
     >>> ajm.pairwise(lambda xi, yj: jnp.sum((xi - yj) ** 2), x, y, ajm.ARGMIN)
     Array([0, 1, 2], dtype=int32)
     """
-    plan, red = _plan(f, x, y, reduction, tiles, shard)
+    plan, red, layout = _plan(f, x, y, reduction, tiles, shard)
     y = jax.tree.map(_whole, y)
     if plan.engine == _SCAN and shard:
         return _scan(f, x, y, reduction, plan.tiles, shard=shard, mesh=mesh)
@@ -130,7 +131,8 @@ def pairwise(
         out = _scan(f, jax.tree.map(_whole, x), y, reduction, plan.tiles)
         return jax.tree.map(lambda o: _rows_like(o, x), out)
     conv, consts = jax.closure_convert(f, first_row(x), first_row(y))
-    return _fused(conv, list(consts), plan, red, x, y, reduction)
+    out = _fused(conv, list(consts), plan, red, layout, x, y, reduction)
+    return jax.tree.map(lambda o: _rows_like(o, x), out)
 
 
 def explain_pairwise(
@@ -196,8 +198,9 @@ def _tiles(tiles: tuple[int, int] | str, n: int, m: int) -> tuple[int, int]:
 
 def _plan(
     f: Callable, x: Any, y: Any, reduction: Any, tiles: Any, shard: bool
-) -> tuple[PairwisePlan, MonoidReduction]:
-    """The plan, and the terms over ``j`` it recognized in ``reduction``."""
+) -> tuple[PairwisePlan, MonoidReduction, Layout | None]:
+    """The plan, the terms over ``j`` it recognized in ``reduction``, and the kernel's
+    tile layout (None: the interpret kernel, or no kernel)."""
     if not isinstance(shard, bool):
         raise TypeError(f"pairwise: shard={shard!r} must be a bool")
     if not is_monoid_tree(reduction):
@@ -216,12 +219,19 @@ def _plan(
     elif shard:
         kernel_why = "shard=True: the kernel does not spread over devices yet"
     elif backend == "interpret":
-        plan = PairwisePlan(n, m, (bi, bj), what, _KERNEL, "requested (backend='interpret')")
-        return plan, red
+        layout: Layout | None = Layout("gpu", (bi, bj), interpret=True)
+        assert layout is not None
+        problem = layout_problem(f, x, y, red, layout)
+        reason = "requested (backend='interpret'): the tile kernel GPUs run, interpreted"
+        if problem is not None:
+            layout = None
+            reason = f"requested (backend='interpret'): the interpret kernel ({problem})"
+        return PairwisePlan(n, m, (bi, bj), what, _KERNEL, reason), red, layout
     elif backend == "auto":
         kernel_why = (
-            "only on request (backend='interpret'): compiled for GPU/TPU targets it is not "
-            "checked yet"
+            "only on request (backend='interpret'); the GPU/TPU tile kernel compiles for "
+            "the targets (make accel-pairwise) but is not dispatched yet: its reverse pass "
+            "and softmax-weighted sums are not tiled"
         )
     else:
         kernel_why = f"not requested (backend={backend!r})"
@@ -231,7 +241,7 @@ def _plan(
     elif backend == "auto":
         why += f" (default on {platform})"
     rejected = (("pairwise kernel", kernel_why),)
-    return PairwisePlan(n, m, (bi, bj), what, _SCAN, why, rejected), red
+    return PairwisePlan(n, m, (bi, bj), what, _SCAN, why, rejected), red, None
 
 
 # -- the scan engine -----------------------------------------------------------------------
@@ -260,11 +270,12 @@ def _fused(
     consts: list,
     plan: PairwisePlan,
     red: MonoidReduction,
+    layout: Layout | None,
     x: Any,
     y: Any,
     reduction: Any,
 ) -> Any:
     """The kernel's result; ``red`` the terms :func:`_plan` recognized (from ``f``'s
-    output shapes, which ``conv`` shares)."""
+    output shapes, which ``conv`` shares), ``layout`` the tile kernel's."""
     scan = lambda c, x, y: _scan(lambda xi, yj: conv(xi, yj, *c), x, y, reduction, plan.tiles)
-    return fused(Pairs(conv, red, plan.tiles, scan), consts, x, y)
+    return fused(Pairs(conv, red, plan.tiles, scan, layout), consts, x, y)

@@ -34,6 +34,7 @@ from ._linear import linear_call
 from ._monoid import LeafReduction, MonoidReduction, index_dtype
 from ._pairwise_kernel import kernel_states, kernel_sums, like
 from ._tangent import nonzero
+from .kernels.pairwise_device import Layout
 
 __all__ = ["Pairs", "fused"]
 
@@ -41,13 +42,15 @@ __all__ = ["Pairs", "fused"]
 @dataclasses.dataclass(frozen=True, eq=False)
 class Pairs:
     """One pairwise reduction on the kernel engine: ``conv(xi, yj, *consts)`` (``f``
-    closure-converted), its terms ``red`` over ``j``, the tiles ``(bi, bj)``, and the
-    scan engine computing the same (``scan(consts, x, y)``: forward mode's tangent)."""
+    closure-converted), its terms ``red`` over ``j``, the tiles ``(bi, bj)``, the scan
+    engine computing the same (``scan(consts, x, y)``: forward mode's tangent), and
+    which kernel (``_pairwise_kernel.kernel_states``'s ``layout``)."""
 
     conv: Callable
     red: MonoidReduction
     tiles: tuple[int, int]
     scan: Callable[[list, Any, Any], Any]
+    layout: Layout | None = None  # the tile kernel's (None: the interpret kernel)
 
     def sources(self, c: list, xi: Any, yj: Any) -> list:
         return self.red.prologue(self.conv(xi, yj, *c))
@@ -88,11 +91,11 @@ def fused(p: Pairs, consts: list, x: Any, y: Any) -> Any:
 
     @jax.custom_jvp
     def run(c: list, x: Any, y: Any) -> Any:
-        return p.results(*kernel_states(p.conv, c, p.red, x, y, p.tiles))
+        return p.results(*kernel_states(p.conv, c, p.red, x, y, p.tiles, layout=p.layout))
 
     def rule(primals: tuple, tangents: tuple) -> tuple:
         c, x, y = primals
-        per_term, items = kernel_states(p.conv, c, p.red, x, y, p.tiles)
+        per_term, items = kernel_states(p.conv, c, p.red, x, y, p.tiles, layout=p.layout)
         out = p.results(per_term, items)
         # The nonzero float tangents, per argument (c, x, y): what the reverse pass
         # computes cotangents for.
@@ -177,7 +180,7 @@ def _reverse(p: Pairs, cts: list, res: tuple, items: list, pos: list) -> tuple:
     if tallied:
         leaves = tuple(_tally_leaf(red.leaves[t]) for t in tallied)
         sums = MonoidReduction(leaves, jax.tree.structure(list(leaves)), red.prologue)
-        found, _ = kernel_states(p.conv, c, sums, x, y, p.tiles)
+        found, _ = kernel_states(p.conv, c, sums, x, y, p.tiles, layout=p.layout)
         for t, state in zip(tallied, found, strict=True):
             leaf = red.leaves[t]
             shares = lambda s, leaf=leaf: leaf.monoid.tally.shares(s, leaf.axis is None)
@@ -215,9 +218,10 @@ def _reverse(p: Pairs, cts: list, res: tuple, items: list, pos: list) -> tuple:
     dx, dc, got = [], [], []
     if px or pc or tallied:
         nx, nc = len(px), len(pc)
-        out = kernel_sums(over_y, (x, rows), yj, (bi, bj), summed=range(nx, nx + nc))
+        out = kernel_sums(over_y, (x, rows), yj, (bi, bj), range(nx, nx + nc), p.layout)
         dx, dc, got = out[:nx], out[nx : nx + nc], out[nx + nc :]
-    dy = kernel_sums(over_x, yj, (x, rows), (bj, bi)) if py else []
+    swapped = p.layout and dataclasses.replace(p.layout, tiles=(bj, bi))
+    dy = kernel_sums(over_x, yj, (x, rows), (bj, bi), (), swapped or None) if py else []
     wrong = jnp.asarray(False)
     for n, t in zip(got, tallied, strict=True):
         count, share = tallies[t][2], tallies[t][3]

@@ -16,6 +16,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from ._monoid import MonoidReduction, identity, merge_stacked
@@ -24,6 +25,8 @@ from ._recognize import recognize
 from ._sharding import explicit, sharding_of, typed_mesh
 from ._trace import rows_aval
 from .kernels.pairwise import states
+from .kernels.pairwise_device import Layout, device_states
+from .kernels.unrolled import NotUnrolled
 
 __all__ = ["Prepared", "first_row", "kernel_states", "kernel_sums", "like", "recognized"]
 
@@ -67,11 +70,18 @@ def kernel_states(
     y: Any,
     tiles: tuple[int, int],
     summed: Sequence[int] = (),
+    layout: Layout | None = None,
 ) -> tuple[list, list]:
     """Each term of ``red`` (over the outputs of ``conv(xi, yj, *consts)``): its state
     for every x row, or for the terms in ``summed`` (sums) one per x tile; and its
-    items (``LeafReduction.items``: one row's avals as the monoid reads them)."""
+    items (``LeafReduction.items``: one row's avals as the monoid reads them).
+
+    ``layout`` None: the interpret kernel (``kernels/pairwise.py``); else the tile
+    kernel (``kernels/pairwise_device.py``, every state per x row), or where it cannot
+    unroll ``f`` the same computation in plain JAX (a map over x tiles)."""
     bi, bj = tiles
+    if layout is not None:
+        summed = ()
 
     def tile(c: list, xt: Any, yt: Any) -> list:
         pair = lambda xi, yj: conv(xi, yj, *c)
@@ -83,15 +93,38 @@ def kernel_states(
     rows = [jax.ShapeDtypeStruct(s.shape[1:], s.dtype) for s in out]  # one x row's
     items = [leaf.items(red.reads(rows, leaf)) for leaf in red.leaves]
     prepared = Prepared(jaxpr, red, jax.tree.leaves(y)[0].shape[0])
-    run = lambda ref: lambda c, xs, ys: states(prepared, tiles, c, xs, ys, summed, ref)
+    pair, nt = None, len(jaxpr.consts)
+    if layout is not None:
+        one = lambda c, xi, yj: [s[0] for s in red.prologue(_row(conv(xi, yj, *c)))]
+        pair = jax.make_jaxpr(one)([_struct(c) for c in consts], first_row(x), first_row(y))
+    npc = len(pair.consts) if pair is not None else 0
+
+    def run(reference: bool) -> Callable:
+        def go(c: list, xs: list, ys: list) -> list:
+            tile_c, pair_c, user = c[:nt], c[nt : nt + npc], c[nt + npc :]
+            if pair is None or reference:
+                return states(prepared, tiles, [*tile_c, *user], xs, ys, summed, reference)
+            assert layout is not None
+            return device_states(pair.jaxpr, red, [*pair_c, *user], xs, ys, layout)
+
+        return go
+
+    # the jaxprs' own constants are arguments too (shard_map takes no closed-over
+    # values typed on Explicit axes)
+    const_args = [*jaxpr.consts, *(pair.consts if pair is not None else ()), *consts]
+    args = (const_args, jax.tree.leaves(x), jax.tree.leaves(y))
+    primal = run(False)
+    if pair is not None and tile_problem(primal, jax.tree.map(_struct, args)) is not None:
+        # the tile kernel cannot: the interpret kernel in interpret mode, else the same
+        # computation in plain JAX
+        assert layout is not None
+        pair = None
+        primal = run(not layout.interpret)
     # A Pallas call has no derivative of its own: differentiated (a derivative of the
     # reverse pass, from the second order on), the states are the same computation's
     # in plain JAX.
-    kernel = jax.custom_jvp(run(False))
+    kernel = jax.custom_jvp(primal)
     kernel.defjvp(lambda primals, tangents: jax.jvp(run(True), primals, tangents))
-    # the tile jaxpr's own constants are arguments too (shard_map takes no closed-over
-    # values typed on Explicit axes)
-    args = ([*jaxpr.consts, *consts], jax.tree.leaves(x), jax.tree.leaves(y))
     with typed_mesh(args):
         mesh = jax.sharding.get_abstract_mesh()
         if mesh.empty or AxisType.Explicit not in tuple(mesh.axis_types):
@@ -106,6 +139,30 @@ def kernel_states(
         return everywhere(*args), items
 
 
+def layout_problem(f: Callable, x: Any, y: Any, red: MonoidReduction, layout: Layout) -> str | None:
+    """Why the tile kernel cannot run ``f``'s reduction ``red`` (traced only), or None."""
+    conv, consts = jax.closure_convert(f, first_row(x), first_row(y))
+    one = lambda c, xi, yj: [s[0] for s in red.prologue(_row(conv(xi, yj, *c)))]
+    pair = jax.make_jaxpr(one)([_struct(c) for c in consts], first_row(x), first_row(y))
+    run = lambda c, xs, ys: device_states(pair.jaxpr, red, c, xs, ys, layout)
+    structs = lambda tree: [_struct(a) for a in jax.tree.leaves(tree)]
+    return tile_problem(run, ([*pair.consts, *consts], structs(x), structs(y)))
+
+
+def tile_problem(run: Callable, args: Any) -> str | None:
+    """Why the tile kernel cannot run ``run(*args)`` (traced only), or None."""
+    try:
+        jax.eval_shape(run, *args)
+    except NotUnrolled as e:
+        return str(e)
+    return None
+
+
+def _row(out: Any) -> Any:
+    """One pair's outputs as one row (the prologue reads rows)."""
+    return jax.tree.map(lambda v: v[None], out)
+
+
 def like(ct: Any, primal: Any) -> Any:
     """A cotangent with its primal's sharding, where that is in its type."""
     sharding = sharding_of(primal)
@@ -113,13 +170,40 @@ def like(ct: Any, primal: Any) -> Any:
 
 
 def kernel_sums(
-    g: Callable, x: Any, y: Any, tiles: tuple[int, int], summed: Sequence[int] = ()
+    g: Callable,
+    x: Any,
+    y: Any,
+    tiles: tuple[int, int],
+    summed: Sequence[int] = (),
+    layout: Layout | None = None,
 ) -> list:
     """``sum_j g(x_i, y_j)`` for every x row, one array per output leaf of ``g`` (as
-    ``jnp.sum``: compensated); the leaves numbered in ``summed`` summed over ``i`` too."""
+    ``jnp.sum``: compensated); the leaves numbered in ``summed`` summed over ``i`` too.
+    With a tile ``layout`` every output element is a sum of its own (the tile kernel
+    takes one value per pair)."""
+    if layout is not None:
+        avals = jax.tree.leaves(jax.eval_shape(g, first_row(x), first_row(y)))
+        sizes = [int(np.prod(a.shape, dtype=np.int64)) for a in avals]
+        starts = np.cumsum([0, *sizes])
+        scalars = lambda xi, yj: [
+            v.reshape(-1)[k] for v in jax.tree.leaves(g(xi, yj)) for k in range(v.size)
+        ]
+        each = [k for t in summed for k in range(starts[t], starts[t + 1])]
+        flat = _sums(scalars, x, y, tiles, each, layout)
+        out = []
+        for t, a in enumerate(avals):
+            part = jnp.stack(flat[starts[t] : starts[t + 1]], axis=-1)
+            out.append(part.reshape(*part.shape[:-1], *a.shape))
+        return out
+    return _sums(g, x, y, tiles, summed, None)
+
+
+def _sums(
+    g: Callable, x: Any, y: Any, tiles: tuple[int, int], summed: Sequence[int], layout: Any
+) -> list:
     conv, consts = jax.closure_convert(g, first_row(x), first_row(y))
     red = recognized(lambda xi, yj: conv(xi, yj, *consts), x, y, ADD, tiles[1])
-    per_term, items = kernel_states(conv, consts, red, x, y, tiles, summed)
+    per_term, items = kernel_states(conv, consts, red, x, y, tiles, summed, layout)
     out = []
     for t, (leaf, state, it) in enumerate(zip(red.leaves, per_term, items, strict=True)):
         if t in summed:

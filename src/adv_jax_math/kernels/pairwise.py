@@ -9,7 +9,8 @@ to whole tiles with copies of their last row (``f`` only sees real rows); padded
 rows are filled and weighted out as the 1-D kernel does, padded x rows dropped.
 The caller (``_pairwise``) finalizes the states.
 
-Runs in interpret mode on CPU; GPU/TPU compilation is not checked yet.
+Runs in interpret mode on CPU (its layout, ``(bi, bj, features)`` arrays, is not
+the one GPUs and TPUs take: that is ``pairwise_device.py``'s).
 """
 
 from __future__ import annotations

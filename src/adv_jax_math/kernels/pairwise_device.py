@@ -1,0 +1,206 @@
+"""The pairwise kernel for GPUs and TPUs: pairs as 2-D tiles, features unrolled.
+
+``out_i = reduce_j f(x_i, y_j)`` on tiles of ``bj x bi`` pairs: ``y`` rows down the
+tile (sublanes on TPU), ``x`` rows across it (lanes). Each feature of ``x`` is a row
+vector ``(1, bi)``, each feature of ``y`` a column ``(bj, 1)``; ``f`` runs on them with
+its own axes unrolled (``unrolled.evaluate``), so every value in the kernel is 2-D:
+powers of two on Triton, lane-dense on Mosaic, whatever the number of features.
+Each term's monoid folds the ``bj`` rows of a tile into one state per ``x`` row
+(items of shape ``(bi,)``), merged across the ``y`` tiles:
+
+* ``"gpu"``: a program per ``x`` tile, a loop over the ``y`` tiles inside (``y`` read
+  from global memory), the states in registers;
+* ``"tpu"``: a grid ``(x tiles "parallel", y tiles "arbitrary")``, the states in the
+  output block, which stays in VMEM across the ``y`` tiles (set at the first,
+  merged into at the others).
+
+Both run in interpret mode on CPU (tests). Only terms with one value per pair
+(scalar sources) are taken; :class:`unrolled.NotUnrolled` says why not otherwise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+
+from .._monoid import MonoidReduction, index_dtype
+from .pairwise import _pad_rows
+from .unrolled import NotUnrolled, evaluate
+
+__all__ = ["DEVICE_KERNEL_NAME", "Layout", "device_states"]
+
+DEVICE_KERNEL_NAME = "adv_jax_math_pairwise_tiles"
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How the kernel is built: ``kind`` ``"gpu"`` or ``"tpu"``, tiles ``(bi, bj)``,
+    ``interpret`` on CPU, and the compiler parameters (None in interpret mode)."""
+
+    kind: str
+    tiles: tuple[int, int]
+    interpret: bool = False
+    params: Any = None
+
+
+def _features(a: jax.Array) -> int:
+    return int(np.prod(a.shape[1:], dtype=np.int64))
+
+
+def device_states(
+    jaxpr: Any, red: MonoidReduction, consts: Sequence[Any], xs: list, ys: list, layout: Layout
+) -> list:
+    """Each term's state for every x row (leading axis ``N``): ``jaxpr`` is ``f`` on
+    one pair followed by the prologue (each output one value per pair), ``consts`` the
+    values of its constants then of its leading arguments (values ``f`` closes over),
+    then come one row of each leaf of ``xs`` and of ``ys``."""
+    bi, bj = layout.tiles
+    n, m = xs[0].shape[0], ys[0].shape[0]
+    xt, yt = pl.cdiv(n, bi), pl.cdiv(m, bj)
+    for v in jaxpr.outvars:
+        if v.aval.shape:
+            raise NotUnrolled(f"a term reads {v.aval.shape} values per pair, not one")
+    for leaf in red.leaves:  # its fold reads a score per row, items per x row here
+        if leaf.monoid.name.startswith("softmax_weighted"):
+            raise NotUnrolled("softmax-weighted sums are not tiled yet")
+    # x features as rows (1, N'), y features as columns (M', 1); N', M' whole tiles
+    # (copies of the last row: f sees real rows only; padded y rows are filled below).
+    x_rows = [r[None] for a in xs for r in _pad_rows(a, xt * bi).reshape(xt * bi, -1).T]
+    y_cols = [c[:, None] for a in ys for c in _pad_rows(a, yt * bj).reshape(yt * bj, -1).T]
+    flat_consts = [jnp.asarray(c).reshape(-1) for c in consts]
+    x_shapes = [a.shape[1:] for a in xs]
+    y_shapes = [a.shape[1:] for a in ys]
+    c_shapes = [np.shape(c) for c in consts]
+
+    def tile(c_vals: list, x_vals: list, y_vals: list, start: Any) -> list:
+        """Each term's state over one tile (items: the tile's x rows)."""
+        objs = []
+        for shapes, vals in ((c_shapes, c_vals), (x_shapes, x_vals), (y_shapes, y_vals)):
+            at = 0
+            for shape in shapes:
+                k = int(np.prod(shape, dtype=np.int64))
+                objs.append(_objects(vals[at : at + k], shape))
+                at += k
+        own = len(jaxpr.constvars)
+        srcs = evaluate(jaxpr, objs[:own], objs[own:])
+        srcs = [jnp.broadcast_to(jnp.asarray(s[()]), (bj, bi)) for s in srcs]
+        j = start + lax.broadcasted_iota(jnp.int32, (bj, bi), 0)
+        states = []
+        for leaf in red.leaves:
+            src, w = [srcs[s] for s in leaf.sources], None
+            if m % bj:
+                keep = j < m
+                fills = leaf.monoid.fills([a.dtype for a in src])
+                src = [
+                    jnp.where(keep, a, np.asarray(f, a.dtype))
+                    for a, f in zip(src, fills, strict=True)
+                ]
+                w = leaf.monoid.encode(keep.astype(jnp.float32), src[0].dtype, jnp)
+            states.append(leaf.fold(src, j.astype(index_dtype()), w))
+        return states
+
+    def merge(a: list, b: list) -> list:
+        return [leaf.monoid.merge(u, v) for leaf, u, v in zip(red.leaves, a, b, strict=True)]
+
+    c_avals = [jax.ShapeDtypeStruct((), c.dtype) for c in flat_consts for _ in range(c.size)]
+    row_states = jax.eval_shape(
+        lambda: tile(
+            [jnp.zeros((), a.dtype) for a in c_avals],
+            [jnp.zeros((1, bi), a.dtype) for a in x_rows],
+            [jnp.zeros((bj, 1), a.dtype) for a in y_cols],
+            0,
+        )
+    )
+    leaves, treedef = jax.tree.flatten(row_states)
+    out_shape = [jax.ShapeDtypeStruct((1, xt * bi), s.dtype) for s in leaves]
+    nc, nx = len(flat_consts), len(x_rows)
+
+    def scalars(refs: Sequence[Any]) -> list:
+        return [r[k] for r in refs for k in range(r.shape[0])]
+
+    def write(o_refs: Sequence[Any], states: list) -> None:
+        for o, s in zip(o_refs, jax.tree.leaves(states), strict=True):
+            o[...] = s.reshape(1, bi).astype(o.dtype)
+
+    if layout.kind == "gpu":
+
+        def kernel(*refs: Any) -> None:
+            c_refs, x_refs, y_refs = refs[:nc], refs[nc : nc + nx], refs[nc + nx : -len(leaves)]
+            c_vals, x_vals = scalars(c_refs), [r[...] for r in x_refs]
+            at = lambda t: tile(c_vals, x_vals, [r[pl.ds(t * bj, bj), :] for r in y_refs], t * bj)
+            states = lax.fori_loop(1, yt, lambda t, s: merge(s, at(t)), at(0)) if yt > 1 else at(0)
+            write(refs[-len(leaves) :], states)
+
+        grid: tuple[int, ...] = (xt,)
+        whole = lambda a: pl.BlockSpec(a.shape, lambda i: (0,) * a.ndim)
+        in_specs = [whole(c) for c in flat_consts]
+        in_specs += [pl.BlockSpec((1, bi), lambda i: (0, i)) for _ in x_rows]
+        in_specs += [whole(c) for c in y_cols]
+        out_specs = [pl.BlockSpec((1, bi), lambda i: (0, i)) for _ in leaves]
+    else:
+
+        def kernel(*refs: Any) -> None:
+            c_refs, x_refs, y_refs = refs[:nc], refs[nc : nc + nx], refs[nc + nx : -len(leaves)]
+            o_refs, t = refs[-len(leaves) :], pl.program_id(1)
+            new = tile(scalars(c_refs), [r[...] for r in x_refs], [r[...] for r in y_refs], t * bj)
+
+            @pl.when(t == 0)
+            def _first() -> None:
+                write(o_refs, new)
+
+            @pl.when(t > 0)
+            def _next() -> None:
+                old = jax.tree.unflatten(treedef, [o[...].reshape(bi) for o in o_refs])
+                write(o_refs, merge(old, new))
+
+        grid = (xt, yt)
+        smem = _smem(layout.interpret)
+        in_specs = [
+            pl.BlockSpec(memory_space=smem) if smem else pl.BlockSpec(c.shape, lambda i, t: (0,))
+            for c in flat_consts
+        ]
+        in_specs += [pl.BlockSpec((1, bi), lambda i, t: (0, i)) for _ in x_rows]
+        in_specs += [pl.BlockSpec((bj, 1), lambda i, t: (t, 0)) for _ in y_cols]
+        out_specs = [pl.BlockSpec((1, bi), lambda i, t: (0, i)) for _ in leaves]
+
+    call = pl.pallas_call(
+        kernel,
+        out_shape=out_shape,
+        grid=grid,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        interpret=layout.interpret,
+        compiler_params=layout.params,
+        name=DEVICE_KERNEL_NAME,
+    )
+
+    def kernel_call(*args: Any) -> Any:
+        return call(*args)
+
+    # A named jit makes the kernel visible in lowered text (``@adv_jax_math_pairwise_tiles``).
+    kernel_call.__name__ = kernel_call.__qualname__ = DEVICE_KERNEL_NAME
+    flat = jax.jit(kernel_call)(*flat_consts, *x_rows, *y_cols)
+    return jax.tree.unflatten(treedef, [o[0, :n] for o in flat])
+
+
+def _objects(values: Sequence[Any], shape: tuple) -> np.ndarray:
+    """An object array of ``shape`` holding ``values`` (tracers: never converted)."""
+    out = np.empty(len(values), dtype=object)
+    for k, v in enumerate(values):
+        out[k] = v
+    return out.reshape(shape)
+
+
+def _smem(interpret: bool) -> Any:
+    if interpret:
+        return None
+    from jax.experimental.pallas import tpu as pltpu
+
+    return pltpu.SMEM

@@ -1,0 +1,177 @@
+"""A per-pair jaxpr evaluated on a tile of pairs with its own small axes unrolled.
+
+``f(xi, yj)`` sees one row of ``x`` and one of ``y`` (a few features each); the
+compiled pairwise kernel evaluates it on ``bi x bj`` pairs at once. Stacking the
+pairs as leading axes (``vmap(vmap(f))``) gives arrays ``(bi, bj, D)`` with a small
+trailing axis (``D = 3``), which Triton refuses (every size a power of two) and
+Mosaic lays out badly (``D`` on the 128 lanes). Here every per-pair array of shape
+``S`` is instead a numpy object array of shape ``S`` whose elements are 2-D values:
+``(bi, 1)`` for what depends on ``x`` only, ``(1, bj)`` for ``y`` only, ``(bi, bj)``
+for both, scalars for constants. Each primitive of the jaxpr acts on the elements:
+elementwise ones element by element (broadcast to a common shape), structural ones
+(``reshape``, ``slice``, ``broadcast_in_dim``, ``transpose``, ``concatenate``) on the
+object array, reductions and ``dot_general`` as sums of elements. KeOps unrolls its
+formulas over the feature dimension the same way.
+
+:func:`evaluate` raises :class:`NotUnrolled` naming the first primitive it cannot
+unroll; the planner then keeps another engine.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.extend.core import ClosedJaxpr, Literal
+
+from .._jaxpr_graph import ELEMENTWISE
+
+__all__ = ["NotUnrolled", "evaluate", "stack", "unstack"]
+
+_CALLS = ("pjit", "jit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call")
+_BODIES = ("jaxpr", "call_jaxpr", "fun_jaxpr")
+_IDENTITY = ("copy", "copy_p", "reshard", "sharding_constraint", "optimization_barrier")
+_REDUCE: dict[str, Callable[[Any, Any], Any]] = {
+    "reduce_sum": lax.add,
+    "reduce_max": lax.max,
+    "reduce_min": lax.min,
+    "reduce_prod": lax.mul,
+    "reduce_and": lax.bitwise_and,
+    "reduce_or": lax.bitwise_or,
+}
+MAX_ELEMENTS = 4096  # per-pair arrays larger than this are not unrolled
+
+
+class NotUnrolled(Exception):
+    """The jaxpr holds a primitive (or a size) :func:`evaluate` does not unroll."""
+
+
+def unstack(value: Any, shape: Sequence[int]) -> np.ndarray:
+    """An object array of ``shape`` from a value whose last axes are ``shape``
+    (``(..., *shape)``): its elements ``value[..., idx]``."""
+    out = np.empty(tuple(shape), dtype=object)
+    lead = np.ndim(value) - len(shape)
+    for idx in np.ndindex(*shape):
+        out[idx] = value[(slice(None),) * lead + idx]
+    return out
+
+
+def stack(obj: np.ndarray, shape: Sequence[int]) -> Any:
+    """The elements of ``obj`` broadcast to ``shape`` and stacked on trailing axes."""
+    items = [jnp.broadcast_to(jnp.asarray(e), tuple(shape)) for e in obj.reshape(-1)]
+    if obj.ndim == 0:
+        return items[0]
+    return jnp.stack(items, axis=-1).reshape(*shape, *obj.shape)
+
+
+def _common(elems: Sequence[Any]) -> list[Any]:
+    """Elements broadcast to their common shape (scalars stay scalars)."""
+    shape = np.broadcast_shapes(*(np.shape(e) for e in elems))
+    return [e if np.shape(e) == shape else jnp.broadcast_to(e, shape) for e in elems]
+
+
+def _elementwise(eqn: Any, args: list[np.ndarray]) -> list[np.ndarray]:
+    shape = np.broadcast_shapes(*(a.shape for a in args))
+    args = [np.broadcast_to(a, shape) for a in args]
+    out = np.empty(shape, dtype=object)
+    for idx in np.ndindex(*shape):
+        out[idx] = eqn.primitive.bind(*_common([a[idx] for a in args]), **eqn.params)
+    return [out]
+
+
+def _reduce(combine: Callable, a: np.ndarray, axes: Sequence[int]) -> np.ndarray:
+    keep = [d for d in range(a.ndim) if d not in axes]
+    moved = np.transpose(a, (*keep, *axes)).reshape(*(a.shape[d] for d in keep), -1)
+    out = np.empty(moved.shape[:-1], dtype=object)
+    for idx in np.ndindex(*out.shape):
+        out[idx] = functools.reduce(lambda u, v: combine(*_common([u, v])), moved[idx])
+    return out
+
+
+def _dot(eqn: Any, lhs: np.ndarray, rhs: np.ndarray) -> np.ndarray:
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    if lb or rb:
+        raise NotUnrolled("dot_general with batch dimensions")
+    prods = np.tensordot(lhs, rhs, axes=(tuple(lc), tuple(rc)))  # object arithmetic
+    dtype = eqn.params.get("preferred_element_type") or eqn.outvars[0].aval.dtype
+    out = np.empty(prods.shape, dtype=object)
+    for idx in np.ndindex(*prods.shape):
+        out[idx] = jnp.asarray(prods[idx]).astype(dtype)
+    return out
+
+
+def _structural(name: str, eqn: Any, args: list[np.ndarray]) -> np.ndarray | None:
+    if not args:
+        return None
+    p, a = eqn.params, args[0]
+    if name == "broadcast_in_dim":
+        shape, dims = tuple(p["shape"]), tuple(p["broadcast_dimensions"])
+        expanded = a.reshape(
+            [a.shape[dims.index(d)] if d in dims else 1 for d in range(len(shape))]
+        )
+        return np.broadcast_to(expanded, shape)
+    if name == "reshape":
+        return a.reshape(tuple(p["new_sizes"]))
+    if name == "squeeze":
+        return np.squeeze(a, axis=tuple(p["dimensions"]))
+    if name == "expand_dims":
+        return np.expand_dims(a, tuple(p["dimensions"]))
+    if name == "transpose":
+        return np.transpose(a, tuple(p["permutation"]))
+    if name == "slice":
+        strides = p["strides"] or (1,) * a.ndim
+        index = tuple(
+            slice(s, e, k)
+            for s, e, k in zip(p["start_indices"], p["limit_indices"], strides, strict=True)
+        )
+        return a[index]
+    if name == "concatenate":
+        return np.concatenate(args, axis=p["dimension"])
+    if name == "stack":
+        return np.stack(args, axis=p["axis"])
+    if name == "rev":
+        return np.flip(a, axis=tuple(p["dimensions"]))
+    return None
+
+
+def evaluate(jaxpr: Any, consts: Sequence[np.ndarray], args: Sequence[np.ndarray]) -> list:
+    """``jaxpr`` on object arrays (see the module docstring); returns object arrays."""
+    env: dict[Any, np.ndarray] = {}
+
+    def read(v: Any) -> np.ndarray:
+        if isinstance(v, Literal):
+            return np.asarray(np.asarray(v.val), dtype=object)
+        return env[v]
+
+    env.update(zip(jaxpr.constvars, consts, strict=True))
+    env.update(zip(jaxpr.invars, args, strict=True))
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        for v in eqn.outvars:
+            if int(np.prod(v.aval.shape, dtype=np.int64)) > MAX_ELEMENTS:
+                raise NotUnrolled(f"{name} makes a per-pair array of shape {v.aval.shape}")
+        invals = [read(v) for v in eqn.invars]
+        body = next(
+            (eqn.params[b] for b in _BODIES if isinstance(eqn.params.get(b), ClosedJaxpr)), None
+        )
+        if name in _CALLS and body is not None:
+            const_objs = [unstack(c, np.shape(c)) for c in body.consts]
+            outs = evaluate(body.jaxpr, const_objs, invals[-len(body.jaxpr.invars) :])
+        elif name in _IDENTITY:
+            outs = invals
+        elif name in ELEMENTWISE or name == "add_any":  # add_any: sums of cotangents
+            outs = _elementwise(eqn, invals)
+        elif name in _REDUCE:
+            outs = [_reduce(_REDUCE[name], invals[0], eqn.params["axes"])]
+        elif name == "dot_general":
+            outs = [_dot(eqn, *invals)]
+        elif (out := _structural(name, eqn, invals)) is not None:
+            outs = [out]
+        else:
+            raise NotUnrolled(f"{name} is not unrolled over the per-pair axes")
+        env.update(zip(eqn.outvars, outs, strict=True))
+    return [read(v) for v in jaxpr.outvars]

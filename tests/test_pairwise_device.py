@@ -1,0 +1,63 @@
+"""The pairwise tile kernel for GPUs and TPUs (``kernels/pairwise_device.py``), run
+in interpret mode on CPU: both layouts against the dense plain-JAX oracle, ragged N
+and M, ties across tile borders, closed-over constants; and what it does not tile
+(a term with several values per pair, softmax-weighted sums, a primitive the unrolled
+evaluator lacks) refused by name. The compiles for real targets are
+``bench/accel/pairwise_targets.py`` (``make accel-pairwise``).
+"""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from helpers import assert_tree_close
+from test_pairwise import CASES, dense, inputs
+
+import adv_jax_math as ajm
+from adv_jax_math._pairwise_kernel import recognized
+from adv_jax_math.kernels.pairwise_device import Layout, device_states
+from adv_jax_math.kernels.unrolled import NotUnrolled
+
+TILED = ["add", "max", "min", "logsumexp", "argmin", "argmax", "min_argmin", "k_nearest"]
+
+
+def run(f, x, y, reduction, kind, tiles=(8, 16)):
+    red = recognized(f, x, y, reduction, tiles[1])
+    row = jax.ShapeDtypeStruct(x.shape[1:], x.dtype), jax.ShapeDtypeStruct(y.shape[1:], y.dtype)
+    pair = lambda xi, yj: [s[0] for s in red.prologue(jax.tree.map(lambda v: v[None], f(xi, yj)))]
+    closed = jax.make_jaxpr(pair)(*row)
+    states = device_states(
+        closed.jaxpr, red, closed.consts, [x], [y], Layout(kind, tiles, interpret=True)
+    )
+    items = [[jax.ShapeDtypeStruct((), s.dtype) for s in closed.out_avals]] * len(red.leaves)
+    one = lambda *s: red.finish(
+        [leaf.result(q, it) for leaf, q, it in zip(red.leaves, s, items, strict=True)]
+    )
+    return jax.vmap(one)(*states)
+
+
+@pytest.mark.parametrize("kind", ["gpu", "tpu"])
+@pytest.mark.parametrize("name", TILED)
+def test_tiles_match_dense_oracle(name, kind):
+    reduction, f, want = CASES[name]
+    x, y = inputs()  # 37 x 53 rows: neither a multiple of the tiles; a tie at rows 15/16
+    assert_tree_close(run(f, x, y, reduction, kind), want(dense(f, x, y)), rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("kind", ["gpu", "tpu"])
+def test_closed_over_constants_and_features_unrolled(kind):
+    # a matrix and a bandwidth closed over; indexing, dot and norm inside f
+    x, y = inputs()
+    w = jax.random.normal(jax.random.key(3), (3, 3))
+    f = lambda a, b: jnp.exp(-jnp.linalg.norm(a @ w - b) / 0.7) + a[0] * b[2]
+    got = run(f, x, y, ajm.LOGSUMEXP, kind)
+    assert_tree_close(got, jax.nn.logsumexp(dense(f, x, y), 1), rtol=2e-5, atol=2e-5)
+
+
+def test_what_is_not_tiled_is_refused_by_name():
+    x, y = inputs()
+    with pytest.raises(NotUnrolled, match=r"reads \(2,\) values per pair"):
+        run(lambda a, b: jnp.stack([a[0] - b[0], a[1]]), x, y, ajm.ADD, "gpu")
+    with pytest.raises(NotUnrolled, match="softmax-weighted"):
+        run(lambda a, b: (-jnp.sum((a - b) ** 2), b[0]), x, y, ajm.SOFTMAX_WEIGHTED, "tpu")
+    with pytest.raises(NotUnrolled, match="cumsum"):
+        run(lambda a, b: jnp.cumsum(a - b)[-1], x, y, ajm.ADD, "gpu")
