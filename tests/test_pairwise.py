@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_tree_close
+from helpers import assert_tree_close, on_abstract_device
 from jax import lax
 
 import adv_jax_math as ajm
@@ -162,6 +162,11 @@ def test_kernels_hold_the_whole_gradient(name):
     outside = [e.primitive.name for e in _flat(jaxpr.jaxpr)]
     tallies = int(name in ("max", "min", "min_argmin", "max_argmax", "pytree"))
     assert outside.count("pallas_call") == 3 + tallies, outside
+    # the tile kernel GPUs and TPUs run, forward and backward (softmax-weighted sums:
+    # the interpret kernel, their values are not one per pair)
+    kernels = {e.params["name"] for e in _flat(jaxpr.jaxpr) if e.primitive.name == "pallas_call"}
+    tiled = name not in ("softmax_weighted",)
+    assert kernels == ({DEVICE_KERNEL_NAME} if tiled else {"adv_jax_math_pairwise"}), kernels
     assert not {"scan", "while"} & set(outside), outside
     # no pass over y tiles for a gradient w.r.t. x alone
     assert [e.primitive.name for e in _flat(only_x.jaxpr)].count("pallas_call") == 2 + tallies
@@ -194,13 +199,29 @@ def test_explain_names_engine_tiles_and_rejections():
     text = str(plan)
     assert plan.engine == "pairwise scan" and "pairwise" in text
     assert plan.tiles == (N, M) and "1 x tile(s), 1 y tile(s)" in text, text
-    assert "rejected   : pairwise kernel: only on request (backend='interpret')" in text, text
+    assert "rejected   : pairwise kernel: only on request on cpu (backend='interpret')" in text
     spec = (
         jax.ShapeDtypeStruct((10_000, D), jnp.float32),
         jax.ShapeDtypeStruct((5_000, D), jnp.float32),
     )
     big = ajm.explain_pairwise(f, *spec, reduction)
     assert big.tiles == (128, 2048), str(big)
+
+
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+def test_gpu_and_tpu_plans_take_the_tile_kernel(platform):
+    # planned (and lowered: no compiler here) for an H100 / a TPU v5e from this CPU
+    reduction, f, _ = CASES["logsumexp"]
+    x, y = inputs()
+    with on_abstract_device(platform):
+        plan = ajm.explain_pairwise(f, x, y, reduction)
+        refused = ajm.explain_pairwise(f, x, y, reduction, tiles=(48, 100))
+        vector = ajm.explain_pairwise(*CASES["softmax_weighted"][1:2], x, y, ajm.SOFTMAX_WEIGHTED)
+    kind = "gpu" if platform == "cuda" else "tpu"
+    assert plan.engine == f"pairwise kernel ({kind})", str(plan)
+    assert plan.tiles == {"gpu": (64, 64), "tpu": (512, 256)}[kind], str(plan)
+    assert refused.engine == "pairwise scan" and "tiles=(48, 100)" in str(refused), str(refused)
+    assert vector.engine == "pairwise scan" and "values per pair" in str(vector), str(vector)
 
 
 @pytest.mark.parametrize("backend", list(ENGINES))

@@ -51,6 +51,11 @@ def test_closed_over_constants_and_features_unrolled(kind):
     f = lambda a, b: jnp.exp(-jnp.linalg.norm(a @ w - b) / 0.7) + a[0] * b[2]
     got = run(f, x, y, ajm.LOGSUMEXP, kind)
     assert_tree_close(got, jax.nn.logsumexp(dense(f, x, y), 1), rtol=2e-5, atol=2e-5)
+    # pad, iota and a weighted logsumexp's two values per pair
+    g = lambda a, b: (jnp.sum(jnp.pad(a - b, (1, 2)) ** 2 * jnp.arange(6.0)), b[0] ** 2)
+    got = run(g, x, y, ajm.WEIGHTED_LOGSUMEXP, kind)
+    score, weight = dense(g, x, y)
+    assert_tree_close(got, jax.nn.logsumexp(score, 1, b=weight), rtol=2e-5, atol=2e-5)
 
 
 def test_what_is_not_tiled_is_refused_by_name():
@@ -61,3 +66,23 @@ def test_what_is_not_tiled_is_refused_by_name():
         run(lambda a, b: (-jnp.sum((a - b) ** 2), b[0]), x, y, ajm.SOFTMAX_WEIGHTED, "tpu")
     with pytest.raises(NotUnrolled, match="cumsum"):
         run(lambda a, b: jnp.cumsum(a - b)[-1], x, y, ajm.ADD, "gpu")
+
+
+@pytest.mark.parametrize("name", ["logsumexp", "min_argmin", "k_nearest"])
+def test_tpu_layout_gradients_match_dense_oracle(name, monkeypatch):
+    # backend="interpret" runs the GPU layout; the TPU one (a grid over y tiles, states
+    # in the output block) runs the same reverse-pass sums
+    monkeypatch.setattr(ajm._pairwise, "INTERPRET_LAYOUT", "tpu")
+    reduction, f, want = CASES[name]
+    x, y = inputs()
+    loss = lambda run: (
+        lambda x, y: sum(
+            jnp.sum(jnp.sin(v)) for v in jax.tree.leaves(run(x, y)) if v.dtype.kind == "f"
+        )
+    )
+    ours = loss(lambda x, y: ajm.pairwise(f, x, y, reduction, tiles=(8, 16)))
+    with ajm.config(backend="interpret"):
+        assert "tpu tile kernel" in ajm.explain_pairwise(f, x, y, reduction).reason
+        got = jax.value_and_grad(ours, (0, 1))(x, y)
+    expect = jax.value_and_grad(loss(lambda x, y: want(dense(f, x, y))), (0, 1))(x, y)
+    assert_tree_close(got, expect, rtol=2e-4, atol=2e-4)

@@ -36,6 +36,8 @@ from ._pairwise_kernel import first_row, layout_problem, recognized
 from ._plan import target_platform
 from ._recognize import is_monoid_tree
 from ._sharding import explicit, sharding_of
+from .kernels.fused_reduce.targets import pallas_triton, tpu_vmem_limit
+from .kernels.fused_reduce.targets import target as device_target
 from .kernels.pairwise_device import Layout
 
 __all__ = ["PairwisePlan", "explain_pairwise", "pairwise"]
@@ -219,20 +221,26 @@ def _plan(
     elif shard:
         kernel_why = "shard=True: the kernel does not spread over devices yet"
     elif backend == "interpret":
-        layout: Layout | None = Layout("gpu", (bi, bj), interpret=True)
+        layout: Layout | None = Layout(INTERPRET_LAYOUT, (bi, bj), interpret=True)
         assert layout is not None
         problem = layout_problem(f, x, y, red, layout)
-        reason = "requested (backend='interpret'): the tile kernel GPUs run, interpreted"
+        reason = f"requested (backend='interpret'): the {INTERPRET_LAYOUT} tile kernel, interpreted"
         if problem is not None:
             layout = None
             reason = f"requested (backend='interpret'): the interpret kernel ({problem})"
         return PairwisePlan(n, m, (bi, bj), what, _KERNEL, reason), red, layout
+    elif backend in ("auto", "pallas") and platform in ("gpu", "cuda", "rocm", "tpu"):
+        found = _device(f, x, y, red, tiles, platform)
+        if isinstance(found, Layout):
+            bi, bj = found.tiles
+            why = f"a program per {bi} x rows, looping over tiles of {bj} y rows"
+            if found.kind == "tpu":
+                why = f"a grid of {bi} x rows (parallel) by {bj} y rows (arbitrary)"
+            engine = f"pairwise kernel ({found.kind})"
+            return PairwisePlan(n, m, found.tiles, what, engine, why), red, found
+        kernel_why = found
     elif backend == "auto":
-        kernel_why = (
-            "only on request (backend='interpret'); the GPU/TPU tile kernel compiles for "
-            "the targets (make accel-pairwise) but is not dispatched yet: its reverse pass "
-            "and softmax-weighted sums are not tiled"
-        )
+        kernel_why = f"only on request on {platform} (backend='interpret')"
     else:
         kernel_why = f"not requested (backend={backend!r})"
     why = "x tiles in a chunked vmap, y tiles in a chunked monoid reduction"
@@ -242,6 +250,36 @@ def _plan(
         why += f" (default on {platform})"
     rejected = (("pairwise kernel", kernel_why),)
     return PairwisePlan(n, m, (bi, bj), what, _SCAN, why, rejected), red, None
+
+
+DEVICE_TILES = {"gpu": (64, 64), "tpu": (512, 256)}  # (bi, bj) of an "auto" tile kernel
+INTERPRET_LAYOUT = "gpu"  # the tile kernel backend="interpret" runs (tests set "tpu" too)
+
+
+def _device(
+    f: Callable, x: Any, y: Any, red: MonoidReduction, tiles: Any, platform: str
+) -> Layout | str:
+    """The tile kernel's layout for ``platform``, compiled (or lowered) at its tiles,
+    or why not."""
+    kind = "tpu" if platform == "tpu" else "gpu"
+    bi, bj = DEVICE_TILES[kind] if tiles == "auto" else tiles
+    if kind == "gpu" and (bi & (bi - 1) or bj & (bj - 1)):
+        return f"tiles={tiles!r}: Triton needs powers of two (default {DEVICE_TILES['gpu']})"
+    if kind == "tpu" and (bi % 128 or bj % 8):
+        return f"tiles={tiles!r}: on TPU bi is a multiple of 128 (lanes), bj of 8"
+    target = device_target(platform)
+    if kind == "tpu":
+        from jax.experimental.pallas import tpu as pltpu
+
+        params: Any = pltpu.CompilerParams(
+            dimension_semantics=("parallel", "arbitrary"),
+            vmem_limit_bytes=tpu_vmem_limit(target.device_kind),
+        )
+    else:
+        params = pallas_triton().CompilerParams(num_warps=4)
+    layout = Layout(kind, (bi, bj), params=params)
+    problem = layout_problem(f, x, y, red, layout, target)
+    return layout if problem is None else f"the tile kernel: {problem}"
 
 
 # -- the scan engine -----------------------------------------------------------------------

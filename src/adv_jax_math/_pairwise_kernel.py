@@ -24,6 +24,7 @@ from ._monoids_sums import ADD
 from ._recognize import recognize
 from ._sharding import explicit, sharding_of, typed_mesh
 from ._trace import rows_aval
+from .kernels.fused_reduce.probe import probe
 from .kernels.pairwise import states
 from .kernels.pairwise_device import Layout, device_states
 from .kernels.unrolled import NotUnrolled
@@ -139,14 +140,47 @@ def kernel_states(
         return everywhere(*args), items
 
 
-def layout_problem(f: Callable, x: Any, y: Any, red: MonoidReduction, layout: Layout) -> str | None:
-    """Why the tile kernel cannot run ``f``'s reduction ``red`` (traced only), or None."""
+def layout_problem(
+    f: Callable, x: Any, y: Any, red: MonoidReduction, layout: Layout, target: Any = None
+) -> str | None:
+    """Why the tile kernel cannot run ``f``'s reduction ``red``, or None: traced, and
+    for a ``target`` (``fused_reduce.targets.Target``) compiled where a compiler for
+    it is present, else lowered (``fused_reduce.probe``; cached)."""
     conv, consts = jax.closure_convert(f, first_row(x), first_row(y))
     one = lambda c, xi, yj: [s[0] for s in red.prologue(_row(conv(xi, yj, *c)))]
     pair = jax.make_jaxpr(one)([_struct(c) for c in consts], first_row(x), first_row(y))
     run = lambda c, xs, ys: device_states(pair.jaxpr, red, c, xs, ys, layout)
     structs = lambda tree: [_struct(a) for a in jax.tree.leaves(tree)]
-    return tile_problem(run, ([*pair.consts, *consts], structs(x), structs(y)))
+    args = ([_struct(c) for c in [*pair.consts, *consts]], structs(x), structs(y))
+    problem = tile_problem(run, args)
+    if problem is not None or target is None:
+        return problem
+    return probe(_Probe(target, layout, run, args, str(pair.jaxpr))).problem
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Probe:
+    """The tile kernel as ``fused_reduce.probe`` compiles it: ``call(*args())``."""
+
+    target: Any
+    layout: Layout
+    run: Callable
+    arguments: tuple
+    text: str  # the pair jaxpr, printed
+
+    @property
+    def rows(self) -> str:
+        return f"{self.layout.tiles[0]} x {self.layout.tiles[1]}"
+
+    def key(self) -> tuple:
+        shapes = jax.tree.map(lambda a: (a.shape, str(a.dtype)), self.arguments)
+        return (self.text, str(shapes), self.layout.tiles, self.layout.kind)
+
+    def args(self) -> tuple:
+        return self.arguments
+
+    def call(self) -> Callable:
+        return self.run
 
 
 def tile_problem(run: Callable, args: Any) -> str | None:

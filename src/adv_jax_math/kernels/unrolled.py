@@ -105,9 +105,17 @@ def _dot(eqn: Any, lhs: np.ndarray, rhs: np.ndarray) -> np.ndarray:
 
 
 def _structural(name: str, eqn: Any, args: list[np.ndarray]) -> np.ndarray | None:
+    p = eqn.params
+    if name == "iota":  # constants: the indices along one axis
+        out = np.empty(tuple(p["shape"]), dtype=object)
+        for idx in np.ndindex(*out.shape):
+            out[idx] = np.asarray(idx[p["dimension"]], p["dtype"])
+        return out
     if not args:
         return None
-    p, a = eqn.params, args[0]
+    a = args[0]
+    if name == "pad":
+        return _pad(a, args[1][()], p["padding_config"])
     if name == "broadcast_in_dim":
         shape, dims = tuple(p["shape"]), tuple(p["broadcast_dimensions"])
         expanded = a.reshape(
@@ -136,6 +144,23 @@ def _structural(name: str, eqn: Any, args: list[np.ndarray]) -> np.ndarray | Non
     if name == "rev":
         return np.flip(a, axis=tuple(p["dimensions"]))
     return None
+
+
+def _pad(a: np.ndarray, fill: Any, config: Sequence[tuple[int, int, int]]) -> np.ndarray:
+    if any(lo < 0 or hi < 0 for lo, hi, _ in config):
+        raise NotUnrolled("pad with negative padding")
+    shape = [
+        lo + hi + n + max(n - 1, 0) * k for (lo, hi, k), n in zip(config, a.shape, strict=True)
+    ]
+    out = np.empty(shape, dtype=object)
+    for idx in np.ndindex(*out.shape):
+        out[idx] = fill
+    stop = lambda lo, n, k: lo + (n - 1) * (k + 1) + 1 if n else lo
+    spots = tuple(
+        slice(lo, stop(lo, n, k), k + 1) for (lo, _, k), n in zip(config, a.shape, strict=True)
+    )
+    out[spots] = a
+    return out
 
 
 def evaluate(jaxpr: Any, consts: Sequence[np.ndarray], args: Sequence[np.ndarray]) -> list:
