@@ -384,18 +384,22 @@ def batch_vmap(
         tiles = _nested.tiles(call.batch_size, form.batch_size, m.moved, form.y)
         return (form.pair, m.moved, form.y, form.reduction), dict(tiles=tiles, shard=shard)
 
+    def reducing(to: Callable, m: _Mapped) -> Any:
+        """``to`` (:func:`batch_map` or :func:`explain`) of a call with a reduction."""
+        return to(
+            m.chunk_fun,
+            m.moved,
+            batch_size,
+            reduction=reduction,
+            chunk_reduction=chunk_reduction,
+            shard=shard,
+            mesh=mesh,
+            **kwargs,
+        )
+
     def run(m: _Mapped) -> Any:
         if reduction is not None or chunk_reduction is not identity:
-            return batch_map(
-                m.chunk_fun,
-                m.moved,
-                batch_size,
-                reduction=reduction,
-                chunk_reduction=chunk_reduction,
-                shard=shard,
-                mesh=mesh,
-                **kwargs,
-            )
+            return reducing(batch_map, m)
         call, plan, form = stacked(m)
         if isinstance(form, str):
             return _engines.run(plan, call)
@@ -423,16 +427,7 @@ def batch_vmap(
         else :func:`explain`'s plan (with why it is not pairwise, where it stacks)."""
         m = mapped_call(args, fkwargs)
         if reduction is not None or chunk_reduction is not identity:
-            return explain(
-                m.chunk_fun,
-                m.moved,
-                batch_size,
-                reduction=reduction,
-                chunk_reduction=chunk_reduction,
-                shard=shard,
-                mesh=mesh,
-                **kwargs,
-            )
+            return reducing(explain, m)
         call, plan, form = stacked(m)
         if isinstance(form, str):
             note = f"pairwise engine: not a pairwise reduction written as nested calls: {form}"

@@ -9,10 +9,12 @@ row's monoid state carried across the y tiles. Two engines:
 * ``pairwise scan``: x tiles in a chunked ``vmap``, y tiles in a chunked monoid
   reduction (:func:`batch_vmap` of :func:`batch_map`), each tile rematerialized in a
   gradient: O(bi * bj) memory forward and backward;
-* ``pairwise kernel``: one Pallas kernel (``kernels/pairwise.py``), a program per x
-  tile looping over the y tiles with the states on chip; in interpret mode on CPU
-  (``config(backend="interpret")``). Its reverse pass is pairwise sums run by the
-  same kernel (``_pairwise_grad``); forward mode takes the scan engine's tangent.
+* ``pairwise kernel (gpu)`` / ``(tpu)``: the tile kernel (``kernels/pairwise_device.py``,
+  ``f``'s features unrolled so every value is 2-D), the default on GPU/TPU where it
+  tiles ``f`` and compiles at its tiles; ``backend="interpret"`` runs it in interpret
+  mode (``pairwise kernel (interpret)``; where it cannot tile ``f``, the interpret
+  kernel of ``kernels/pairwise.py``). Reverse mode is pairwise sums on the same kernel
+  (``_pairwise_grad``); forward mode takes the scan engine's tangent.
 
 :func:`explain_pairwise` shows the plan: sizes, tiles, engine and why the others
 were not taken.
@@ -98,7 +100,9 @@ def pairwise(
     tiles : (int, int) or "auto"
         ``(bi, bj)``: rows of ``x`` and of ``y`` per tile. ``"auto"`` takes
         ``bj = min(M, 2048)`` and ``bi`` the power of two (or ``N``) that makes a tile
-        of at most 2^18 pairs.
+        of at most 2^18 pairs; on GPU ``(64, 64)`` and on TPU ``(512, 256)`` for the
+        tile kernel (GPU tiles are powers of two; on TPU ``bi`` is a multiple of 128
+        and ``bj`` of 8).
     shard : bool
         Spread the rows of ``x`` over the devices of ``mesh`` (each device reduces
         its own x rows over all of ``y``), as ``batch_vmap(..., shard=True)``.
