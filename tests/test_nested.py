@@ -100,7 +100,7 @@ NOT_PAIRWISE = {  # name: (outer function on one x row, oracle, the reason expla
             )(y + xi)
         ),
         lambda x, y: jax.vmap(lambda a: jax.nn.logsumexp(-jnp.sum((a - (y + a)) ** 2, 1)))(x),
-        "computed inside it",
+        "computed in the outer function",
     ),
     "two inner calls": (
         lambda y: (

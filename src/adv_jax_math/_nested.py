@@ -29,7 +29,7 @@ import jax.numpy as jnp
 
 from ._recognize import is_monoid_tree
 
-__all__ = ["Inner", "Nested", "as_inner", "find", "heard", "listen"]
+__all__ = ["Inner", "Nested", "as_inner", "find", "heard", "listen", "tiles"]
 
 _MODE = threading.local()  # .value: None, a _Listen, a _Record or a _Pair
 
@@ -163,7 +163,7 @@ def find(listener: _Listen, one: Callable[..., Any], rows: list) -> Nested | str
     inner: Inner = found["inner"]
     consts = closed.jaxpr.constvars
     if not all(v in consts for v in closed.jaxpr.outvars):
-        return "the inner call's mapped inputs are computed inside it; close over them instead"
+        return "the inner call's mapped inputs are computed in the outer function; close over them"
 
     def pair(x_row: list, y_row: list) -> Any:
         with _mode(_Pair(y_row)):

@@ -220,8 +220,8 @@ def _reverse(p: Pairs, cts: list, res: tuple, items: list, pos: list) -> tuple:
         nx, nc = len(px), len(pc)
         out = kernel_sums(over_y, (x, rows), yj, (bi, bj), range(nx, nx + nc), p.layout)
         dx, dc, got = out[:nx], out[nx : nx + nc], out[nx + nc :]
-    swapped = p.layout and dataclasses.replace(p.layout, tiles=(bj, bi))
-    dy = kernel_sums(over_x, yj, (x, rows), (bj, bi), (), swapped or None) if py else []
+    swapped = None if p.layout is None else dataclasses.replace(p.layout, tiles=(bj, bi))
+    dy = kernel_sums(over_x, yj, (x, rows), (bj, bi), (), swapped) if py else []
     wrong = jnp.asarray(False)
     for n, t in zip(got, tallied, strict=True):
         count, share = tallies[t][2], tallies[t][3]

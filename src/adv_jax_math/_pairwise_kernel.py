@@ -1,11 +1,14 @@
-"""The pairwise kernel engine's front: ``f`` traced on a tile, the kernel run on it.
+"""The pairwise kernels' front: ``f`` traced, a kernel run on it.
 
 :func:`kernel_states` traces ``f`` (closure-converted: ``conv(xi, yj, *consts)``)
-on one ``bi`` x ``bj`` tile, followed by the reduction's prologue, and runs
-``kernels/pairwise.py`` on it: each term's monoid state for every x row.
-:func:`kernel_sums` is the same for a pairwise sum of any ``g(xi, yj)``, finalized,
-with chosen outputs summed over the x rows too: the reverse pass is made of these
-(``_pairwise_grad``).
+followed by the reduction's prologue and runs a kernel: each term's monoid state for
+every x row. The kernel is the tile kernel (``kernels/pairwise_device.py``, ``f`` on
+one pair with its features unrolled) for a ``Layout``, else (or where ``f`` does not
+unroll) the interpret kernel (``kernels/pairwise.py``, ``f`` on a ``bi`` x ``bj``
+tile). :func:`kernel_sums` is the same for a pairwise sum of any ``g(xi, yj)``,
+finalized, with chosen outputs summed over the x rows too: the reverse pass is made
+of these (``_pairwise_grad``). :func:`layout_problem` is the planner's check of the
+tile kernel (traced, then compiled for the target).
 """
 
 from __future__ import annotations
@@ -55,8 +58,8 @@ def _struct(a: Any) -> jax.ShapeDtypeStruct:
 
 def recognized(f: Callable, x: Any, y: Any, reduction: Any, bj: int) -> MonoidReduction:
     """The terms over ``j`` of one x row's outputs on ``bj`` y rows."""
-    x_row = jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a)[1:], a.dtype), x)
-    row_out = jax.eval_shape(lambda xi, yc: jax.vmap(f, (None, 0))(xi, yc), x_row, rows_aval(y, bj))
+    pairs = lambda xi, yc: jax.vmap(f, (None, 0))(xi, yc)
+    row_out = jax.eval_shape(pairs, first_row(x), rows_aval(y, bj))
     rec = recognize(reduction, identity, row_out)
     if rec.leaves is None:
         raise ValueError(f"pairwise: reduction={reduction!r} is not recognized: {rec.how}")
@@ -100,32 +103,32 @@ def kernel_states(
         pair = jax.make_jaxpr(one)([_struct(c) for c in consts], first_row(x), first_row(y))
     npc = len(pair.consts) if pair is not None else 0
 
-    def run(reference: bool) -> Callable:
+    def interpreted(reference: bool) -> Callable:  # kernels/pairwise.py, or plain JAX
         def go(c: list, xs: list, ys: list) -> list:
-            tile_c, pair_c, user = c[:nt], c[nt : nt + npc], c[nt + npc :]
-            if pair is None or reference:
-                return states(prepared, tiles, [*tile_c, *user], xs, ys, summed, reference)
-            assert layout is not None
-            return device_states(pair.jaxpr, red, [*pair_c, *user], xs, ys, layout)
+            user = c[nt + npc :]
+            return states(prepared, tiles, [*c[:nt], *user], xs, ys, summed, reference)
 
         return go
+
+    def tiled(c: list, xs: list, ys: list) -> list:  # kernels/pairwise_device.py
+        assert pair is not None and layout is not None
+        return device_states(pair.jaxpr, red, c[nt:], xs, ys, layout)
 
     # the jaxprs' own constants are arguments too (shard_map takes no closed-over
     # values typed on Explicit axes)
     const_args = [*jaxpr.consts, *(pair.consts if pair is not None else ()), *consts]
     args = (const_args, jax.tree.leaves(x), jax.tree.leaves(y))
-    primal = run(False)
-    if pair is not None and tile_problem(primal, jax.tree.map(_struct, args)) is not None:
-        # the tile kernel cannot: the interpret kernel in interpret mode, else the same
-        # computation in plain JAX
-        assert layout is not None
-        pair = None
-        primal = run(not layout.interpret)
+    primal = interpreted(False)
+    if layout is not None:
+        # where the tile kernel cannot unroll f: the interpret kernel in interpret
+        # mode, else the same computation in plain JAX
+        ok = tile_problem(tiled, jax.tree.map(_struct, args)) is None
+        primal = tiled if ok else interpreted(not layout.interpret)
     # A Pallas call has no derivative of its own: differentiated (a derivative of the
     # reverse pass, from the second order on), the states are the same computation's
     # in plain JAX.
     kernel = jax.custom_jvp(primal)
-    kernel.defjvp(lambda primals, tangents: jax.jvp(run(True), primals, tangents))
+    kernel.defjvp(lambda primals, tangents: jax.jvp(interpreted(True), primals, tangents))
     with typed_mesh(args):
         mesh = jax.sharding.get_abstract_mesh()
         if mesh.empty or AxisType.Explicit not in tuple(mesh.axis_types):
