@@ -266,12 +266,14 @@ def _device(
     """The tile kernel's layout for ``platform``, compiled (or lowered) at its tiles,
     or why not."""
     kind = "tpu" if platform == "tpu" else "gpu"
+    target = device_target(platform)
     bi, bj = DEVICE_TILES[kind] if tiles == "auto" else tiles
+    if tiles == "auto" and kind == "tpu" and tpu_vmem_limit(target.device_kind) < 32 << 20:
+        bi, bj = bi // 2, bj // 2  # TPU v4 (16 MiB of VMEM): the reverse pass's D sums overflow
     if kind == "gpu" and (bi & (bi - 1) or bj & (bj - 1)):
         return f"tiles={tiles!r}: Triton needs powers of two (default {DEVICE_TILES['gpu']})"
     if kind == "tpu" and (bi % 128 or bj % 8):
         return f"tiles={tiles!r}: on TPU bi is a multiple of 128 (lanes), bj of 8"
-    target = device_target(platform)
     if kind == "tpu":
         from jax.experimental.pallas import tpu as pltpu
 
@@ -303,7 +305,13 @@ def _scan(
         return batch_map(pairs, y, bj, reduction=reduction)
 
     # y an unmapped argument, not closed over: with shard=True it is placed on the mesh
-    return batch_vmap(per_x, (0, None), batch_size=bi, shard=shard, mesh=mesh)(x, y)
+    run = lambda: batch_vmap(per_x, (0, None), batch_size=bi, shard=shard, mesh=mesh)(x, y)
+    if target_platform() == "cpu" or _config.current().backend not in ("auto", "pallas"):
+        return run()
+    # not the 1-D kernel over y: it would run vmapped over the x rows, its blocks
+    # batched beyond what its compile probe checked (Mosaic refused them on TPU)
+    with _config.config(backend="scan"):
+        return run()
 
 
 # -- the kernel engine (``_pairwise_kernel``; its derivatives: ``_pairwise_grad``) ---------
