@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_tree_close, on_abstract_device
+from helpers import assert_tree_close, needs_abstract_devices, on_abstract_device
 from jax import lax
 
 import adv_jax_math as ajm
@@ -208,6 +208,7 @@ def test_explain_names_engine_tiles_and_rejections():
     assert big.tiles == (128, 2048), str(big)
 
 
+@needs_abstract_devices
 @pytest.mark.parametrize("platform", ["cuda", "tpu"])
 def test_gpu_and_tpu_plans_take_the_tile_kernel(platform):
     # planned (and lowered: no compiler here) for an H100 / a TPU v5e from this CPU
