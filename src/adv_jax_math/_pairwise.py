@@ -101,8 +101,7 @@ def pairwise(
         ``(bi, bj)``: rows of ``x`` and of ``y`` per tile. ``"auto"`` takes
         ``bj = min(M, 2048)`` and ``bi`` the power of two (or ``N``) that makes a tile
         of at most 2^18 pairs; on GPU ``(64, 64)`` and on TPU ``(512, 256)`` for the
-        tile kernel (GPU tiles are powers of two; on TPU ``bi`` is a multiple of 128
-        and ``bj`` of 8).
+        tile kernel (GPU tiles are powers of two; on TPU multiples of 128).
     shard : bool
         Spread the rows of ``x`` over the devices of ``mesh`` (each device reduces
         its own x rows over all of ``y``), as ``batch_vmap(..., shard=True)``.
@@ -272,8 +271,8 @@ def _device(
         bi, bj = bi // 2, bj // 2  # TPU v4 (16 MiB of VMEM): the reverse pass's D sums overflow
     if kind == "gpu" and (bi & (bi - 1) or bj & (bj - 1)):
         return f"tiles={tiles!r}: Triton needs powers of two (default {DEVICE_TILES['gpu']})"
-    if kind == "tpu" and (bi % 128 or bj % 8):
-        return f"tiles={tiles!r}: on TPU bi is a multiple of 128 (lanes), bj of 8"
+    if kind == "tpu" and (bi % 128 or bj % 128):
+        return f"tiles={tiles!r}: on TPU bi and bj are multiples of 128 (x and y rows on lanes)"
     if kind == "tpu":
         from jax.experimental.pallas import tpu as pltpu
 

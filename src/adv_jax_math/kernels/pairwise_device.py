@@ -149,7 +149,8 @@ def device_states(
         def kernel(*refs: Any) -> None:
             c_refs, x_refs, y_refs = refs[:nc], refs[nc : nc + nx], refs[nc + nx : -len(leaves)]
             o_refs, t = refs[-len(leaves) :], pl.program_id(1)
-            new = tile(scalars(c_refs), [r[...] for r in x_refs], [r[...] for r in y_refs], t * bj)
+            y_vals = [_column(r[...]) for r in y_refs]
+            new = tile(scalars(c_refs), [r[...] for r in x_refs], y_vals, t * bj)
 
             @pl.when(t == 0)
             def _first() -> None:
@@ -167,7 +168,10 @@ def device_states(
             for c in flat_consts
         ]
         in_specs += [pl.BlockSpec((1, bi), lambda i, t: (0, i)) for _ in x_rows]
-        in_specs += [pl.BlockSpec((bj, 1), lambda i, t: (t, 0)) for _ in y_cols]
+        # y lane-dense in memory, a row (1, bj) per tile, made a column in the kernel:
+        # a column (M, 1) would take 128 lanes per row of HBM
+        y_cols = [c.reshape(yt, 1, bj) for c in y_cols]
+        in_specs += [pl.BlockSpec((None, 1, bj), lambda i, t: (t, 0, 0)) for _ in y_cols]
         out_specs = [pl.BlockSpec((1, bi), lambda i, t: (0, i)) for _ in leaves]
 
     call = pl.pallas_call(
@@ -188,6 +192,12 @@ def device_states(
     kernel_call.__name__ = kernel_call.__qualname__ = DEVICE_KERNEL_NAME
     flat = jax.jit(kernel_call)(*flat_consts, *x_rows, *y_cols)
     return jax.tree.unflatten(treedef, [o[0, :n] for o in flat])
+
+
+def _column(row: jax.Array) -> jax.Array:
+    """A row ``(1, n)`` as a column ``(n, 1)``: a transpose of 8 sublanes (Mosaic's
+    smallest), its first column kept."""
+    return jnp.broadcast_to(row, (8, row.shape[1])).T[:, :1]
 
 
 def _objects(values: Sequence[Any], shape: tuple) -> np.ndarray:
