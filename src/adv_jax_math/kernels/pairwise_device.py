@@ -12,7 +12,8 @@ Each term's monoid folds the ``bj`` rows of a tile into one state per ``x`` row
   from global memory), the states in registers;
 * ``"tpu"``: a grid ``(x tiles "parallel", y tiles "arbitrary")``, the states in the
   output block, which stays in VMEM across the ``y`` tiles (set at the first,
-  merged into at the others).
+  merged into at the others); ``y`` stored lane-dense, each tile's row turned into
+  a column in the kernel (a column in HBM would take 128 lanes per row).
 
 Both run in interpret mode on CPU (tests). Only terms with one value per pair
 (scalar sources) are taken; :class:`unrolled.NotUnrolled` says why not otherwise.
