@@ -12,7 +12,7 @@ reason in ``explain``.
 import jax
 import jax.numpy as jnp
 import pytest
-from helpers import TraceCounter, assert_tree_close
+from helpers import TraceCounter, assert_tree_close, needs_abstract_devices, on_abstract_device
 from test_pairwise import CASES, ENGINES, TILES, _flat, dense, inputs
 
 import adv_jax_math as ajm
@@ -141,3 +141,16 @@ def test_a_stacking_call_still_traces_f_once():
     f = TraceCounter(lambda v: jnp.sin(v) * 2)
     out = ajm.batch_vmap(f, batch_size=4)(jnp.ones((9, 3)))
     assert f.calls == 1 and out.shape == (9, 3)
+
+
+@needs_abstract_devices
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+def test_nested_calls_on_gpu_and_tpu_take_the_tile_kernel(platform):
+    # batch sizes 8 and 16 would break the TPU tile rules: the tile kernel's own tiles
+    reduction, f, _ = CASES["logsumexp"]
+    x, y = inputs()
+    with on_abstract_device(platform):
+        plan = nested(f, reduction, y).explain(x)
+    kind = "gpu" if platform == "cuda" else "tpu"
+    assert plan.engine == f"pairwise kernel ({kind})", str(plan)
+    assert plan.tiles == {"gpu": (64, 64), "tpu": (512, 256)}[kind], str(plan)

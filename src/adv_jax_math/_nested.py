@@ -27,6 +27,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from ._plan import target_platform
 from ._recognize import is_monoid_tree
 
 __all__ = ["Inner", "Nested", "as_inner", "find", "heard", "listen", "tiles"]
@@ -175,8 +176,9 @@ def find(listener: _Listen, one: Callable[..., Any], rows: list) -> Nested | str
 
 def tiles(bi: Any, bj: Any, x: list, y: list) -> tuple[int, int] | str:
     """The pairwise tiles from the outer and inner batch sizes (None: every row;
-    "auto" on either side: "auto")."""
-    if bi == "auto" or bj == "auto":
+    "auto" on either side: "auto"). On GPU/TPU "auto": the tile kernel's own (the batch
+    sizes bound memory; its tiles follow the hardware's rules)."""
+    if bi == "auto" or bj == "auto" or target_platform() != "cpu":
         return "auto"
     n, m = x[0].shape[0], y[0].shape[0]
     return max(1, bi or n), max(1, bj or m)
