@@ -183,6 +183,19 @@ class Monoid:
     def fill(self, dtype: Any) -> Any:
         return np.zeros((), dtype)[()]
 
+    def without(
+        self, ys: Sequence[jax.Array], kept: Callable[[jax.Array], jax.Array], keep: jax.Array
+    ) -> tuple[list, Any]:
+        """``ys`` (the leaves read) with the rows that do not exist set to
+        :meth:`fills` (``kept(y)``: True where a row of ``y`` exists, shaped against
+        it), and the rows' weights from ``keep`` (True where a row exists) as
+        :meth:`fold` reads them: a kernel's block past the last row."""
+        fills = self.fills([y.dtype for y in ys])
+        out = [
+            jnp.where(kept(y), y, np.asarray(f, y.dtype)) for y, f in zip(ys, fills, strict=True)
+        ]
+        return out, self.encode(keep.astype(jnp.float32), out[0].dtype, jnp)
+
     def halves_for(self, dtype: Any) -> bool:
         """Whether shared rows count for half in each chunk (exact float sums), or the
         last chunk's copy is dropped."""

@@ -20,7 +20,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
@@ -47,12 +46,8 @@ def _fold(leaf: LeafReduction, src: list, start: Any, bj: int, m: int) -> Any:
     w = None
     if m % bj:
         keep = j < m
-        fills = leaf.monoid.fills([a.dtype for a in src])
-        src = [
-            jnp.where(keep.reshape((1, bj) + (1,) * (a.ndim - 2)), a, np.asarray(fill, a.dtype))
-            for a, fill in zip(src, fills, strict=True)
-        ]
-        w = leaf.monoid.encode(keep.astype(jnp.float32), src[0].dtype, jnp)
+        kept = lambda a: keep.reshape((1, bj) + (1,) * (a.ndim - 2))
+        src, w = leaf.monoid.without(src, kept, keep)
     idx = j.astype(index_dtype())
     return jax.vmap(lambda rows: leaf.fold(rows, idx, w))(src)
 

@@ -93,17 +93,12 @@ def device_states(
         srcs = evaluate(jaxpr, objs[:own], objs[own:])
         srcs = [jnp.broadcast_to(jnp.asarray(s[()]), (bj, bi)) for s in srcs]
         j = start + lax.broadcasted_iota(jnp.int32, (bj, bi), 0)
+        keep = j < m  # the tile's full shape: no row vector made a column
         states = []
         for leaf in red.leaves:
             src, w = [srcs[s] for s in leaf.sources], None
             if m % bj:
-                keep = j < m
-                fills = leaf.monoid.fills([a.dtype for a in src])
-                src = [
-                    jnp.where(keep, a, np.asarray(f, a.dtype))
-                    for a, f in zip(src, fills, strict=True)
-                ]
-                w = leaf.monoid.encode(keep.astype(jnp.float32), src[0].dtype, jnp)
+                src, w = leaf.monoid.without(src, lambda a: keep, keep)
             states.append(leaf.fold(src, j.astype(index_dtype()), w))
         return states
 

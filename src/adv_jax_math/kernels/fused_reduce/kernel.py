@@ -135,12 +135,7 @@ def _term_state(k: Kernel, term: Term, ys: Sequence[Any], first_row: Any, offset
     rows = row(src[0])
     w = None
     if k.n % k.tile:
-        fills = term.leaf.monoid.fills([y.dtype for y in src])
-        src = [
-            jnp.where(row(y) < k.n, y, jnp.asarray(f, y.dtype))
-            for y, f in zip(src, fills, strict=True)
-        ]
-        w = term.leaf.monoid.encode((rows < k.n).astype(jnp.float32), src[0].dtype, jnp)
+        src, w = term.leaf.monoid.without(src, lambda y: row(y) < k.n, rows < k.n)
     return term.rows_leaf.fold(src, (offset + rows).astype(index_dtype()), w)
 
 
