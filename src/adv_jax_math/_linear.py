@@ -42,6 +42,10 @@ class _Spec:
         lin = jax.tree.unflatten(self.lin_tree, flat[: self.n_lin])
         return lin, jax.tree.unflatten(self.res_tree, flat[self.n_lin :])
 
+    def outs(self, *flat: Any) -> list:
+        """The result's avals for these arguments (values or avals)."""
+        return self.out_avals if self.out_avals is not None else jax.eval_shape(self.call, *flat)
+
     def call(self, *flat: Any) -> list:
         out = self.impl(*self.split(list(flat)))
         leaves, tree = jax.tree.flatten(out)
@@ -74,9 +78,7 @@ def _impl(*flat: Any, spec: _Spec) -> list:
 
 
 def _abstract_eval(*avals: Any, spec: _Spec) -> list:
-    out = spec.out_avals
-    if out is None:
-        out = jax.eval_shape(spec.call, *[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals])
+    out = spec.outs(*[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals])
     return [jax.core.ShapedArray(o.shape, o.dtype) for o in out]
 
 
@@ -96,9 +98,7 @@ def _transpose(cts: list, *args: Any, spec: _Spec) -> list:
     assert not any(ad.is_undefined_primal(r) for r in res_flat)  # linear in `lin` only
     struct = lambda x: jax.ShapeDtypeStruct(x.aval.shape, x.aval.dtype)
     lin_structs = [struct(x) if ad.is_undefined_primal(x) else x for x in lin]
-    outs = spec.out_avals
-    if outs is None:
-        outs = jax.eval_shape(spec.call, *lin_structs, *res_flat)
+    outs = spec.outs(*lin_structs, *res_flat)
     cts = [
         jnp.zeros(o.shape, o.dtype) if type(c) is ad.Zero else c
         for c, o in zip(cts, outs, strict=True)

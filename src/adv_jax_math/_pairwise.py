@@ -224,14 +224,15 @@ def _plan(
     elif shard:
         kernel_why = "shard=True: the kernel does not spread over devices yet"
     elif backend == "interpret":
-        layout: Layout | None = Layout(INTERPRET_LAYOUT, (bi, bj), interpret=True)
-        assert layout is not None
-        problem = layout_problem(f, x, y, red, layout)
-        reason = f"requested (backend='interpret'): the {INTERPRET_LAYOUT} tile kernel, interpreted"
+        tiled = Layout(INTERPRET_LAYOUT, (bi, bj), interpret=True)
+        problem = layout_problem(f, x, y, red, tiled)
+        kernel = f"the {INTERPRET_LAYOUT} tile kernel, interpreted"
         if problem is not None:
-            layout = None
-            reason = f"requested (backend='interpret'): the interpret kernel ({problem})"
-        return PairwisePlan(n, m, (bi, bj), what, _KERNEL, reason), red, layout
+            kernel = f"the interpret kernel ({problem})"
+        plan = PairwisePlan(
+            n, m, (bi, bj), what, _KERNEL, f"requested (backend='interpret'): {kernel}"
+        )
+        return plan, red, tiled if problem is None else None
     elif backend in ("auto", "pallas") and platform in ("gpu", "cuda", "rocm", "tpu"):
         found = _device(f, x, y, red, tiles, platform)
         if isinstance(found, Layout):

@@ -32,7 +32,7 @@ import numpy as np
 
 from ._linear import linear_call
 from ._monoid import LeafReduction, MonoidReduction, index_dtype
-from ._pairwise_kernel import kernel_states, kernel_sums, like
+from ._pairwise_kernel import kernel_states, kernel_sums, like, struct
 from ._tangent import nonzero
 from .kernels.pairwise_device import Layout
 
@@ -65,10 +65,6 @@ class Pairs:
 
 def _inexact(a: Any) -> bool:
     return bool(jnp.issubdtype(jnp.result_type(a), jnp.inexact))
-
-
-def _floats(tree: Any) -> list[int]:
-    return [k for k, a in enumerate(jax.tree.leaves(tree)) if _inexact(a)]
 
 
 def _with(tree: Any, pos: Sequence[int], values: Sequence[Any]) -> Any:
@@ -118,7 +114,7 @@ def fused(p: Pairs, consts: list, x: Any, y: Any) -> Any:
                 for leaf, d in zip(p.red.leaves, p.red.out_tree.flatten_up_to(dout), strict=True)
             ]
 
-        structs = jax.tree.map(_struct, lin)
+        structs = jax.tree.map(struct, lin)
 
         @jax.custom_jvp
         def transpose(cts: list, res: tuple) -> tuple:
@@ -131,7 +127,7 @@ def fused(p: Pairs, consts: list, x: Any, y: Any) -> Any:
         per_out = p.red.out_tree.flatten_up_to(out)
         # the tangent's structure: the result's float leaves (the scan tangent is traced
         # only where forward mode runs it)
-        floats = [jax.tree.map(lambda o: _struct(o) if _inexact(o) else None, o) for o in per_out]
+        floats = [jax.tree.map(lambda o: struct(o) if _inexact(o) else None, o) for o in per_out]
         douts = linear_call(tangent, transpose, lin, res, out=floats)
         float0 = lambda d, o: np.zeros(o.shape, jax.dtypes.float0) if d is None else d
         dout = p.red.finish(
@@ -144,10 +140,6 @@ def fused(p: Pairs, consts: list, x: Any, y: Any) -> Any:
 
     run.defjvp(rule, symbolic_zeros=True)
     return run(consts, x, y)
-
-
-def _struct(a: Any) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a))
 
 
 def _zero(t: Any) -> bool:

@@ -32,7 +32,7 @@ from .kernels.pairwise import states
 from .kernels.pairwise_device import Layout, device_states
 from .kernels.unrolled import NotUnrolled
 
-__all__ = ["Prepared", "first_row", "kernel_states", "kernel_sums", "like", "recognized"]
+__all__ = ["Prepared", "first_row", "kernel_states", "kernel_sums", "like", "recognized", "struct"]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -52,7 +52,8 @@ def first_row(tree: Any) -> Any:
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a)[1:], jnp.result_type(a)), tree)
 
 
-def _struct(a: Any) -> jax.ShapeDtypeStruct:
+def struct(a: Any) -> jax.ShapeDtypeStruct:
+    """``a``'s shape and dtype (no sharding: the kernels' arguments are whole)."""
     return jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a))
 
 
@@ -92,7 +93,7 @@ def kernel_states(
         return jax.vmap(lambda xi: red.prologue(jax.vmap(pair, (None, 0))(xi, yt)))(xt)
 
     jaxpr, out = jax.make_jaxpr(tile, return_shape=True)(
-        [_struct(c) for c in consts], rows_aval(x, bi), rows_aval(y, bj)
+        [struct(c) for c in consts], rows_aval(x, bi), rows_aval(y, bj)
     )
     rows = [jax.ShapeDtypeStruct(s.shape[1:], s.dtype) for s in out]  # one x row's
     items = [leaf.items(red.reads(rows, leaf)) for leaf in red.leaves]
@@ -100,7 +101,7 @@ def kernel_states(
     pair, nt = None, len(jaxpr.consts)
     if layout is not None:
         one = lambda c, xi, yj: [s[0] for s in red.prologue(_row(conv(xi, yj, *c)))]
-        pair = jax.make_jaxpr(one)([_struct(c) for c in consts], first_row(x), first_row(y))
+        pair = jax.make_jaxpr(one)([struct(c) for c in consts], first_row(x), first_row(y))
     npc = len(pair.consts) if pair is not None else 0
 
     def interpreted(reference: bool) -> Callable:  # kernels/pairwise.py, or plain JAX
@@ -122,7 +123,7 @@ def kernel_states(
     if layout is not None:
         # where the tile kernel cannot unroll f: the interpret kernel in interpret
         # mode, else the same computation in plain JAX
-        ok = tile_problem(tiled, jax.tree.map(_struct, args)) is None
+        ok = tile_problem(tiled, jax.tree.map(struct, args)) is None
         primal = tiled if ok else interpreted(not layout.interpret)
     # A Pallas call has no derivative of its own: differentiated (a derivative of the
     # reverse pass, from the second order on), the states are the same computation's
@@ -151,10 +152,10 @@ def layout_problem(
     it is present, else lowered (``fused_reduce.probe``; cached)."""
     conv, consts = jax.closure_convert(f, first_row(x), first_row(y))
     one = lambda c, xi, yj: [s[0] for s in red.prologue(_row(conv(xi, yj, *c)))]
-    pair = jax.make_jaxpr(one)([_struct(c) for c in consts], first_row(x), first_row(y))
+    pair = jax.make_jaxpr(one)([struct(c) for c in consts], first_row(x), first_row(y))
     run = lambda c, xs, ys: device_states(pair.jaxpr, red, c, xs, ys, layout)
-    structs = lambda tree: [_struct(a) for a in jax.tree.leaves(tree)]
-    args = ([_struct(c) for c in [*pair.consts, *consts]], structs(x), structs(y))
+    structs = lambda tree: [struct(a) for a in jax.tree.leaves(tree)]
+    args = ([struct(c) for c in [*pair.consts, *consts]], structs(x), structs(y))
     problem = tile_problem(run, args)
     if problem is not None or target is None:
         return problem

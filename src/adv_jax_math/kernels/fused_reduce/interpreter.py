@@ -58,9 +58,7 @@ def evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], *, upcast: 
     abstract mesh of the caller, not of the trace), with 16-bit float operands of
     :data:`UPCAST_ON_TRITON` operations computed in float32 when ``upcast``."""
     env: dict[Any, Any] = {}
-    # A literal read as a host value: a jax.Array literal typed on an Explicit mesh
-    # would be a closed-over value where the kernel runs under shard_map.
-    read = lambda v: np.asarray(v.val) if isinstance(v, Literal) else env[v]
+    read = lambda v: v.val if isinstance(v, Literal) else env[v]
     env.update(zip(jaxpr.constvars, consts, strict=True))
     env.update(zip(jaxpr.invars, args, strict=True))
     for eqn in jaxpr.eqns:
