@@ -20,7 +20,11 @@ import adv_jax_math as ajm
 from adv_jax_math.kernels.pairwise_device import DEVICE_KERNEL_NAME
 
 N, M, D, TILES = 37, 53, 3, (8, 16)
-ENGINES = {"scan": "pairwise scan", "interpret": "pairwise kernel (interpret)"}
+ENGINES = {
+    "scan": "pairwise scan",
+    "auto": "pairwise tiles (xla)",
+    "interpret": "pairwise kernel (interpret)",
+}
 
 
 def points(n: int, seed: int) -> jax.Array:
@@ -89,8 +93,14 @@ def test_values_match_dense_oracle(name, backend):
     with ajm.config(backend=backend):
         plan = ajm.explain_pairwise(f, x, y, reduction, tiles=TILES)
         got = jax.jit(lambda x, y: ajm.pairwise(f, x, y, reduction, tiles=TILES))(x, y)
-    assert plan.engine == ENGINES[backend] and plan.tiles == TILES, str(plan)
+    assert plan.engine == engine(name, backend) and plan.tiles == TILES, str(plan)
     assert_tree_close(got, want(dense(f, x, y)), rtol=2e-5, atol=2e-5)
+
+
+def engine(name: str, backend: str) -> str:
+    """The engine a case takes: the CPU tiles do not take values per pair (softmax)."""
+    untiled = backend == "auto" and name == "softmax_weighted"
+    return ENGINES["scan"] if untiled else ENGINES[backend]
 
 
 DIFFERENTIABLE = [name for name in CASES if name not in ("argmin", "argmax")]
@@ -197,15 +207,39 @@ def test_explain_names_engine_tiles_and_rejections():
     x, y = inputs()
     plan = ajm.explain_pairwise(f, x, y, reduction)
     text = str(plan)
-    assert plan.engine == "pairwise scan" and "pairwise" in text
+    assert plan.engine == "pairwise tiles (xla)" and "every value a 53 x 37 tile" in text, text
     assert plan.tiles == (N, M) and "1 x tile(s), 1 y tile(s)" in text, text
     assert "rejected   : pairwise kernel: only on request on cpu (backend='interpret')" in text
+    assert "rejected   : pairwise scan: f on tiles of pairs" in text, text
+    vector = ajm.explain_pairwise(*CASES["softmax_weighted"][1:2], x, y, ajm.SOFTMAX_WEIGHTED)
+    assert vector.engine == "pairwise scan", str(vector)
+    assert "pairwise tiles (xla): a term reads (2,) values per pair" in str(vector), str(vector)
     spec = (
         jax.ShapeDtypeStruct((10_000, D), jnp.float32),
         jax.ShapeDtypeStruct((5_000, D), jnp.float32),
     )
     big = ajm.explain_pairwise(f, *spec, reduction)
     assert big.tiles == (128, 2048), str(big)
+
+
+@pytest.mark.parametrize(
+    ("d", "f", "engine", "why"),
+    [
+        (3, lambda a, b: -sqdist(a, b), "pairwise tiles (xla)", "pairwise scan: f on tiles"),
+        (64, lambda a, b: -sqdist(a, b), "pairwise tiles (xla)", "pairwise scan: f on tiles"),
+        (8, lambda a, b: a @ b, "pairwise tiles (xla)", "pairwise scan: f on tiles"),
+        (16, lambda a, b: a @ b, "pairwise scan", "f contracts 16 features in a dot product"),
+        (200, lambda a, b: -sqdist(a, b), "pairwise scan", "values per pair (over 256"),
+    ],
+)
+def test_cpu_tiles_where_unrolling_pays(d, f, engine, why):
+    # measured on XLA:CPU: a dot over 16+ features is a matmul on the scan engine
+    x, y = jnp.ones((300, d)), jnp.ones((200, d))
+    plan = ajm.explain_pairwise(f, x, y, ajm.LOGSUMEXP)
+    assert plan.engine == engine and why in str(plan), str(plan)
+    assert_tree_close(
+        ajm.pairwise(f, x, y, ajm.LOGSUMEXP), jax.nn.logsumexp(dense(f, x, y), 1), rtol=1e-5
+    )
 
 
 @needs_abstract_devices

@@ -4,11 +4,15 @@
 reductions, in JAX). The reduction over ``j`` has :func:`batch_map`'s semantics
 for a Monoid object reducing the mapped axis (global ``j`` indices, ties and NaN
 as plain JAX); it is computed in tiles of ``bi`` x rows by ``bj`` y rows, each x
-row's monoid state carried across the y tiles. Two engines:
+row's monoid state carried across the y tiles. The engines:
 
+* ``pairwise tiles (xla)``, the default on CPU: the GPU tile kernel's loops in plain
+  XLA (``kernels/pairwise_device.py``, layout ``"xla"``), where unrolling ``f``'s
+  features pays (``_pairwise_kernel.layout_problem``); its reverse pass the kernel
+  engine's below;
 * ``pairwise scan``: x tiles in a chunked ``vmap``, y tiles in a chunked monoid
   reduction (:func:`batch_vmap` of :func:`batch_map`), each tile rematerialized in a
-  gradient: O(bi * bj) memory forward and backward;
+  gradient: O(bi * bj) memory forward and backward; every ``f``, and ``shard=True``;
 * ``pairwise kernel (gpu)`` / ``(tpu)``: the tile kernel (``kernels/pairwise_device.py``,
   ``f``'s features unrolled so every value is 2-D), the default on GPU/TPU where it
   tiles ``f`` and compiles at its tiles; ``backend="interpret"`` runs it in interpret
@@ -154,7 +158,7 @@ def explain_pairwise(
     return _plan(f, x, y, reduction, tiles, shard)[0]
 
 
-_SCAN, _KERNEL = "pairwise scan", "pairwise kernel (interpret)"
+_SCAN, _KERNEL, _TILES = "pairwise scan", "pairwise kernel (interpret)", "pairwise tiles (xla)"
 
 
 def _whole(a: Any) -> Any:
@@ -219,6 +223,7 @@ def _plan(
     red.check_rows(m)
     what = ", ".join(dict.fromkeys(leaf.monoid.name for leaf in red.leaves))
     backend, platform = _config.current().backend, target_platform()
+    tiles_why = None
     if not (n and m):
         kernel_why = "no rows to tile (N or M is 0)"
     elif shard:
@@ -245,6 +250,17 @@ def _plan(
         kernel_why = found
     elif backend == "auto":
         kernel_why = f"only on request on {platform} (backend='interpret')"
+        tiled = Layout("xla", (bi, bj))
+        problem = layout_problem(f, x, y, red, tiled)
+        if problem is None:
+            why = (
+                f"a loop over tiles of {bi} x rows, each over tiles of {bj} y rows, f's "
+                f"features unrolled: every value a {bj} x {bi} tile (default on {platform})"
+            )
+            scan_why = "f on tiles of pairs with its features as the minor axis: slower"
+            lost = (("pairwise kernel", kernel_why), (_SCAN, scan_why))
+            return PairwisePlan(n, m, (bi, bj), what, _TILES, why, lost), red, tiled
+        tiles_why = problem
     else:
         kernel_why = f"not requested (backend={backend!r})"
     why = "x tiles in a chunked vmap, y tiles in a chunked monoid reduction"
@@ -252,7 +268,9 @@ def _plan(
         why += "; the x rows spread over the devices (shard=True)"
     elif backend == "auto":
         why += f" (default on {platform})"
-    rejected = (("pairwise kernel", kernel_why),)
+    rejected: tuple[tuple[str, str], ...] = (("pairwise kernel", kernel_why),)
+    if tiles_why is not None:
+        rejected += ((_TILES, tiles_why),)
     return PairwisePlan(n, m, (bi, bj), what, _SCAN, why, rejected), red, None
 
 

@@ -1,4 +1,5 @@
-"""The pairwise kernel for GPUs and TPUs: pairs as 2-D tiles, features unrolled.
+"""The pairwise kernel for GPUs and TPUs (and its loops in plain XLA for CPUs):
+pairs as 2-D tiles, features unrolled.
 
 ``out_i = reduce_j f(x_i, y_j)`` on tiles of ``bj x bi`` pairs: ``y`` rows down the
 tile (sublanes on TPU), ``x`` rows across it (lanes). Each feature of ``x`` is a row
@@ -13,7 +14,9 @@ Each term's monoid folds the ``bj`` rows of a tile into one state per ``x`` row
 * ``"tpu"``: a grid ``(x tiles "parallel", y tiles "arbitrary")``, the states in the
   output block, which stays in VMEM across the ``y`` tiles (set at the first,
   merged into at the others); ``y`` stored lane-dense, each tile's row turned into
-  a column in the kernel (a column in HBM would take 128 lanes per row).
+  a column in the kernel (a column in HBM would take 128 lanes per row);
+* ``"xla"``: the ``"gpu"`` loops in plain XLA, no Pallas (the CPU engine: XLA:CPU
+  vectorizes the tiles, where ``f``'s small feature axes as the minor axis it does not).
 
 Both run in interpret mode on CPU (tests). Only terms with one value per pair
 (scalar sources) are taken; :class:`unrolled.NotUnrolled` says why not otherwise.
@@ -42,8 +45,9 @@ DEVICE_KERNEL_NAME = "adv_jax_math_pairwise_tiles"
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """How the kernel is built: ``kind`` ``"gpu"`` or ``"tpu"``, tiles ``(bi, bj)``,
-    ``interpret`` on CPU, and the compiler parameters (None in interpret mode)."""
+    """How the kernel is built: ``kind`` (``"gpu"``, ``"tpu"``, ``"xla"``), tiles
+    ``(bi, bj)``, ``interpret`` on CPU, and the compiler parameters (None in interpret
+    mode and for ``"xla"``)."""
 
     kind: str
     tiles: tuple[int, int]
@@ -125,6 +129,9 @@ def device_states(
         for o, s in zip(o_refs, jax.tree.leaves(states), strict=True):
             o[...] = s.reshape(1, bi).astype(o.dtype)
 
+    if layout.kind == "xla":
+        flat = _xla(tile, merge, flat_consts, x_rows, y_cols, layout.tiles)
+        return jax.tree.unflatten(treedef, [o[0, :n] for o in flat])
     if layout.kind == "gpu":
 
         def kernel(*refs: Any) -> None:
@@ -188,6 +195,27 @@ def device_states(
     kernel_call.__name__ = kernel_call.__qualname__ = DEVICE_KERNEL_NAME
     flat = jax.jit(kernel_call)(*flat_consts, *x_rows, *y_cols)
     return jax.tree.unflatten(treedef, [o[0, :n] for o in flat])
+
+
+def _xla(
+    tile: Any, merge: Any, consts: list, x_rows: list, y_cols: list, tiles: tuple[int, int]
+) -> list:
+    """The GPU kernel's loops in plain XLA (CPU): a loop over the x tiles, each a loop
+    over the y tiles merging the tile states; every value a ``bj x bi`` tile, x rows
+    on the minor axis, reduced over the major one (XLA:CPU vectorizes both)."""
+    bi, bj = tiles
+    c_vals = [c[k] for c in consts for k in range(c.shape[0])]
+    ys = [c.reshape(-1, bj, 1) for c in y_cols]
+    rest = [c[1:] for c in ys]
+    starts = bj * jnp.arange(1, ys[0].shape[0], dtype=jnp.int32)
+
+    def per_x(x_vals: list) -> list:
+        first = tile(c_vals, x_vals, [c[0] for c in ys], 0)
+        step = lambda s, t: (merge(s, tile(c_vals, x_vals, t[1], t[0])), None)
+        return lax.scan(step, first, (starts, rest))[0]
+
+    states = lax.map(per_x, [r.reshape(-1, 1, bi) for r in x_rows])
+    return [s.reshape(1, -1) for s in jax.tree.leaves(states)]
 
 
 def _column(row: jax.Array) -> jax.Array:

@@ -30,7 +30,7 @@ from jax.extend.core import ClosedJaxpr, Literal
 
 from .._jaxpr_graph import ELEMENTWISE
 
-__all__ = ["NotUnrolled", "evaluate", "stack", "unstack"]
+__all__ = ["NotUnrolled", "evaluate", "size", "stack", "unstack"]
 
 _CALLS = ("pjit", "jit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call")
 _BODIES = ("jaxpr", "call_jaxpr", "fun_jaxpr")
@@ -161,6 +161,27 @@ def _pad(a: np.ndarray, fill: Any, config: Sequence[tuple[int, int, int]]) -> np
     )
     out[spots] = a
     return out
+
+
+def size(jaxpr: Any) -> tuple[int, int]:
+    """What unrolling ``jaxpr`` makes: the number of per-pair values its equations
+    produce (each one operation on a tile), and the widest contraction of its
+    ``dot_general``s (1 without one)."""
+    values, widest = 0, 1
+    for eqn in jaxpr.eqns:
+        body = next(
+            (eqn.params[b] for b in _BODIES if isinstance(eqn.params.get(b), ClosedJaxpr)), None
+        )
+        if body is not None:
+            inner, wide = size(body.jaxpr)
+            values, widest = values + inner, max(widest, wide)
+            continue
+        values += sum(int(np.prod(v.aval.shape, dtype=np.int64)) for v in eqn.outvars)
+        if eqn.primitive.name == "dot_general":
+            (lc, _), _ = eqn.params["dimension_numbers"]
+            shape = eqn.invars[0].aval.shape
+            widest = max(widest, int(np.prod([shape[d] for d in lc], dtype=np.int64)))
+    return values, widest
 
 
 def evaluate(jaxpr: Any, consts: Sequence[np.ndarray], args: Sequence[np.ndarray]) -> list:
