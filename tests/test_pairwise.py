@@ -252,11 +252,14 @@ def test_gpu_and_tpu_plans_take_the_tile_kernel(platform):
         plan = ajm.explain_pairwise(f, x, y, reduction)
         refused = ajm.explain_pairwise(f, x, y, reduction, tiles=(48, 100))
         vector = ajm.explain_pairwise(*CASES["softmax_weighted"][1:2], x, y, ajm.SOFTMAX_WEIGHTED)
+        q, k = jnp.ones((N, 64)), jnp.ones((M, 64))
+        dots = ajm.explain_pairwise(lambda a, b: a @ b, q, k, ajm.LOGSUMEXP)
     kind = "gpu" if platform == "cuda" else "tpu"
     assert plan.engine == f"pairwise kernel ({kind})", str(plan)
     assert plan.tiles == {"gpu": (64, 64), "tpu": (512, 256)}[kind], str(plan)
     assert refused.engine == "pairwise scan" and "tiles=(48, 100)" in str(refused), str(refused)
     assert vector.engine == "pairwise scan" and "values per pair" in str(vector), str(vector)
+    assert dots.engine == "pairwise scan" and "contracts 64 features" in str(dots), str(dots)
 
 
 @pytest.mark.parametrize("backend", list(ENGINES))

@@ -157,26 +157,29 @@ def layout_problem(
     structs = lambda tree: [struct(a) for a in jax.tree.leaves(tree)]
     args = ([struct(c) for c in [*pair.consts, *consts]], structs(x), structs(y))
     problem = tile_problem(run, args)
-    if problem is None and layout.kind == "xla":
-        return _xla_problem(pair.jaxpr)
+    if problem is None and not layout.interpret:
+        problem = _unrolled_problem(pair.jaxpr, layout.kind)
     if problem is not None or target is None:
         return problem
     return probe(_Probe(target, layout, run, args, str(pair.jaxpr))).problem
 
 
+MAX_CONTRACTION = 16  # wider dot products: the scan engine's matmuls are faster
 MAX_XLA_VALUES = 256  # per-pair values the XLA tiles unroll (XLA:CPU compiles each)
-MAX_XLA_CONTRACTION = 16  # wider dot products: the scan engine's matmul is faster
 
 
-def _xla_problem(pair: Any) -> str | None:
-    """Why the XLA tiles would be slower than the scan engine for ``pair``, or None
-    (measured on XLA:CPU, 4096 x 4096 pairs: a dot over 32 features 2.6x slower
-    unrolled; squared distances over 8-128 features 1.6-5x faster unrolled, but compiled
-    in 3 s at 64 features and 7 s at 128, against 0.4 s)."""
+def _unrolled_problem(pair: Any, kind: str) -> str | None:
+    """Why unrolling ``pair`` would be slower than the scan engine, or None.
+
+    Measured on XLA:CPU at 4096 x 4096 pairs: a dot over 32 features 2.6x slower
+    unrolled than the scan engine's matmul; squared distances over 8-128 features
+    1.6-5x faster unrolled, but compiled in 3 s at 64 features and 7 s at 128 (0.4 s
+    on the scan engine). On GPU/TPU the roofline model (``_roofline_pairwise``) puts
+    unrolled dots over 64+ features 8x and more below the matmul units' peak."""
     values, widest = size(pair)
-    if widest >= MAX_XLA_CONTRACTION:
+    if widest >= MAX_CONTRACTION:
         return f"f contracts {widest} features in a dot product: a matmul on the scan engine"
-    if values > MAX_XLA_VALUES:
+    if kind == "xla" and values > MAX_XLA_VALUES:
         return f"f makes {values} values per pair (over {MAX_XLA_VALUES}: slow to compile unrolled)"
     return None
 
