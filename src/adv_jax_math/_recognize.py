@@ -29,12 +29,14 @@ from ._jaxpr_graph import (
     deps,
     evaluate,
     graph,
+    node_value,
     peel,
     same_structure,
     same_value,
 )
 from ._monoid import LeafReduction, Monoid, identity
 from ._monoids import ADD, LOGSUMEXP, MAX, MIN
+from ._monoids_scaled import Scaled
 from ._trace import fresh_jaxpr
 
 __all__ = ["LeafReduction", "Recognition", "is_monoid_tree", "recognize"]
@@ -85,6 +87,20 @@ def _match_lse(n: Node) -> tuple[Node, tuple[int, ...]] | None:
         if root is not None and root.args[0] is x and tuple(root.params["axes"]) == axes:
             return x, axes
     return None
+
+
+def _scale(n: Node) -> tuple[float | None, Node]:
+    """``(c, r)`` if ``n`` is ``c * r`` or ``r / c`` for a concrete float scalar ``c``
+    (a temperature applied to a reduction's result), else ``(None, n)``."""
+    if n.name not in ("mul", "div") or len(n.args) != 2:
+        return None, n
+    for c, r in (n.args, n.args[::-1]) if n.name == "mul" else (n.args[::-1],):
+        value = node_value(c)
+        if value is None or value.shape != () or r.aval.shape != n.aval.shape:
+            continue
+        if jnp.issubdtype(value.dtype, jnp.floating) and np.isfinite(value) and value:
+            return (float(value) if n.name == "mul" else 1 / float(value)), r
+    return None, n
 
 
 def _prologue(v: Node) -> tuple[frozenset, set]:
@@ -167,9 +183,12 @@ def _analyze_chunk(chunk_reduction: Callable, out_shape: Any) -> tuple:
     monoid: Monoid
     for j, out in enumerate(outs):
         n = peel(out, narrow=True)
-        lse = _match_lse(n)
+        scale, inner = _scale(n)
+        lse = _match_lse(peel(inner, narrow=True)) if scale is not None else _match_lse(n)
         if lse is not None:
             (v, axes), monoid, what = lse, LOGSUMEXP, "logsumexp"
+            if scale is not None:  # a temperature: eps * logsumexp(s / eps)
+                monoid, what = Scaled(LOGSUMEXP, scale), f"{scale:g} * logsumexp"
         elif n.name in _REDUCES:
             v, axes, monoid, what = n.args[0], tuple(n.params["axes"]), _REDUCES[n.name], n.name
         else:
@@ -216,11 +235,26 @@ def _canonical_logaddexp(shape: tuple, dtype: np.dtype) -> tuple[Node, Node, Nod
     return a, b, out
 
 
-def _combine_monoid(out: Node, a: Node, b: Node) -> tuple[Monoid | None, str]:
-    """The monoid of ``out = combine(a, b)``, and what it computes."""
+@functools.lru_cache(maxsize=64)
+def _canonical_scaled(shape: tuple, dtype: np.dtype, scale: float) -> tuple[Node, Node, Node]:
+    s = jax.ShapeDtypeStruct(shape, dtype)
+    scaled = lambda a, b: scale * jnp.logaddexp(a / scale, b / scale)
+    (a, b), (out,), _ = graph(jax.make_jaxpr(scaled)(s, s))
+    return a, b, peel(out)
+
+
+def _combine_monoid(out: Node, a: Node, b: Node, want: Monoid) -> tuple[Monoid | None, str]:
+    """The monoid of ``out = combine(a, b)`` (``want``: the chunk's), and what it computes."""
     n = peel(out)
     if (out.aval.shape, out.aval.dtype) != (a.aval.shape, a.aval.dtype):
         return None, f"{n.name} to {out.aval.shape} {out.aval.dtype}"
+    if isinstance(want, Scaled):  # c * logaddexp(a / c, b / c)
+        key = (tuple(a.aval.shape), np.dtype(a.aval.dtype), want.scale)
+        ca, cb, cout = _canonical_scaled(*key)
+        for p, q in ((a, b), (b, a)):
+            if same_structure(cout, n, {ca.k: p, cb.k: q}):
+                return want, f"{want.scale:g} * logaddexp(a / {want.scale:g}, b / {want.scale:g})"
+        return None, n.name
     if n.name in _COMBINES and len(n.args) == 2:
         x, y = (peel(arg) for arg in n.args)
         if (x is a and y is b) or (x is b and y is a):
@@ -245,7 +279,7 @@ def _analyze_reduction(reduction: Callable, leaves: tuple, tree: Any) -> list[st
     ins, outs, _ = graph(closed)
     names = []
     for j, (leaf, out) in enumerate(zip(leaves, outs, strict=True)):
-        monoid, name = _combine_monoid(out, ins[j], ins[len(leaves) + j])
+        monoid, name = _combine_monoid(out, ins[j], ins[len(leaves) + j], leaf.monoid)
         if monoid is not leaf.monoid:
             raise _Generic(
                 f"chunk_reduction reduces leaf {j} with {leaf.monoid.name} but reduction "
