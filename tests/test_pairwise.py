@@ -242,6 +242,37 @@ def test_cpu_tiles_where_unrolling_pays(d, f, engine, why):
     )
 
 
+@pytest.mark.parametrize("backend", ["auto", "interpret"])
+@pytest.mark.parametrize(
+    ("reduction", "want"),
+    [
+        (ajm.ADD, lambda d: d.sum(1)),
+        (ajm.LOGSUMEXP, lambda d: jax.nn.logsumexp(d, 1)),
+        (ajm.MIN_ARGMIN, lambda d: (d.min(1), d.argmin(1))),
+    ],
+)
+def test_values_of_shape_one_per_pair_are_tiled(reduction, want, backend):
+    # KeOps' Vj(1) convention: b as (M, 1) rows, f returning a (1,) value per pair
+    x, y = inputs()
+    b = jax.random.normal(jax.random.key(2), (M, 1))
+    f = lambda xi, yb: jnp.exp(-sqdist(xi, yb[0])) * yb[1]
+    run = lambda x, b: ajm.pairwise(f, x, (y, b), reduction, tiles=TILES)
+    oracle = lambda x, b: want(dense(f, x, (y, b)))
+    loss = lambda run: (
+        lambda x, b: sum(
+            jnp.sum(jnp.sin(v)) for v in jax.tree.leaves(run(x, b)) if v.dtype.kind == "f"
+        )
+    )
+    with ajm.config(backend=backend):
+        plan = ajm.explain_pairwise(f, x, (y, b), reduction, tiles=TILES)
+        got = run(x, b)
+        grads = jax.grad(loss(run), (0, 1))(x, b)
+    assert plan.engine == ENGINES[backend], str(plan)
+    assert "interpret kernel (" not in str(plan), str(plan)  # the tile kernel, not its fallback
+    assert_tree_close(got, oracle(x, b), rtol=2e-5, atol=2e-5)
+    assert_tree_close(grads, jax.grad(loss(oracle), (0, 1))(x, b), rtol=1e-4, atol=1e-5)
+
+
 @needs_abstract_devices
 @pytest.mark.parametrize("platform", ["cuda", "tpu"])
 def test_gpu_and_tpu_plans_take_the_tile_kernel(platform):

@@ -113,7 +113,10 @@ def kernel_states(
 
     def tiled(c: list, xs: list, ys: list) -> list:  # kernels/pairwise_device.py
         assert pair is not None and layout is not None
-        return device_states(pair.jaxpr, red, c[nt:], xs, ys, layout)
+        out = device_states(pair.jaxpr, red, c[nt:], xs, ys, layout)
+        # states of one value per pair: shaped as those of f's (1,) values, if so
+        want = jax.eval_shape(interpreted(False), c, xs, ys)
+        return jax.tree.map(lambda o, w: o.reshape(w.shape), out, want)
 
     # the jaxprs' own constants are arguments too (shard_map takes no closed-over
     # values typed on Explicit axes)

@@ -69,8 +69,8 @@ def device_states(
     bi, bj = layout.tiles
     n, m = xs[0].shape[0], ys[0].shape[0]
     xt, yt = pl.cdiv(n, bi), pl.cdiv(m, bj)
-    for v in jaxpr.outvars:
-        if v.aval.shape:
+    for v in jaxpr.outvars:  # one value per pair (of shape (1,) as well: KeOps' Vj(1))
+        if int(np.prod(v.aval.shape, dtype=np.int64)) != 1:
             raise NotUnrolled(f"a term reads {v.aval.shape} values per pair, not one")
     for leaf in red.leaves:  # its fold reads a score per row, items per x row here
         if leaf.monoid.name.startswith("softmax_weighted"):
@@ -95,7 +95,7 @@ def device_states(
                 at += k
         own = len(jaxpr.constvars)
         srcs = evaluate(jaxpr, objs[:own], objs[own:])
-        srcs = [jnp.broadcast_to(jnp.asarray(s[()]), (bj, bi)) for s in srcs]
+        srcs = [jnp.broadcast_to(jnp.asarray(s.reshape(-1)[0]), (bj, bi)) for s in srcs]
         j = start + lax.broadcasted_iota(jnp.int32, (bj, bi), 0)
         keep = j < m  # the tile's full shape: no row vector made a column
         states = []
