@@ -96,14 +96,21 @@ def device_states(
         own = len(jaxpr.constvars)
         srcs = evaluate(jaxpr, objs[:own], objs[own:])
         srcs = [jnp.broadcast_to(jnp.asarray(s.reshape(-1)[0]), (bj, bi)) for s in srcs]
-        j = start + lax.broadcasted_iota(jnp.int32, (bj, bi), 0)
-        keep = j < m  # the tile's full shape: no row vector made a column
+        if layout.kind == "xla":  # not in a kernel: the monoids' fast folds (lax.top_k)
+            j = start + jnp.arange(bj, dtype=jnp.int32)
+            keep = j < m
+            kept = lambda a: keep[:, None]
+        else:
+            j = start + lax.broadcasted_iota(jnp.int32, (bj, bi), 0)
+            keep = j < m  # the tile's full shape: no row vector made a column
+            kept = lambda a: keep
         states = []
         for leaf in red.leaves:
             src, w = [srcs[s] for s in leaf.sources], None
             if m % bj:
-                src, w = leaf.monoid.without(src, lambda a: keep, keep)
-            states.append(leaf.fold(src, j.astype(index_dtype()), w))
+                src, w = leaf.monoid.without(src, kept, keep)
+            fast = layout.kind == "xla"
+            states.append(leaf.fold(src, j.astype(index_dtype()), w, fast=fast))
         return states
 
     def merge(a: list, b: list) -> list:
