@@ -12,7 +12,7 @@ PIP_FLAGS ?= --quiet --disable-pip-version-check
 PYTEST_FLAGS ?=
 
 .PHONY: all demo test test-upstream test-compat test-asan test-accel accel-pairwise test-clients lint bench \
-  bench-monoids docs clean
+  bench-monoids bench-pairwise docs clean
 
 all: test
 
@@ -129,6 +129,18 @@ bench: $(VENV)/.installed
 MONOIDS_FLAGS ?=
 bench-monoids: $(VENV)/.installed
 	$(VENV)/bin/python bench/monoids_report.py $(MONOIDS_FLAGS)
+
+# ajm.pairwise against pykeops (CPU), OTT-JAX, dense XLA and nested batch_map, in one
+# process (about 15 min on 2 cores): bench/results/pairwise.{json,md} and the README
+# section between the pairwise-bench markers (from a clean tree, as bench-monoids).
+# BENCH_PAIRWISE_FLAGS=--quick: a smoke run.
+BENCH_PAIRWISE_FLAGS ?=
+$(VENV)/.bench-pairwise-installed: $(VENV)/.installed pyproject.toml
+	$(VENV)/bin/pip install $(PIP_FLAGS) -e '.[test,bench,bench-pairwise]'
+	touch $@
+
+bench-pairwise: $(VENV)/.bench-pairwise-installed
+	$(VENV)/bin/python bench/pairwise_report.py $(BENCH_PAIRWISE_FLAGS)
 
 clean:
 	rm -rf $(VENV) $(VENV_COMPAT) .venv-accel-gpu .venv-accel-tpu build .pytest_cache
