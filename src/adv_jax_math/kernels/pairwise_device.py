@@ -96,7 +96,8 @@ def device_states(
         own = len(jaxpr.constvars)
         srcs = evaluate(jaxpr, objs[:own], objs[own:])
         srcs = [jnp.broadcast_to(jnp.asarray(s.reshape(-1)[0]), (bj, bi)) for s in srcs]
-        if layout.kind == "xla":  # not in a kernel: the monoids' fast folds (lax.top_k)
+        fast = layout.kind == "xla"  # not in a kernel: the monoids' fast folds (lax.top_k)
+        if fast:
             j = start + jnp.arange(bj, dtype=jnp.int32)
             keep = j < m
             kept = lambda a: keep[:, None]
@@ -109,7 +110,6 @@ def device_states(
             src, w = [srcs[s] for s in leaf.sources], None
             if m % bj:
                 src, w = leaf.monoid.without(src, kept, keep)
-            fast = layout.kind == "xla"
             states.append(leaf.fold(src, j.astype(index_dtype()), w, fast=fast))
         return states
 

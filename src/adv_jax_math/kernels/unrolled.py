@@ -163,16 +163,19 @@ def _pad(a: np.ndarray, fill: Any, config: Sequence[tuple[int, int, int]]) -> np
     return out
 
 
+def _body(eqn: Any) -> ClosedJaxpr | None:
+    """The jaxpr a call-like equation runs, if any."""
+    bodies = (eqn.params.get(b) for b in _BODIES)
+    return next((b for b in bodies if isinstance(b, ClosedJaxpr)), None)
+
+
 def size(jaxpr: Any) -> tuple[int, int]:
     """What unrolling ``jaxpr`` makes: the number of per-pair values its equations
     produce (each one operation on a tile), and the widest contraction of its
     ``dot_general``s (1 without one)."""
     values, widest = 0, 1
     for eqn in jaxpr.eqns:
-        body = next(
-            (eqn.params[b] for b in _BODIES if isinstance(eqn.params.get(b), ClosedJaxpr)), None
-        )
-        if body is not None:
+        if (body := _body(eqn)) is not None:
             inner, wide = size(body.jaxpr)
             values, widest = values + inner, max(widest, wide)
             continue
@@ -201,9 +204,7 @@ def evaluate(jaxpr: Any, consts: Sequence[np.ndarray], args: Sequence[np.ndarray
             if int(np.prod(v.aval.shape, dtype=np.int64)) > MAX_ELEMENTS:
                 raise NotUnrolled(f"{name} makes a per-pair array of shape {v.aval.shape}")
         invals = [read(v) for v in eqn.invars]
-        body = next(
-            (eqn.params[b] for b in _BODIES if isinstance(eqn.params.get(b), ClosedJaxpr)), None
-        )
+        body = _body(eqn)
         if name in _CALLS and body is not None:
             const_objs = [unstack(c, np.shape(c)) for c in body.consts]
             outs = evaluate(body.jaxpr, const_objs, invals[-len(body.jaxpr.invars) :])
