@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 from helpers import TraceCounter, assert_tree_close, needs_abstract_devices, on_abstract_device
-from test_pairwise import CASES, ENGINES, TILES, _flat, dense, engine, inputs
+from test_pairwise import CASES, ENGINES, TILES, _flat, dense, inputs
 
 import adv_jax_math as ajm
 
@@ -34,7 +34,7 @@ def test_nested_calls_take_the_pairwise_engine(name, backend):
     with ajm.config(backend=backend):
         plan = nested(f, reduction, y).explain(x)
         got = jax.jit(lambda x, y: nested(f, reduction, y)(x))(x, y)
-    assert plan.engine == engine(name, backend) and plan.tiles == TILES, str(plan)
+    assert plan.engine == ENGINES[backend] and plan.tiles == TILES, str(plan)
     assert "read from nested batch_vmap calls" in plan.reason, str(plan)
     assert_tree_close(got, want(dense(f, x, y)), rtol=2e-5, atol=2e-5)
 

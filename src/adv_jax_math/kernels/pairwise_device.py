@@ -36,7 +36,7 @@ from jax.experimental import pallas as pl
 
 from .._monoid import MonoidReduction, index_dtype
 from .pairwise import _pad_rows
-from .unrolled import NotUnrolled, evaluate
+from .unrolled import NotUnrolled, evaluate, stack
 
 __all__ = ["DEVICE_KERNEL_NAME", "Layout", "device_states"]
 
@@ -69,12 +69,15 @@ def device_states(
     bi, bj = layout.tiles
     n, m = xs[0].shape[0], ys[0].shape[0]
     xt, yt = pl.cdiv(n, bi), pl.cdiv(m, bj)
+    fast = layout.kind == "xla"  # not in a kernel: any values, the monoids' fast folds
     for v in jaxpr.outvars:  # one value per pair (of shape (1,) as well: KeOps' Vj(1))
-        if int(np.prod(v.aval.shape, dtype=np.int64)) != 1:
+        if int(np.prod(v.aval.shape, dtype=np.int64)) != 1 and not fast:
             raise NotUnrolled(f"a term reads {v.aval.shape} values per pair, not one")
-    for leaf in red.leaves:  # its fold reads a score per row, items per x row here
-        if leaf.monoid.name.startswith("softmax_weighted"):
-            raise NotUnrolled("softmax-weighted sums are not tiled yet")
+    # a softmax-weighted sum's result is its scores' items by its values': with the x
+    # rows as items of both, each x row folds its own (vmapped; in XLA only)
+    outer = [leaf.monoid.name.startswith("softmax_weighted") for leaf in red.leaves]
+    if any(outer) and not fast:
+        raise NotUnrolled("softmax-weighted sums are not tiled yet")
     # x features as rows (1, N'), y features as columns (M', 1); N', M' whole tiles
     # (copies of the last row: f sees real rows only; padded y rows are filled below).
     x_rows = [r[None] for a in xs for r in _pad_rows(a, xt * bi).reshape(xt * bi, -1).T]
@@ -95,26 +98,33 @@ def device_states(
                 at += k
         own = len(jaxpr.constvars)
         srcs = evaluate(jaxpr, objs[:own], objs[own:])
-        srcs = [jnp.broadcast_to(jnp.asarray(s.reshape(-1)[0]), (bj, bi)) for s in srcs]
-        fast = layout.kind == "xla"  # not in a kernel: the monoids' fast folds (lax.top_k)
-        if fast:
+        if fast:  # each value (bj, bi, *its shape per pair)
+            srcs = [stack(s, (bj, bi)) for s in srcs]
             j = start + jnp.arange(bj, dtype=jnp.int32)
             keep = j < m
-            kept = lambda a: keep[:, None]
+            kept = lambda a: keep.reshape(bj, *(1,) * (a.ndim - 1))
         else:
+            srcs = [jnp.broadcast_to(jnp.asarray(s.reshape(-1)[0]), (bj, bi)) for s in srcs]
             j = start + lax.broadcasted_iota(jnp.int32, (bj, bi), 0)
             keep = j < m  # the tile's full shape: no row vector made a column
             kept = lambda a: keep
         states = []
-        for leaf in red.leaves:
+        for leaf, apart in zip(red.leaves, outer, strict=True):
             src, w = [srcs[s] for s in leaf.sources], None
             if m % bj:
                 src, w = leaf.monoid.without(src, kept, keep)
-            states.append(leaf.fold(src, j.astype(index_dtype()), w, fast=fast))
+            fold = lambda *src, leaf=leaf, w=w: leaf.fold(
+                src, j.astype(index_dtype()), w, fast=fast
+            )
+            states.append(jax.vmap(fold, in_axes=1)(*src) if apart else fold(*src))
         return states
 
     def merge(a: list, b: list) -> list:
-        return [leaf.monoid.merge(u, v) for leaf, u, v in zip(red.leaves, a, b, strict=True)]
+        merges = [
+            jax.vmap(leaf.monoid.merge) if apart else leaf.monoid.merge
+            for leaf, apart in zip(red.leaves, outer, strict=True)
+        ]
+        return [merge(u, v) for merge, u, v in zip(merges, a, b, strict=True)]
 
     c_avals = [jax.ShapeDtypeStruct((), c.dtype) for c in flat_consts for _ in range(c.size)]
     row_states = jax.eval_shape(
@@ -136,9 +146,9 @@ def device_states(
         for o, s in zip(o_refs, jax.tree.leaves(states), strict=True):
             o[...] = s.reshape(1, bi).astype(o.dtype)
 
-    if layout.kind == "xla":
+    if fast:
         flat = _xla(tile, merge, flat_consts, x_rows, y_cols, layout.tiles)
-        return jax.tree.unflatten(treedef, [o[0, :n] for o in flat])
+        return jax.tree.unflatten(treedef, [o[:n] for o in flat])
     if layout.kind == "gpu":
 
         def kernel(*refs: Any) -> None:
@@ -222,7 +232,7 @@ def _xla(
         return lax.scan(step, first, (starts, rest))[0]
 
     states = lax.map(per_x, [r.reshape(-1, 1, bi) for r in x_rows])
-    return [s.reshape(1, -1) for s in jax.tree.leaves(states)]
+    return [s.reshape(-1, *s.shape[2:]) for s in jax.tree.leaves(states)]
 
 
 def _column(row: jax.Array) -> jax.Array:
