@@ -97,26 +97,36 @@ def device_states(
                 objs.append(_objects(vals[at : at + k], shape))
                 at += k
         own = len(jaxpr.constvars)
-        srcs = evaluate(jaxpr, objs[:own], objs[own:])
-        if fast:  # each value (bj, bi, *its shape per pair)
-            srcs = [stack(s, (bj, bi)) for s in srcs]
+        values = evaluate(jaxpr, objs[:own], objs[own:])  # object arrays of 2-D values
+        if fast:
             j = start + jnp.arange(bj, dtype=jnp.int32)
             keep = j < m
             kept = lambda a: keep.reshape(bj, *(1,) * (a.ndim - 1))
         else:
-            srcs = [jnp.broadcast_to(jnp.asarray(s.reshape(-1)[0]), (bj, bi)) for s in srcs]
             j = start + lax.broadcasted_iota(jnp.int32, (bj, bi), 0)
             keep = j < m  # the tile's full shape: no row vector made a column
             kept = lambda a: keep
-        states = []
-        for leaf, apart in zip(red.leaves, outer, strict=True):
-            src, w = [srcs[s] for s in leaf.sources], None
+        tile2d = lambda e: jnp.broadcast_to(jnp.asarray(e), (bj, bi))
+
+        def fold(leaf: Any, src: list) -> Any:
+            w = None
             if m % bj:
                 src, w = leaf.monoid.without(src, kept, keep)
-            fold = lambda *src, leaf=leaf, w=w: leaf.fold(
-                src, j.astype(index_dtype()), w, fast=fast
-            )
-            states.append(jax.vmap(fold, in_axes=1)(*src) if apart else fold(*src))
+            return leaf.fold(src, j.astype(index_dtype()), w, fast=fast)
+
+        states = []
+        for leaf, apart in zip(red.leaves, outer, strict=True):
+            objs_read = [values[s] for s in leaf.sources]
+            if not fast:
+                states.append(fold(leaf, [tile2d(o.reshape(-1)[0]) for o in objs_read]))
+            elif apart:  # each x row folds its own: values (bj, bi, *their shape per pair)
+                src = [stack(o, (bj, bi)) for o in objs_read]
+                states.append(jax.vmap(lambda *s, leaf=leaf: fold(leaf, list(s)), 1)(*src))
+            else:  # each element of a vector per pair folded on its own 2-D tile
+                (o,) = objs_read
+                parts = [fold(leaf, [tile2d(e)]) for e in o.reshape(-1)]
+                join = lambda *p, t=o.shape: jnp.stack(p, -1).reshape(*p[0].shape, *t)
+                states.append(jax.tree.map(join, *parts))
         return states
 
     def merge(a: list, b: list) -> list:
