@@ -164,3 +164,26 @@ def measure(f: Callable, args: Sequence[Any], *, repeats: int = 5, warmup: int =
     out = jax.block_until_ready(compiled.executable(*args))
     timing = time_calls(compiled.executable, args, repeats=repeats, warmup=max(warmup - 1, 0))
     return Measurement(timing, compiled, out)
+
+
+def staged(
+    fs: Mapping[str, Callable[..., Any]], args: Sequence[Any], rounds: Mapping[str, int], seed: int
+) -> dict[str, Timing]:
+    """Interleaved rounds with no warm-up (a checking call was it), each function taking
+    part in its first ``rounds[name]`` rounds only (a slow one in fewer), shuffled from
+    ``seed``."""
+    samples: dict[str, tuple[float, ...]] = {name: () for name in fs}
+    done = 0
+    for level in sorted({rounds[name] for name in fs}):
+        names = [name for name in fs if rounds[name] >= level]
+        t = interleaved(
+            {name: fs[name] for name in names},
+            args,
+            rounds=level - done,
+            warmup=0,
+            shuffle=seed + done,
+        )
+        for name in names:
+            samples[name] += t[name].samples
+        done = level
+    return {name: Timing(s) for name, s in samples.items()}

@@ -39,7 +39,7 @@ from pathlib import Path
 import bench_monoids as bm
 import jax
 import numpy as np
-from _timing import Timing, compile_fn, interleaved
+from _timing import Timing, compile_fn, staged
 from report import arguments, machine, mib, publish, range_text, table, tree_state
 
 HERE = Path(__file__).resolve().parent
@@ -69,26 +69,6 @@ def hlo(compiled) -> dict:
     }
 
 
-def timed(fs: dict, args: tuple, rounds: dict[str, int]) -> dict[str, Timing]:
-    """Interleaved rounds (no warm-up: the checking call was it); an engine with fewer
-    ``rounds`` takes part in the first rounds only (none: not timed here)."""
-    samples: dict[str, tuple[float, ...]] = {name: () for name in fs}
-    done = 0
-    for level in sorted({rounds[name] for name in fs}):
-        names = [name for name in fs if rounds[name] >= level]
-        t = interleaved(
-            {name: fs[name] for name in names},
-            args,
-            rounds=level - done,
-            warmup=0,
-            shuffle=SHUFFLE_SEED + done,
-        )
-        for name in names:
-            samples[name] += t[name].samples
-        done = level
-    return {name: Timing(s) for name, s in samples.items()}
-
-
 def measure(case: bm.Case, rounds: int) -> list[dict]:
     args = case.args()
     compiled = {e.name: compile_fn(e.fn, args) for e in case.engines}
@@ -103,7 +83,7 @@ def measure(case: bm.Case, rounds: int) -> list[dict]:
     checks = {e.name: case.check(e, outs[e.name], ref) for e in case.engines}
     del outs
     n_rounds = {e.name: rounds if e.rounds is None else e.rounds for e in case.engines}
-    times = timed({k: f for k, f in fs.items() if n_rounds[k]}, args, n_rounds)
+    times = staged({k: f for k, f in fs.items() if n_rounds[k]}, args, n_rounds, SHUFFLE_SEED)
     times.update({k: Timing((first[k],)) for k in fs if not n_rounds[k]})
     return [
         {

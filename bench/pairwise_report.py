@@ -43,7 +43,7 @@ from pathlib import Path
 import bench_pairwise as bp
 import jax
 import numpy as np
-from _timing import Timing, interleaved
+from _timing import Timing, staged
 from report import arguments, machine, publish, table, tree_state
 
 HERE = Path(__file__).resolve().parent
@@ -114,26 +114,6 @@ def available(module: str) -> bool:
     return True
 
 
-def timed(fs: dict, rounds: dict[str, int]) -> dict[str, Timing]:
-    """Interleaved rounds of the calls ``fs`` (no warm-up: the checking call was it); a
-    contender with fewer ``rounds`` takes part in the first rounds only."""
-    samples: dict[str, tuple[float, ...]] = {name: () for name in fs}
-    done = 0
-    for level in sorted({rounds[name] for name in fs}):
-        names = [name for name in fs if rounds[name] >= level]
-        t = interleaved(
-            {name: fs[name] for name in names},
-            (),
-            rounds=level - done,
-            warmup=0,
-            shuffle=SHUFFLE_SEED + done,
-        )
-        for name in names:
-            samples[name] += t[name].samples
-        done = level
-    return {name: Timing(s) for name, s in samples.items()}
-
-
 def measure(case: bp.Case, peak: float) -> tuple[list[dict], list[dict]]:
     """The case's records (one per contender run) and its skipped contenders."""
     args = case.args()
@@ -188,7 +168,7 @@ def measure(case: bp.Case, peak: float) -> tuple[list[dict], list[dict]]:
         if c.name in calls
     }
     print(f"  timing {rounds} ...", file=sys.stderr, flush=True)
-    times = timed({k: calls[k] for k in calls if rounds[k]}, rounds)
+    times = staged({k: calls[k] for k in calls if rounds[k]}, (), rounds, SHUFFLE_SEED)
     times.update({k: Timing((first[k],)) for k in calls if not rounds[k]})
     ours = next((c.name for c in case.contenders if c.ours and not c.context), None)
     for name, t in times.items():

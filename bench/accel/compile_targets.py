@@ -58,6 +58,7 @@ import hlo
 import jax
 import jax.numpy as jnp
 import numpy as np
+from kinds import KINDS
 
 from adv_jax_math.kernels.fused_reduce.backward import BACKWARD_NAME as BACKWARD
 
@@ -67,15 +68,6 @@ warnings.filterwarnings("ignore", "The Pallas Triton backend is deprecated")
 # Targets
 # --------------------------------------------------------------------------- #
 
-KINDS = {
-    "h100": "NVIDIA H100 80GB HBM3",
-    "h200": "NVIDIA H200",
-    "a100": "NVIDIA A100-SXM4-80GB",
-    "v5e": "TPU v5 lite",
-    "v6e": "TPU v6 lite",
-    "v5p": "TPU v5",
-    "v4": "TPU v4",
-}
 _WHILE = re.compile(r"\bwhile\(")
 MARKERS = {"gpu": ("__gpu$xla.gpu.triton", "triton_kernel_call"), "tpu": ("tpu_custom_call",)}
 # One jitted function compiled for two device kinds in one process: target -> (the

@@ -30,21 +30,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from kinds import KINDS
 
 import adv_jax_math as ajm
 from adv_jax_math._roofline import DEVICES
 from adv_jax_math._roofline_pairwise import CHIPS, SPECIAL_FLOPS, PairwiseCost, pairwise_cost
 
-# as compile_targets.KINDS (not imported: that script sets up compile-only devices)
-KINDS = {
-    "h100": "NVIDIA H100 80GB HBM3",
-    "h200": "NVIDIA H200",
-    "a100": "NVIDIA A100-SXM4-80GB",
-    "v5e": "TPU v5 lite",
-    "v6e": "TPU v6 lite",
-    "v5p": "TPU v5",
-    "v4": "TPU v4",
-}
 KEOPS_SECONDS, KEOPS_PEAK = 1.38, 13.4e12  # RTX 2080 Ti: KeOps' figure, its f32 peak
 S, F32 = jax.ShapeDtypeStruct, jnp.float32
 
