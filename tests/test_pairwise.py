@@ -221,10 +221,10 @@ def test_explain_names_engine_tiles_and_rejections():
     ("d", "f", "engine", "why"),
     [
         (3, lambda a, b: -sqdist(a, b), "pairwise tiles (xla)", "pairwise scan: f on tiles"),
-        (64, lambda a, b: -sqdist(a, b), "pairwise tiles (xla)", "pairwise scan: f on tiles"),
+        (48, lambda a, b: -sqdist(a, b), "pairwise tiles (xla)", "pairwise scan: f on tiles"),
         (8, lambda a, b: a @ b, "pairwise tiles (xla)", "pairwise scan: f on tiles"),
         (16, lambda a, b: a @ b, "pairwise scan", "f contracts 16 features in a dot product"),
-        (200, lambda a, b: -sqdist(a, b), "pairwise scan", "values per pair (over 256"),
+        (64, lambda a, b: -sqdist(a, b), "pairwise scan", "values per pair (over 128"),
     ],
 )
 def test_cpu_tiles_where_unrolling_pays(d, f, engine, why):

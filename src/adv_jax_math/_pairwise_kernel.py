@@ -168,7 +168,7 @@ def layout_problem(
 
 
 MAX_CONTRACTION = 16  # wider dot products: the scan engine's matmuls are faster
-MAX_XLA_VALUES = 256  # per-pair values the XLA tiles unroll (XLA:CPU compiles each)
+MAX_XLA_VALUES = 128  # per-pair values the XLA tiles unroll (XLA:CPU compiles each)
 
 
 def _unrolled_problem(pair: Any, kind: str) -> str | None:
@@ -176,9 +176,11 @@ def _unrolled_problem(pair: Any, kind: str) -> str | None:
 
     Measured on XLA:CPU at 4096 x 4096 pairs: a dot over 32 features 2.6x slower
     unrolled than the scan engine's matmul; squared distances over 8-128 features
-    1.6-5x faster unrolled, but compiled in 3 s at 64 features and 7 s at 128 (0.4 s
-    on the scan engine). On GPU/TPU the roofline model (``_roofline_pairwise``) puts
-    unrolled dots over 64+ features 8x and more below the matmul units' peak."""
+    1.6-5x faster unrolled forward, but their ``value_and_grad`` at parity up to 48
+    features and 1.1-1.2x slower from 64 (129 values per pair), compiled in 8-12 s
+    there (0.7 s on the scan engine). On GPU/TPU the roofline model
+    (``_roofline_pairwise``) puts unrolled dots over 64+ features 8x and more below the
+    matmul units' peak."""
     values, widest = size(pair)
     if widest >= MAX_CONTRACTION:
         return f"f contracts {widest} features in a dot product: a matmul on the scan engine"
