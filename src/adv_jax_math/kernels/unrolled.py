@@ -170,11 +170,15 @@ def _body(eqn: Any) -> ClosedJaxpr | None:
 
 
 def size(jaxpr: Any) -> tuple[int, int]:
-    """What unrolling ``jaxpr`` makes: the number of per-pair values its equations
-    produce (each one operation on a tile), and the widest contraction of its
-    ``dot_general``s (1 without one)."""
+    """What unrolling ``jaxpr`` makes: the number of per-pair values its live equations
+    produce (each one operation on a tile; dead ones XLA drops), and the widest
+    contraction of its ``dot_general``s (1 without one)."""
     values, widest = 0, 1
-    for eqn in jaxpr.eqns:
+    live = {v for v in jaxpr.outvars if not isinstance(v, Literal)}
+    for eqn in reversed(jaxpr.eqns):
+        if not eqn.effects and live.isdisjoint(eqn.outvars):
+            continue
+        live.update(v for v in eqn.invars if not isinstance(v, Literal))
         if (body := _body(eqn)) is not None:
             inner, wide = size(body.jaxpr)
             values, widest = values + inner, max(widest, wide)
