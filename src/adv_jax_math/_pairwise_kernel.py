@@ -115,8 +115,9 @@ def kernel_states(
         assert pair is not None and layout is not None
         out = device_states(pair.jaxpr, red, c[nt:], xs, ys, layout)
         # states of one value per pair: shaped as those of f's (1,) values, if so
-        want = jax.eval_shape(interpreted(False), c, xs, ys)
-        return jax.tree.map(lambda o, w: o.reshape(w.shape), out, want)
+        n = jax.tree.leaves(xs)[0].shape[0]
+        inits = lambda: [leaf.monoid.init(it) for leaf, it in zip(red.leaves, items, strict=True)]
+        return jax.tree.map(lambda o, w: o.reshape(n, *w.shape), out, jax.eval_shape(inits))
 
     # the jaxprs' own constants are arguments too (shard_map takes no closed-over
     # values typed on Explicit axes)
