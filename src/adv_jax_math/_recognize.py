@@ -229,18 +229,17 @@ def _analyze_chunk(chunk_reduction: Callable, out_shape: Any) -> tuple:
 
 
 @functools.lru_cache(maxsize=64)
-def _canonical_logaddexp(shape: tuple, dtype: np.dtype) -> tuple[Node, Node, Node]:
+def _canonical_logaddexp(
+    shape: tuple, dtype: np.dtype, scale: float | None = None
+) -> tuple[Node, Node, Node]:
+    """The graph of ``jnp.logaddexp`` on two inputs (with a ``scale``, a temperature:
+    ``scale * logaddexp(a / scale, b / scale)``)."""
     s = jax.ShapeDtypeStruct(shape, dtype)
-    (a, b), (out,), _ = graph(jax.make_jaxpr(jnp.logaddexp)(s, s))
-    return a, b, out
-
-
-@functools.lru_cache(maxsize=64)
-def _canonical_scaled(shape: tuple, dtype: np.dtype, scale: float) -> tuple[Node, Node, Node]:
-    s = jax.ShapeDtypeStruct(shape, dtype)
-    scaled = lambda a, b: scale * jnp.logaddexp(a / scale, b / scale)
-    (a, b), (out,), _ = graph(jax.make_jaxpr(scaled)(s, s))
-    return a, b, peel(out)
+    fn: Callable[[Any, Any], Any] = jnp.logaddexp
+    if scale is not None:
+        fn = lambda a, b: scale * jnp.logaddexp(a / scale, b / scale)
+    (a, b), (out,), _ = graph(jax.make_jaxpr(fn)(s, s))
+    return a, b, out if scale is None else peel(out)
 
 
 def _combine_monoid(out: Node, a: Node, b: Node, want: Monoid) -> tuple[Monoid | None, str]:
@@ -248,22 +247,18 @@ def _combine_monoid(out: Node, a: Node, b: Node, want: Monoid) -> tuple[Monoid |
     n = peel(out)
     if (out.aval.shape, out.aval.dtype) != (a.aval.shape, a.aval.dtype):
         return None, f"{n.name} to {out.aval.shape} {out.aval.dtype}"
-    if isinstance(want, Scaled):  # c * logaddexp(a / c, b / c)
-        key = (tuple(a.aval.shape), np.dtype(a.aval.dtype), want.scale)
-        ca, cb, cout = _canonical_scaled(*key)
-        for p, q in ((a, b), (b, a)):
-            if same_structure(cout, n, {ca.k: p, cb.k: q}):
-                return want, f"{want.scale:g} * logaddexp(a / {want.scale:g}, b / {want.scale:g})"
-        return None, n.name
-    if n.name in _COMBINES and len(n.args) == 2:
+    scale = want.scale if isinstance(want, Scaled) else None  # c * logaddexp(a / c, b / c)
+    if scale is None and n.name in _COMBINES and len(n.args) == 2:
         x, y = (peel(arg) for arg in n.args)
         if (x is a and y is b) or (x is b and y is a):
             return _COMBINES[n.name], n.name
         return None, f"{n.name} of other values"
-    ca, cb, cout = _canonical_logaddexp(tuple(a.aval.shape), np.dtype(a.aval.dtype))
+    ca, cb, cout = _canonical_logaddexp(tuple(a.aval.shape), np.dtype(a.aval.dtype), scale)
     for p, q in ((a, b), (b, a)):
         if same_structure(cout, n, {ca.k: p, cb.k: q}):
-            return LOGSUMEXP, "logaddexp"
+            if scale is None:
+                return LOGSUMEXP, "logaddexp"
+            return want, f"{scale:g} * logaddexp(a / {scale:g}, b / {scale:g})"
     return None, n.name
 
 
