@@ -30,7 +30,6 @@ Ratios are the other engine's time (memory) over ours: > 1 means ours is faster
 from __future__ import annotations
 
 import json
-import os
 import re
 import sys
 import time
@@ -40,7 +39,16 @@ import bench_monoids as bm
 import jax
 import numpy as np
 from _timing import Timing, compile_fn, staged
-from report import arguments, machine, mib, publish, range_text, table, tree_state
+from report import (
+    arguments,
+    finish_run,
+    machine,
+    mib,
+    publish,
+    range_text,
+    table,
+    tree_state,
+)
 
 HERE = Path(__file__).resolve().parent
 BEGIN, END = "<!-- monoids:begin -->", "<!-- monoids:end -->"
@@ -407,11 +415,7 @@ def main() -> None:
     data["var_n"] = int(var.args()[0].shape[0])
     data["var_errors"] = bm.var_errors(var, seeds)
     data["ratios"] = ratios(data["records"])
-    data["machine"]["load_average_end"] = os.getloadavg()
-    data["seconds"] = time.perf_counter() - start
-    if tree_state() != tree:  # the tree changed while measuring
-        data["machine"]["uncommitted"] = [*tree["changes"], "(the tree changed during the run)"]
-        data["machine"]["commit"] = tree["commit"] + "-dirty"
+    finish_run(data, tree, start)
     out.mkdir(parents=True, exist_ok=True)
     section = readme_section(data)
     (out / "monoids.json").write_text(json.dumps(data, indent=1) + "\n")

@@ -44,7 +44,7 @@ import bench_pairwise as bp
 import jax
 import numpy as np
 from _timing import Timing, staged
-from report import arguments, machine, publish, table, tree_state
+from report import arguments, finish_run, machine, publish, table, tree_state
 
 HERE = Path(__file__).resolve().parent
 BEGIN, END = "<!-- pairwise-bench:begin -->", "<!-- pairwise-bench:end -->"
@@ -321,11 +321,7 @@ def main() -> None:
         text = f"{case.name}: {case.description}"
         if text not in data["descriptions"]:
             data["descriptions"].append(text)
-    data["machine"]["load_average_end"] = os.getloadavg()
-    data["seconds"] = time.perf_counter() - start
-    if tree_state() != tree:  # the tree changed while measuring
-        data["machine"]["uncommitted"] = [*tree["changes"], "(the tree changed during the run)"]
-        data["machine"]["commit"] = tree["commit"] + "-dirty"
+    finish_run(data, tree, start)
     out.mkdir(parents=True, exist_ok=True)
     (out / "pairwise.json").write_text(json.dumps(data, indent=1, default=_json) + "\n")
     (out / "pairwise.md").write_text(markdown(data))

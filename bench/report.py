@@ -561,6 +561,17 @@ def write_readme(section: str, begin: str = BEGIN, end: str = END) -> None:
     README.write_text(head + begin + "\n" + section + end + rest.split(end)[1])
 
 
+def finish_run(data: dict, tree: dict, start: float) -> None:
+    """Record the end of a measuring run in ``data``: the load, the seconds it took
+    since ``start``, and the tree marked dirty if it changed during the run (``tree``:
+    :func:`tree_state` at the start)."""
+    data["machine"]["load_average_end"] = os.getloadavg()
+    data["seconds"] = time.perf_counter() - start
+    if tree_state() != tree:  # the tree changed while measuring
+        data["machine"]["uncommitted"] = [*tree["changes"], "(the tree changed during the run)"]
+        data["machine"]["commit"] = tree["commit"] + "-dirty"
+
+
 def publish(
     section: str,
     data: dict,
@@ -659,11 +670,7 @@ def main() -> None:
     data["time_vs_batch"] = time_vs_batch(s)
     data["grad_memory_vs_n"] = grad_memory_vs_n(s)
     data["goals"] = goals(data["ratios"], data["grad_memory_vs_n"], data["records"])
-    data["machine"]["load_average_end"] = os.getloadavg()
-    data["seconds"] = time.perf_counter() - start
-    if tree_state() != tree:  # the tree changed while measuring
-        data["machine"]["uncommitted"] = [*tree["changes"], "(the tree changed during the run)"]
-        data["machine"]["commit"] = tree["commit"] + "-dirty"
+    finish_run(data, tree, start)
     out.mkdir(parents=True, exist_ok=True)
     section = readme_section(data)
     (out / "results.json").write_text(json.dumps(data, indent=1) + "\n")
