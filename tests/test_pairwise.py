@@ -66,6 +66,12 @@ CASES = {  # name: (reduction, f, oracle on the dense (N, M, ...) outputs)
     "max": (ajm.MAX, sqdist, lambda d: d.max(1)),
     "min": (ajm.MIN, sqdist, lambda d: d.min(1)),
     "logsumexp": (ajm.LOGSUMEXP, lambda a, b: -sqdist(a, b), lambda d: jax.nn.logsumexp(d, 1)),
+    # two values per pair (exponent, weight): OTT-JAX's weighted Sinkhorn step
+    "weighted_logsumexp": (
+        ajm.WEIGHTED_LOGSUMEXP,
+        lambda a, b: (-sqdist(a, b), b[0] ** 2 + 0.1),
+        lambda d: jax.nn.logsumexp(d[0], 1, b=d[1]),
+    ),
     "argmin": (ajm.ARGMIN, sqdist, lambda d: d.argmin(1)),
     "argmax": (ajm.ARGMAX, sqdist, lambda d: d.argmax(1)),
     "min_argmin": (ajm.MIN_ARGMIN, sqdist, lambda d: (d.min(1), d.argmin(1))),

@@ -123,9 +123,14 @@ def device_states(
                 src = [stack(o, (bj, bi)) for o in objs_read]
                 states.append(jax.vmap(lambda *s, leaf=leaf: fold(leaf, list(s)), 1)(*src))
             else:  # each element of a vector per pair folded on its own 2-D tile
-                (o,) = objs_read
-                parts = [fold(leaf, [tile2d(e)]) for e in o.reshape(-1)]
-                join = lambda *p, t=o.shape: jnp.stack(p, -1).reshape(*p[0].shape, *t)
+                shape = objs_read[0].shape  # (a weighted logsumexp reads two sources)
+                if any(o.shape != shape for o in objs_read):
+                    raise NotUnrolled(
+                        f"a term reads values of shapes {[o.shape for o in objs_read]}"
+                    )
+                elements = zip(*(o.reshape(-1) for o in objs_read), strict=True)
+                parts = [fold(leaf, [tile2d(e) for e in es]) for es in elements]
+                join = lambda *p, t=shape: jnp.stack(p, -1).reshape(*p[0].shape, *t)
                 states.append(jax.tree.map(join, *parts))
         return states
 
