@@ -49,6 +49,10 @@ def _softmax_pair(xi, yj):
     return -sqdist(xi, yj), jnp.stack([yj[0], jnp.sin(yj[1])])
 
 
+def _two_heads(xi, yj):  # two scores per pair (heads), each weighing the same values
+    return jnp.stack([-sqdist(xi, yj), -jnp.abs(xi - yj).sum()]), yj[:2]
+
+
 def _two_leaves(xi, yj):
     d = sqdist(xi, yj)
     return {"sum": jnp.exp(-d), "near": d}
@@ -84,6 +88,11 @@ CASES = {  # name: (reduction, f, oracle on the dense (N, M, ...) outputs)
         ajm.SOFTMAX_WEIGHTED,
         _softmax_pair,
         lambda d: jnp.einsum("nm,nmk->nk", jax.nn.softmax(d[0], 1), d[1]),
+    ),
+    "softmax_two_heads": (
+        ajm.SOFTMAX_WEIGHTED,
+        _two_heads,
+        lambda d: jnp.einsum("nms,nmk->nsk", jax.nn.softmax(d[0], 1), d[1]),
     ),
     "pytree": (
         {"sum": ajm.ADD, "near": ajm.MIN_ARGMIN},
@@ -174,10 +183,10 @@ def test_kernels_hold_the_whole_gradient(name):
     outside = [e.primitive.name for e in _flat(jaxpr.jaxpr)]
     tallies = int(name in ("max", "min", "min_argmin", "max_argmax", "pytree"))
     assert outside.count("pallas_call") == 3 + tallies, outside
-    # the tile kernel GPUs and TPUs run, forward and backward (vectors per pair: the
-    # interpret kernel, their values are not one per pair)
+    # the tile kernel GPUs and TPUs run, forward and backward (vectors per pair too;
+    # several softmax scores per pair: the interpret kernel)
     kernels = {e.params["name"] for e in _flat(jaxpr.jaxpr) if e.primitive.name == "pallas_call"}
-    tiled = name not in ("softmax_weighted", "vector_add")
+    tiled = name != "softmax_two_heads"
     assert kernels == ({DEVICE_KERNEL_NAME} if tiled else {"adv_jax_math_pairwise"}), kernels
     assert not {"scan", "while"} & set(outside), outside
     # no pass over y tiles for a gradient w.r.t. x alone
@@ -284,13 +293,15 @@ def test_gpu_and_tpu_plans_take_the_tile_kernel(platform):
         plan = ajm.explain_pairwise(f, x, y, reduction)
         refused = ajm.explain_pairwise(f, x, y, reduction, tiles=(48, 100))
         vector = ajm.explain_pairwise(*CASES["softmax_weighted"][1:2], x, y, ajm.SOFTMAX_WEIGHTED)
+        scores = ajm.explain_pairwise(_two_heads, x, y, ajm.SOFTMAX_WEIGHTED)
         q, k = jnp.ones((N, 64)), jnp.ones((M, 64))
         dots = ajm.explain_pairwise(lambda a, b: a @ b, q, k, ajm.LOGSUMEXP)
     kind = "gpu" if platform == "cuda" else "tpu"
     assert plan.engine == f"pairwise kernel ({kind})", str(plan)
     assert plan.tiles == {"gpu": (64, 64), "tpu": (512, 256)}[kind], str(plan)
     assert refused.engine == "pairwise scan" and "tiles=(48, 100)" in str(refused), str(refused)
-    assert vector.engine == "pairwise scan" and "values per pair" in str(vector), str(vector)
+    assert vector.engine == f"pairwise kernel ({kind})", str(vector)  # (2,) values per pair
+    assert scores.engine == "pairwise scan" and "several scores" in str(scores), str(scores)
     assert dots.engine == "pairwise scan" and "contracts 64 features" in str(dots), str(dots)
 
 

@@ -1,8 +1,8 @@
 """The pairwise tile kernel for GPUs and TPUs (``kernels/pairwise_device.py``), run
 in interpret mode on CPU: both layouts against the dense plain-JAX oracle, ragged N
-and M, ties across tile borders, closed-over constants; and what it does not tile
-(a term with several values per pair, softmax-weighted sums, a primitive the unrolled
-evaluator lacks) refused by name. The compiles for real targets are
+and M, ties across tile borders, closed-over constants, vectors per pair; and what
+it does not tile (softmax-weighted sums of several scores per pair, a primitive the
+unrolled evaluator lacks) refused by name. The compiles for real targets are
 ``bench/accel/pairwise_targets.py`` (``make accel-pairwise``).
 """
 
@@ -17,7 +17,7 @@ from adv_jax_math._pairwise_kernel import recognized
 from adv_jax_math.kernels.pairwise_device import Layout, device_states
 from adv_jax_math.kernels.unrolled import NotUnrolled
 
-TILED = ["add", "max", "min", "logsumexp", "argmin", "argmax", "min_argmin", "k_nearest"]
+TILED = [name for name in CASES if name not in ("softmax_two_heads", "pytree")]
 
 
 def run(f, x, y, reduction, kind, tiles=(8, 16)):
@@ -28,7 +28,8 @@ def run(f, x, y, reduction, kind, tiles=(8, 16)):
     states = device_states(
         closed.jaxpr, red, closed.consts, [x], [y], Layout(kind, tiles, interpret=True)
     )
-    items = [[jax.ShapeDtypeStruct((), s.dtype) for s in closed.out_avals]] * len(red.leaves)
+    rows = [jax.ShapeDtypeStruct((1, *a.shape), a.dtype) for a in closed.out_avals]
+    items = [leaf.items(red.reads(rows, leaf)) for leaf in red.leaves]
     one = lambda *s: red.finish(
         [leaf.result(q, it) for leaf, q, it in zip(red.leaves, s, items, strict=True)]
     )
@@ -60,15 +61,14 @@ def test_closed_over_constants_and_features_unrolled(kind):
 
 def test_what_is_not_tiled_is_refused_by_name():
     x, y = inputs()
-    with pytest.raises(NotUnrolled, match=r"reads \(2,\) values per pair"):
-        run(lambda a, b: jnp.stack([a[0] - b[0], a[1]]), x, y, ajm.ADD, "gpu")
-    with pytest.raises(NotUnrolled, match="softmax-weighted"):
-        run(lambda a, b: (-jnp.sum((a - b) ** 2), b[0]), x, y, ajm.SOFTMAX_WEIGHTED, "tpu")
+    two_heads = CASES["softmax_two_heads"][1]
+    with pytest.raises(NotUnrolled, match="softmax-weighted sums of several scores"):
+        run(two_heads, x, y, ajm.SOFTMAX_WEIGHTED, "tpu")
     with pytest.raises(NotUnrolled, match="cumsum"):
         run(lambda a, b: jnp.cumsum(a - b)[-1], x, y, ajm.ADD, "gpu")
 
 
-@pytest.mark.parametrize("name", ["logsumexp", "min_argmin", "k_nearest"])
+@pytest.mark.parametrize("name", ["logsumexp", "min_argmin", "k_nearest", "softmax_weighted"])
 def test_tpu_layout_gradients_match_dense_oracle(name, monkeypatch):
     # backend="interpret" runs the GPU layout; the TPU one (a grid over y tiles, states
     # in the output block) runs the same reverse-pass sums

@@ -252,14 +252,24 @@ class SoftmaxWeighted(_ExponentAndCompanion):
         top = jnp.max(s, axis=0)
         # an infinite top is not shifted away: exp(inf - inf) is NaN, as jax.nn.softmax
         e = jnp.exp(s - _finite_or_zero(top)[None])
+        weighted = self._weigh(e, v)
+        return top, jnp.sum(e, axis=0), jnp.zeros_like(top), weighted, jnp.zeros_like(weighted)
+
+    @staticmethod
+    def _weigh(e: jax.Array, v: jax.Array) -> jax.Array:
+        """The values summed with the weights ``e`` over the rows: items ``(*s, *v)``."""
         if e.ndim == 1 or v.ndim == 1:  # one score or one value per row: no matvec
             # (Pallas Triton's dot takes 2-D operands only; Mosaic's fails on vectors)
             ev = e if e.ndim > 1 or v.ndim == 1 else lax.broadcast_in_dim(e, v.shape, (0,))
             ve = v if v.ndim > 1 or e.ndim == 1 else lax.broadcast_in_dim(v, e.shape, (0,))
-            weighted = jnp.sum(ev * ve, axis=0)
-        else:
-            weighted = jnp.tensordot(e, v, axes=([0], [0]))
-        return top, jnp.sum(e, axis=0), jnp.zeros_like(top), weighted, jnp.zeros_like(weighted)
+            return jnp.sum(ev * ve, axis=0)
+        return jnp.tensordot(e, v, axes=([0], [0]))
+
+    def paired(self) -> SoftmaxWeighted:
+        """This sum with values that share the scores' items (each item's score
+        weighs its own value, not every item's): the tile kernels' fold of one score
+        and one value per pair, the x rows the items of both."""
+        return _Paired(self.return_lse)
 
     def merge(self, a: Any, b: Any) -> Any:
         top, (ea, eb) = _rescale([a[0], b[0]])
@@ -324,6 +334,15 @@ class SoftmaxWeighted(_ExponentAndCompanion):
         via_v, via_s, d_lse = raw
         d_out = via_v + via_s - d_lse.reshape(d_lse.shape + (1,) * (out.ndim - d_lse.ndim)) * out
         return (d_out, d_lse) if self.return_lse else d_out
+
+
+class _Paired(SoftmaxWeighted):
+    """:meth:`SoftmaxWeighted.paired`: items ``s`` (the values' as well); in the tile
+    kernels, the x rows of a tile's scores and of one of its values."""
+
+    @staticmethod
+    def _weigh(e: jax.Array, v: jax.Array) -> jax.Array:
+        return jnp.sum(e * v, axis=0)
 
 
 class WeightedLogSumExp(_ExponentAndCompanion):

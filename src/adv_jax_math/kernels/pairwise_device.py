@@ -69,15 +69,15 @@ def device_states(
     bi, bj = layout.tiles
     n, m = xs[0].shape[0], ys[0].shape[0]
     xt, yt = pl.cdiv(n, bi), pl.cdiv(m, bj)
-    fast = layout.kind == "xla"  # not in a kernel: any values, the monoids' fast folds
-    for v in jaxpr.outvars:  # one value per pair (of shape (1,) as well: KeOps' Vj(1))
-        if int(np.prod(v.aval.shape, dtype=np.int64)) != 1 and not fast:
-            raise NotUnrolled(f"a term reads {v.aval.shape} values per pair, not one")
-    # a softmax-weighted sum's result is its scores' items by its values': with the x
-    # rows as items of both, each x row folds its own (vmapped; in XLA only)
-    outer = [leaf.monoid.name.startswith("softmax_weighted") for leaf in red.leaves]
+    fast = layout.kind == "xla"  # not in a kernel: the monoids' fast folds
+    # a softmax-weighted sum with several scores per pair: its result is the scores'
+    # items by the values', the x rows items of both; each x row folds its own
+    # (vmapped; in XLA only)
+    outer = [
+        _softmax(leaf) and _size(jaxpr.outvars[leaf.sources[0]].aval) != 1 for leaf in red.leaves
+    ]
     if any(outer) and not fast:
-        raise NotUnrolled("softmax-weighted sums are not tiled yet")
+        raise NotUnrolled("softmax-weighted sums of several scores per pair are not tiled yet")
     # x features as rows (1, N'), y features as columns (M', 1); N', M' whole tiles
     # (copies of the last row: f sees real rows only; padded y rows are filled below).
     x_rows = [r[None] for a in xs for r in _pad_rows(a, xt * bi).reshape(xt * bi, -1).T]
@@ -117,29 +117,30 @@ def device_states(
         states = []
         for leaf, apart in zip(red.leaves, outer, strict=True):
             objs_read = [values[s] for s in leaf.sources]
-            if not fast:
-                states.append(fold(leaf, [tile2d(o.reshape(-1)[0]) for o in objs_read]))
-            elif apart:  # each x row folds its own: values (bj, bi, *their shape per pair)
+            if apart:  # each x row folds its own: values (bj, bi, *their shape per pair)
                 src = [stack(o, (bj, bi)) for o in objs_read]
                 states.append(jax.vmap(lambda *s, leaf=leaf: fold(leaf, list(s)), 1)(*src))
-            else:  # each element of a vector per pair folded on its own 2-D tile
-                shape = objs_read[0].shape  # (a weighted logsumexp reads two sources)
-                if any(o.shape != shape for o in objs_read):
-                    raise NotUnrolled(
-                        f"a term reads values of shapes {[o.shape for o in objs_read]}"
-                    )
-                elements = zip(*(o.reshape(-1) for o in objs_read), strict=True)
-                parts = [fold(leaf, [tile2d(e) for e in es]) for es in elements]
-                join = lambda *p, t=shape: jnp.stack(p, -1).reshape(*p[0].shape, *t)
-                states.append(jax.tree.map(join, *parts))
+            else:  # one state per element of the values per pair, each a 2-D tile
+                part, elements = _elements(leaf, objs_read)
+                states.append([fold(part, [tile2d(e) for e in es]) for es in elements])
         return states
 
     def merge(a: list, b: list) -> list:
-        merges = [
-            jax.vmap(leaf.monoid.merge) if apart else leaf.monoid.merge
-            for leaf, apart in zip(red.leaves, outer, strict=True)
+        out = []
+        for leaf, apart, u, v in zip(red.leaves, outer, a, b, strict=True):
+            merge = leaf.monoid.merge
+            out.append(
+                jax.vmap(merge)(u, v) if apart else [merge(p, q) for p, q in zip(u, v, strict=True)]
+            )
+        return out
+
+    def joined(states: list) -> list:
+        """Each term's state: its elements' states joined (see ``_elements``)."""
+        shapes = [jaxpr.outvars[leaf.sources[-1]].aval.shape for leaf in red.leaves]
+        return [
+            s if apart else _join(leaf, s, shape)
+            for leaf, apart, s, shape in zip(red.leaves, outer, states, shapes, strict=True)
         ]
-        return [merge(u, v) for merge, u, v in zip(merges, a, b, strict=True)]
 
     c_avals = [jax.ShapeDtypeStruct((), c.dtype) for c in flat_consts for _ in range(c.size)]
     row_states = jax.eval_shape(
@@ -163,7 +164,7 @@ def device_states(
 
     if fast:
         flat = _xla(tile, merge, flat_consts, x_rows, y_cols, layout.tiles)
-        return jax.tree.unflatten(treedef, [o[:n] for o in flat])
+        return joined(jax.tree.unflatten(treedef, [o[:n] for o in flat]))
     if layout.kind == "gpu":
 
         def kernel(*refs: Any) -> None:
@@ -226,7 +227,7 @@ def device_states(
     # A named jit makes the kernel visible in lowered text (``@adv_jax_math_pairwise_tiles``).
     kernel_call.__name__ = kernel_call.__qualname__ = DEVICE_KERNEL_NAME
     flat = jax.jit(kernel_call)(*flat_consts, *x_rows, *y_cols)
-    return jax.tree.unflatten(treedef, [o[0, :n] for o in flat])
+    return joined(jax.tree.unflatten(treedef, [o[0, :n] for o in flat]))
 
 
 def _xla(
@@ -248,6 +249,42 @@ def _xla(
 
     states = lax.map(per_x, [r.reshape(-1, 1, bi) for r in x_rows])
     return [s.reshape(-1, *s.shape[2:]) for s in jax.tree.leaves(states)]
+
+
+def _size(aval: Any) -> int:
+    return int(np.prod(aval.shape, dtype=np.int64))
+
+
+def _softmax(leaf: Any) -> bool:
+    return leaf.monoid.name.startswith("softmax_weighted")
+
+
+def _elements(leaf: Any, objs: Sequence[np.ndarray]) -> tuple[Any, list[tuple]]:
+    """A term as folds of one value per pair each: the term to fold them with, and
+    each fold's sources. A vector per pair is folded element by element, each on its
+    own 2-D tile (stacked, its axis would be the tile's minor one again); a
+    softmax-weighted sum of one score per pair, once per value (each fold the score
+    and one value: their states' maxima and norms are the same computation)."""
+    if leaf.axis != 0:
+        raise NotUnrolled(f"a term reduces every axis ({leaf}), not the pairs'")
+    if _softmax(leaf):
+        score, values = objs
+        paired = dataclasses.replace(leaf, monoid=leaf.monoid.paired())
+        return paired, [(score.reshape(-1)[0], v) for v in values.reshape(-1)]
+    if any(o.shape != objs[0].shape for o in objs):
+        raise NotUnrolled(f"a term reads values of shapes {[o.shape for o in objs]}")
+    return leaf, list(zip(*(o.reshape(-1) for o in objs), strict=True))
+
+
+def _join(leaf: Any, parts: list, shape: tuple) -> Any:
+    """A term's state, from the states of its elements (``_elements``) for every x
+    row (leading axis ``N``): stacked after the rows, as the values per pair are
+    (a softmax-weighted sum's maxima and norms taken once, its sums stacked)."""
+    stacked = lambda *p: jnp.stack(p, 1).reshape(p[0].shape[0], *shape, *p[0].shape[1:])
+    if _softmax(leaf):
+        top, norm, lost, *_ = parts[0]
+        return top, norm, lost, stacked(*(p[3] for p in parts)), stacked(*(p[4] for p in parts))
+    return jax.tree.map(stacked, *parts)
 
 
 def _column(row: jax.Array) -> jax.Array:

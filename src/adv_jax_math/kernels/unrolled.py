@@ -9,9 +9,9 @@ Mosaic lays out badly (``D`` on the 128 lanes). Here every per-pair array of sha
 ``(bi, 1)`` for what depends on ``x`` only, ``(1, bj)`` for ``y`` only, ``(bi, bj)``
 for both, scalars for constants. Each primitive of the jaxpr acts on the elements:
 elementwise ones element by element (broadcast to a common shape), structural ones
-(``reshape``, ``slice``, ``broadcast_in_dim``, ``transpose``, ``concatenate``) on the
-object array, reductions and ``dot_general`` as sums of elements. KeOps unrolls its
-formulas over the feature dimension the same way.
+(``reshape``, ``slice``, ``broadcast_in_dim``, ``transpose``, ``concatenate``,
+``unstack``) on the object array, reductions and ``dot_general`` as sums of elements.
+KeOps unrolls its formulas over the feature dimension the same way.
 
 :func:`evaluate` raises :class:`NotUnrolled` naming the first primitive it cannot
 unroll; the planner then keeps another engine.
@@ -220,6 +220,9 @@ def evaluate(jaxpr: Any, consts: Sequence[np.ndarray], args: Sequence[np.ndarray
             outs = [_reduce(_REDUCE[name], invals[0], eqn.params["axes"])]
         elif name == "dot_general":
             outs = [_dot(eqn, *invals)]
+        elif name == "unstack":  # (of a cotangent's rows: softmax-weighted sums)
+            a, axis = invals[0], eqn.params["axis"]
+            outs = [np.squeeze(s, axis) for s in np.split(a, a.shape[axis], axis)]
         elif (out := _structural(name, eqn, invals)) is not None:
             outs = [out]
         else:
