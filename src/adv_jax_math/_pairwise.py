@@ -20,8 +20,13 @@ row's monoid state carried across the y tiles. The engines:
   kernel of ``kernels/pairwise.py``). Reverse mode is pairwise sums on the same kernel
   (``_pairwise_grad``); forward mode takes the scan engine's tangent.
 
+``columns=`` (a Monoid or pytree of them) adds the other marginal of the same
+matrix, ``cols_j = reduce_i f(x_i, y_j)`` (Sinkhorn's two marginals): two passes over
+the tiles, the second this same call with ``x`` and ``y`` swapped (``f`` evaluated
+twice), planned as any other.
+
 :func:`explain_pairwise` shows the plan: sizes, tiles, engine and why the others
-were not taken.
+were not taken (and the column pass's plan, for ``columns=``).
 """
 
 from __future__ import annotations
@@ -55,7 +60,8 @@ MAX_Y_TILE = 2048  # bj of an "auto" tile
 @dataclasses.dataclass(frozen=True)
 class PairwisePlan:
     """What :func:`pairwise` runs: ``n`` x rows, ``m`` y rows, tiles of
-    ``tiles = (bi, bj)`` rows, the engine and why, the engines not taken."""
+    ``tiles = (bi, bj)`` rows, the engine and why, the engines not taken; with
+    ``columns=``, the column pass's plan as ``columns`` (``y`` rows as its ``x``)."""
 
     n: int
     m: int
@@ -64,6 +70,7 @@ class PairwisePlan:
     engine: str
     reason: str
     rejected: tuple[tuple[str, str], ...] = ()
+    columns: PairwisePlan | None = None  # the column pass (``columns=``): y rows, x rows
 
     def __str__(self) -> str:
         bi, bj = self.tiles
@@ -75,7 +82,13 @@ class PairwisePlan:
             ("engine", f"{self.engine}: {self.reason}"),
             *(("rejected", f"{name}: {why}") for name, why in self.rejected),
         ]
-        return "\n".join(f"{label:<11}: {text}" for label, text in rows)
+        if self.columns is not None:
+            pass_ = "a second pass, over the x rows for each y row (below: x and y swapped)"
+            rows.append(("columns", pass_))
+        lines = [f"{label:<11}: {text}" for label, text in rows]
+        if self.columns is not None:
+            lines += [f"    {line}" for line in str(self.columns).splitlines()]
+        return "\n".join(lines)
 
 
 def pairwise(
@@ -87,8 +100,10 @@ def pairwise(
     tiles: tuple[int, int] | str = "auto",
     shard: bool = False,
     mesh: jax.sharding.Mesh | None = None,
+    columns: Monoid | Any | None = None,
 ) -> Any:
-    """``reduction`` over ``j`` of ``f(x_i, y_j)``, for every ``i``, in tiles.
+    """``reduction`` over ``j`` of ``f(x_i, y_j)``, for every ``i``, in tiles (and with
+    ``columns=``, a reduction over ``i`` for every ``j`` too).
 
     Parameters
     ----------
@@ -112,12 +127,20 @@ def pairwise(
     mesh : jax.sharding.Mesh or None
         The mesh for ``shard=True`` (default: the one of ``jax.set_mesh``, else all
         devices).
+    columns : Monoid or pytree of Monoid or None
+        Also reduce over ``i`` for every ``j`` (both marginals of the pairwise matrix,
+        as a Sinkhorn solver needs): two passes over the tiles, ``f`` evaluated in each;
+        the second is ``pairwise(lambda yj, xi: f(xi, yj), y, x, columns)`` with the
+        same ``shard`` and ``mesh``, its tiles ``(bj, bi)`` (``"auto"`` stays
+        ``"auto"``). The default ``None``: rows only.
 
     Returns
     -------
-    pytree
+    pytree, or (pytree, pytree) with ``columns=``
         The reduction's result for each ``x`` row, stacked along a new leading axis
-        of size ``N``: as ``jax.vmap`` over ``x`` of ``batch_map`` over ``y``.
+        of size ``N``: as ``jax.vmap`` over ``x`` of ``batch_map`` over ``y``. With
+        ``columns=``, ``(rows, cols)``: ``rows`` that, ``cols`` the ``columns``
+        reduction's result for each ``y`` row, over the ``x`` rows (leading axis ``M``).
 
     Examples
     --------
@@ -129,7 +152,26 @@ def pairwise(
     [1.386, 1.754, 1.772]
     >>> ajm.pairwise(lambda xi, yj: jnp.sum((xi - yj) ** 2), x, y, ajm.ARGMIN)
     Array([0, 1, 2], dtype=int32)
+
+    Both marginals of the kernel matrix: its row sums and its column sums.
+
+    >>> rows, cols = ajm.pairwise(gauss, x, y, ajm.ADD, columns=ajm.ADD)
+    >>> [round(v, 3) for v in rows.tolist()], [round(v, 3) for v in cols.tolist()]
+    ([1.386, 1.754, 1.772], [1.386, 1.736, 1.386, 0.386, 0.018])
     """
+    if columns is not None:
+        _check_monoids(columns, "columns")
+    rows = _pairwise(f, x, y, reduction, tiles, shard, mesh)
+    if columns is None:
+        return rows
+    swapped, col_tiles = _column_pass(f, tiles)
+    return rows, _pairwise(swapped, y, x, columns, col_tiles, shard, mesh)
+
+
+def _pairwise(
+    f: Callable, x: Any, y: Any, reduction: Any, tiles: Any, shard: bool, mesh: Any
+) -> Any:
+    """One pass: ``reduction`` over ``j`` of ``f(x_i, y_j)``, for every ``i``."""
     plan, red, layout = _plan(f, x, y, reduction, tiles, shard)
     y = jax.tree.map(_whole, y)
     if plan.engine == _SCAN and shard:
@@ -152,13 +194,35 @@ def explain_pairwise(
     *,
     tiles: tuple[int, int] | str = "auto",
     shard: bool = False,
+    columns: Monoid | Any | None = None,
 ) -> PairwisePlan:
     """The plan :func:`pairwise` would run for these arguments (``x`` and ``y`` may
-    hold ``jax.ShapeDtypeStruct``)."""
-    return _plan(f, x, y, reduction, tiles, shard)[0]
+    hold ``jax.ShapeDtypeStruct``); with ``columns=``, the row pass's plan, the column
+    pass's as its ``columns``."""
+    if columns is not None:
+        _check_monoids(columns, "columns")
+    plan = _plan(f, x, y, reduction, tiles, shard)[0]
+    if columns is None:
+        return plan
+    swapped, col_tiles = _column_pass(f, tiles)
+    return dataclasses.replace(plan, columns=_plan(swapped, y, x, columns, col_tiles, shard)[0])
 
 
 _SCAN, _KERNEL, _TILES = "pairwise scan", "pairwise kernel (interpret)", "pairwise tiles (xla)"
+
+
+def _column_pass(f: Callable, tiles: Any) -> tuple[Callable, Any]:
+    """``f`` and ``tiles`` of the column pass (``columns=``): x and y swapped. Called
+    after the row pass has checked ``tiles``."""
+    return (lambda yj, xi: f(xi, yj)), tiles if tiles == "auto" else tuple(tiles)[::-1]
+
+
+def _check_monoids(tree: Any, name: str) -> None:
+    if not is_monoid_tree(tree):
+        raise TypeError(
+            f"pairwise: {name}={tree!r} is not a Monoid (or a pytree of them); pass "
+            "ajm.ADD, ajm.LOGSUMEXP, ajm.ARGMIN, ajm.top_k(k), ..."
+        )
 
 
 def _whole(a: Any) -> Any:
@@ -212,11 +276,7 @@ def _plan(
     tile layout (None: the interpret kernel, or no kernel)."""
     if not isinstance(shard, bool):
         raise TypeError(f"pairwise: shard={shard!r} must be a bool")
-    if not is_monoid_tree(reduction):
-        raise TypeError(
-            f"pairwise: reduction={reduction!r} is not a Monoid (or a pytree of them); pass "
-            "ajm.ADD, ajm.LOGSUMEXP, ajm.ARGMIN, ajm.top_k(k), ..."
-        )
+    _check_monoids(reduction, "reduction")
     n, m = _rows(x, "x"), _rows(y, "y")
     bi, bj = _tiles(tiles, n, m)
     red = recognized(f, x, y, reduction, max(bj, 1))
