@@ -47,7 +47,8 @@ def cases():  # name: (monoid, f)
         "argmin": (ajm.ARGMIN, sq),
         "min_argmin": (ajm.MIN_ARGMIN, sq),
         "weighted logsumexp": (ajm.WEIGHTED_LOGSUMEXP, lambda a, b: (-sq(a, b), b[0] ** 2)),
-        "softmax-weighted": (ajm.SOFTMAX_WEIGHTED, lambda a, b: (-sq(a, b), b[0])),
+        # attention's form: a score and a vector (y's D features) per pair
+        "softmax-weighted": (ajm.SOFTMAX_WEIGHTED, lambda a, b: (-sq(a, b), b)),
         "top_k(10)": (ajm.top_k(10, smallest=True), sq),
     }
 
