@@ -224,14 +224,15 @@ def test_explain_names_engine_tiles_and_rejections():
     assert "rejected   : pairwise scan: f on tiles of pairs" in text, text
     vector = ajm.explain_pairwise(*CASES["softmax_weighted"][1:2], x, y, ajm.SOFTMAX_WEIGHTED)
     assert vector.engine == "pairwise tiles (xla)", str(vector)  # (2,) values per pair
-    # "auto" tiles: the CPU tiles split y evenly into tiles of at most 8192 rows (a
-    # multiple of 8) with at most 2^20 pairs; the scan engine takes 2^18 pairs
+    # "auto" tiles: 2^18 pairs, y in tiles of 2048 rows; for a top-k on the CPU tiles
+    # y split evenly into tiles of at most 8192 rows (a multiple of 8), 2^20 pairs
     rows = lambda n: jax.ShapeDtypeStruct((n, D), jnp.float32)
-    for (n, m), want in [((10_000, 5_000), (128, 5000)), ((100_000, 10_007), (128, 5008))]:
-        assert ajm.explain_pairwise(f, rows(n), rows(m), reduction).tiles == want
-    assert ajm.explain_pairwise(f, rows(10), rows(100_000), reduction).tiles == (10, 7696)
+    assert ajm.explain_pairwise(f, rows(10_000), rows(5_000), reduction).tiles == (128, 2048)
+    knn = lambda n, m: ajm.explain_pairwise(sqdist, rows(n), rows(m), ajm.top_k(3)).tiles
+    assert knn(10_000, 5_000) == (128, 5000) and knn(100_000, 10_007) == (128, 5008)
+    assert knn(10, 100_000) == (10, 7696)
     with ajm.config(backend="scan"):
-        assert ajm.explain_pairwise(f, rows(10_000), rows(5_000), reduction).tiles == (128, 2048)
+        assert knn(10_000, 5_000) == (128, 2048)
 
 
 @pytest.mark.parametrize(

@@ -74,6 +74,9 @@ class Monoid:
         then the shifted sum) and takes them computed a second time when ``fun`` is
         elementwise and cheap: each pass then fuses ``fun`` into its reduction,
         where one stored copy read twice would cut the fusion.
+    sorts : bool
+        :meth:`fold_fast` sorts the rows it folds (top-k: ``lax.top_k``), and merging
+        states costs another: the CPU tiles take fewer, larger tiles of ``y``.
     native_kernel : str or None
         The native CPU kernel (``kernels.native``) that may fold a chunk of the rows
         in one pass (``"logsumexp"``), or None. The scan engine decides per chunk
@@ -97,6 +100,7 @@ class Monoid:
     selects: bool = False
     axes_all: bool = False
     reads_twice: bool = False
+    sorts: bool = False
     native_kernel: str | None = None
     # For monoids whose state is their result: the plain-JAX binary combine and
     # reduction (``jnp.add``, ``jnp.sum``), used when a Monoid is called directly.

@@ -60,7 +60,7 @@ class TopK(Monoid):
     slots are compared); derivatives of every order go to the selected rows, as
     ``jax.grad`` of ``lax.top_k``."""
 
-    selects = True
+    selects = sorts = True
 
     def __init__(self, k: int, smallest: bool = False):
         if isinstance(k, bool) or not isinstance(k, int | np.integer) or k < 1:
