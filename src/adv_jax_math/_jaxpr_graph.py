@@ -18,6 +18,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 
 __all__ = [
     "ELEMENTWISE",
+    "IDENTITY",
     "INLINE",
     "KEEPDIMS",
     "Node",
@@ -37,6 +38,8 @@ INLINE = frozenset(
     | {"custom_vjp_call_jaxpr", "remat", "checkpoint"}
 )
 KEEPDIMS = frozenset({"reshape", "broadcast_in_dim", "squeeze", "expand_dims"})
+# primitives returning their operands' values (as far as values go)
+IDENTITY = ("copy", "copy_p", "reshard", "sharding_constraint", "optimization_barrier")
 # fmt: off
 ELEMENTWISE = frozenset({
     "abs", "acos", "acosh", "add", "and", "asin", "asinh", "atan", "atan2", "atanh", "cbrt",

@@ -28,13 +28,12 @@ import numpy as np
 from jax import lax
 from jax.extend.core import ClosedJaxpr, Literal
 
-from .._jaxpr_graph import ELEMENTWISE
+from .._jaxpr_graph import ELEMENTWISE, IDENTITY
 
 __all__ = ["NotUnrolled", "evaluate", "size", "stack", "unstack"]
 
 _CALLS = ("pjit", "jit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call")
 _BODIES = ("jaxpr", "call_jaxpr", "fun_jaxpr")
-_IDENTITY = ("copy", "copy_p", "reshard", "sharding_constraint", "optimization_barrier")
 _REDUCE: dict[str, Callable[[Any, Any], Any]] = {
     "reduce_sum": lax.add,
     "reduce_max": lax.max,
@@ -212,7 +211,7 @@ def evaluate(jaxpr: Any, consts: Sequence[np.ndarray], args: Sequence[np.ndarray
         if name in _CALLS and body is not None:
             const_objs = [unstack(c, np.shape(c)) for c in body.consts]
             outs = evaluate(body.jaxpr, const_objs, invals[-len(body.jaxpr.invars) :])
-        elif name in _IDENTITY:
+        elif name in IDENTITY:
             outs = invals
         elif name in ELEMENTWISE or name == "add_any":  # add_any: sums of cotangents
             outs = _elementwise(eqn, invals)

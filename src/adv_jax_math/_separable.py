@@ -1,0 +1,292 @@
+"""Whether a blockwise function is a pairwise one, read from its jaxpr.
+
+Users write a pairwise reduction per chunk: ``g(yc, xc)`` takes ``bj`` rows of ``y``
+and ``bi`` rows of ``x`` (pytrees, rows on axis 0) and returns leaves ``(bj, bi, *rest)``.
+A pairwise engine runs ``f(xi, yj) = g(yj[None], xi[None])`` (leaves ``[0, 0]``)
+instead, which is only right when element ``[b, a, ...]`` of every output is a
+function of y row ``b`` and x row ``a`` alone (and of constants): not of other rows,
+nor of the positions ``a`` and ``b`` themselves. :func:`separable` proves it by an
+abstract interpretation of ``jax.make_jaxpr(g)(y, x)`` that tags every axis of every
+value:
+
+* ``"i"``: the axis runs over x rows: the elements at index ``a`` along it depend on
+  x row ``a`` and on no other x row;
+* ``"j"``: the same for y rows;
+* ``"b"``: the value is constant along the axis (a broadcast; every size-1 axis);
+* ``None``: the value varies along the axis, but reads no row of x or y through it
+  (a feature axis, an ``iota``, a closed-over table).
+
+Invariant: a value depends on x only through its ``"i"`` axis (at most one), and not
+at all without one; likewise y and ``"j"``. The inputs are ``("i", None, ...)`` (x
+leaves) and ``("j", None, ...)`` (y leaves), constants all ``None``; each primitive
+maps its operands' tags to its results' or refuses, naming itself: a reduction, cumsum,
+sort, reversal or slice along x or y rows, x rows meeting a position-dependent axis
+(``kernel + arange``) or y rows on one axis (a diagonal), a loop, a gather or any
+primitive without a rule that reads rows (one that reads none makes constants). The
+outputs must end ``("j", "i", ...)`` (``"b"`` in place of either: constant along those
+rows) with no other ``"i"`` or ``"j"``.
+
+The proof holds at the shapes traced (at least 2 rows of each); ``f`` traces ``g``
+again at one row each. A ``g`` that computes with its blocks' sizes is refused: its
+primitives or literals differ between two block sizes (a Python branch on the sizes
+that both sizes take alike is not seen).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
+
+from ._jaxpr_graph import ELEMENTWISE, IDENTITY, subjaxpr
+
+__all__ = ["separable"]
+
+Tags = tuple[str | None, ...]
+_ROWS = {"i": "x rows", "j": "y rows"}
+_REMAT = ("remat2", "remat", "checkpoint")
+_REDUCE = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and"})
+_REDUCE |= {"reduce_or", "argmax", "argmin"}
+# primitives mixing the elements along one axis (param naming it; top_k: last by default)
+_ALONG = {"cumsum": "axis", "cumprod": "axis", "cummax": "axis", "cummin": "axis"}
+_ALONG |= {"cumlogsumexp": "axis", "sort": "dimension", "top_k": "axis"}
+
+
+class _Refused(Exception):
+    """Why the jaxpr does not show ``g`` pairwise."""
+
+
+def _shape(v: Any) -> tuple[int, ...]:
+    return tuple(v.aval.shape)
+
+
+def _fix(tags: Sequence[str | None], shape: Sequence[int]) -> Tags:
+    """``tags`` with the untagged size-1 axes marked broadcasts."""
+    return tuple("b" if n == 1 and t is None else t for t, n in zip(tags, shape, strict=True))
+
+
+def _once(name: str, tags: Tags) -> Tags:
+    for t, rows in _ROWS.items():
+        if tags.count(t) > 1:
+            raise _Refused(f"{name} puts {rows} on two axes")
+    return tags
+
+
+def _merge(name: str, operands: Sequence[Tags]) -> Tags:
+    """Per-axis tags of an elementwise combination (rank-0 operands broadcast)."""
+    out: list[str | None] = []
+    for axis in zip(*(t for t in operands if t), strict=True):
+        row = [t for t in _ROWS if t in axis]
+        if len(row) == 2:
+            raise _Refused(f"{name} puts x rows and y rows on one axis")
+        if row and None in axis:
+            raise _Refused(f"{name} meets {_ROWS[row[0]]} with a position-dependent axis")
+        out.append(row[0] if row else None if None in axis else "b")
+    return _once(name, tuple(out))
+
+
+def _spare(name: str, tags: Tags, axes: Sequence[int], verb: str) -> None:
+    """Refuse when one of ``axes`` is tagged with rows."""
+    for d in axes:
+        if tags[d] in _ROWS:
+            raise _Refused(f"{name} {verb} {_ROWS[str(tags[d])]} (axis {d})")
+
+
+def _reshape(tags: Tags, old: Sequence[int], new: Sequence[int]) -> Tags:
+    """A tagged axis survives when one new axis has its size and the same elements before."""
+    out: list[str | None] = [None] * len(new)
+    for d, t in enumerate(tags):
+        before = math.prod(old[:d])
+        to = [e for e, n in enumerate(new) if n == old[d] and math.prod(new[:e]) == before]
+        if t is not None and old[d] > 1 and to:
+            out[to[0]] = t
+        elif t in _ROWS:
+            raise _Refused(f"reshape merges or splits {_ROWS[t]}")
+    return tuple(out)
+
+
+def _body(eqn: Any) -> ClosedJaxpr | None:
+    """The jaxpr a call-like equation (a jit, a custom derivative, a remat) runs."""
+    body = eqn.params.get("jaxpr")
+    if eqn.primitive.name in _REMAT and isinstance(body, Jaxpr) and not body.constvars:
+        return ClosedJaxpr(body, ())
+    return subjaxpr(eqn)
+
+
+def _rule(eqn: Any, ins: list[Tags]) -> list[Tags]:
+    """The tags of ``eqn``'s results from its operands' (see the module docstring)."""
+    name, p, n_out = eqn.primitive.name, eqn.params, len(eqn.outvars)
+    old = _shape(eqn.invars[0]) if eqn.invars else ()
+    new = _shape(eqn.outvars[0]) if eqn.outvars else ()
+    a = ins[0] if ins else ()
+    if (body := _body(eqn)) is not None:
+        return _run(body.jaxpr, ins)
+    if name in IDENTITY:
+        return ins[:n_out]
+    if name in ELEMENTWISE or name == "add_any":
+        return [_merge(name, ins)] * n_out
+    if name == "broadcast_in_dim":
+        out: list[str | None] = ["b"] * len(new)
+        for d, (t, e) in enumerate(zip(a, p["broadcast_dimensions"], strict=True)):
+            if old[d] == 1 and new[e] > 1:
+                _spare(name, a, [d], "stretches")
+                t = "b"
+            out[e] = t
+        return [tuple(out)]
+    if name == "reshape" and p.get("dimensions") is None:
+        return [_reshape(a, old, new)]
+    if name == "squeeze":
+        axes = [d % len(a) for d in p["dimensions"]]
+        _spare(name, a, axes, "drops")
+        return [tuple(t for d, t in enumerate(a) if d not in axes)]
+    if name == "expand_dims":
+        out = list(a)
+        for d in sorted(d % len(new) for d in p["dimensions"]):
+            out.insert(d, "b")
+        return [tuple(out)]
+    if name == "transpose":
+        return [tuple(a[d] for d in p["permutation"])]
+    if name in _REDUCE:
+        _spare(name, a, p["axes"], "reduces over")
+        return [tuple(t for d, t in enumerate(a) if d not in p["axes"])]
+    if name == "dot_general":
+        (lc, rc), (lb, rb) = p["dimension_numbers"]
+        lhs, rhs = ins
+        _spare(name, lhs, lc, "contracts")
+        _spare(name, rhs, rc, "contracts")
+        batch = [_merge(name, [(lhs[u],), (rhs[v],)])[0] for u, v in zip(lb, rb, strict=True)]
+        free = [t for d, t in enumerate(lhs) if d not in (*lc, *lb)]
+        free += [t for d, t in enumerate(rhs) if d not in (*rc, *rb)]
+        return [_once(name, (*batch, *free))]
+    if name in ("slice", "dynamic_slice", "split"):
+        if name == "slice":
+            steps = p["strides"] or (1,) * len(a)
+            part = zip(p["start_indices"], p["limit_indices"], steps, old, strict=True)
+            cut = [d for d, (s, e, k, n) in enumerate(part) if (s, e, k) != (0, n, 1)]
+        elif name == "dynamic_slice":
+            cut = [d for d, (k, n) in enumerate(zip(p["slice_sizes"], old, strict=True)) if k != n]
+        else:
+            cut = [p["axis"]]
+        _spare(name, a, cut, "takes part of")
+        return [a] * n_out
+    if name == "rev":
+        _spare(name, a, p["dimensions"], "reverses")
+        return [a]
+    if name == "pad":
+        moved = [d for d, c in enumerate(p["padding_config"]) if tuple(c) != (0, 0, 0)]
+        _spare(name, a, moved, "pads")
+        return [tuple(None if d in moved else t for d, t in enumerate(a))]
+    if name in ("concatenate", "stack"):  # stack: a new axis
+        k = p["dimension" if name == "concatenate" else "axis"]
+        if name == "concatenate":
+            for op in ins:
+                _spare(name, op, [k], "concatenates along")
+            ins = [op[:k] + op[k + 1 :] for op in ins]
+        rest = _merge(name, ins)
+        return [(*rest[:k], None, *rest[k:])]
+    if name == "unstack":
+        _spare(name, a, [p["axis"]], "takes part of")
+        return [a[: p["axis"]] + a[p["axis"] + 1 :]] * n_out
+    if name in _ALONG:
+        k = p.get(_ALONG[name], len(a) - 1)
+        for op in ins:
+            _spare(name, op, [k], "runs along")
+        out = list(_merge(name, ins))
+        out[k] = None
+        return [tuple(out)] * n_out
+    if name == "iota":
+        return [tuple(None if d == p["dimension"] else "b" for d in range(len(new)))]
+    read = sorted({_ROWS[t] for tags in ins for t in tags if t in _ROWS})
+    if read:
+        raise _Refused(f"{name} reads {' and '.join(read)}: no rule follows rows through it")
+    if eqn.effects:
+        raise _Refused(f"{name} has effects")
+    return [(None,) * len(_shape(v)) for v in eqn.outvars]  # of constants: they read no row
+
+
+def _run(jaxpr: Jaxpr, args: Sequence[Tags]) -> list[Tags]:
+    """The tags of ``jaxpr``'s outputs from its inputs' (its constants untagged)."""
+    untagged = lambda v: _fix((None,) * len(_shape(v)), _shape(v))
+    env: dict[Any, Tags] = {v: untagged(v) for v in jaxpr.constvars}
+    env.update(zip(jaxpr.invars, args, strict=True))
+    read = lambda v: untagged(v) if isinstance(v, Literal) else env[v]
+    for eqn in jaxpr.eqns:
+        outs = _rule(eqn, [read(v) for v in eqn.invars])
+        env.update((v, _fix(t, _shape(v))) for v, t in zip(eqn.outvars, outs, strict=True))
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _rows(tree: Any, what: str) -> int:
+    counts = {leaf.shape[0] if len(leaf.shape) else 0 for leaf in jax.tree.leaves(tree)}
+    if len(counts) != 1 or min(counts) < 2:
+        raise _Refused(f"{what} leaves need one number of rows on axis 0, at least 2: {counts}")
+    return counts.pop()
+
+
+def _grown(tree: Any) -> Any:
+    """``tree``'s avals with one row more."""
+    grow = lambda a: jax.ShapeDtypeStruct((a.shape[0] + 1, *a.shape[1:]), a.dtype)
+    return jax.tree.map(grow, tree)
+
+
+def _signature(jaxpr: Jaxpr) -> list:
+    """The primitives of ``jaxpr`` (calls entered) and its literals' values: the same
+    for two block sizes unless ``g`` computes with its sizes (``x / xc.shape[0]``; a
+    Python branch on them), which its pairs, traced on blocks of one row, would not."""
+    out: list = []
+    for eqn in jaxpr.eqns:
+        body = _body(eqn)
+        out.append(eqn.primitive.name)
+        out += [repr(v.val) for v in eqn.invars if isinstance(v, Literal)]
+        out += _signature(body.jaxpr) if body is not None else []
+    return out
+
+
+def separable(g: Callable, y: Any, x: Any) -> str | None:
+    """None when the jaxpr of ``g(y, x)`` shows that each output leaf is ``(bj, bi, *rest)``
+    with element ``[b, a, ...]`` a function of y row ``b`` and x row ``a`` alone (and of
+    values ``g`` closes over); else why not, naming the first primitive (or output) that
+    breaks it. ``y``, ``x``: pytrees of arrays or ``jax.ShapeDtypeStruct`` with ``bj``
+    and ``bi`` rows first (errors tracing ``g`` propagate).
+
+    >>> import jax.numpy as jnp
+    >>> y, x = jnp.zeros((4, 3)), jnp.zeros((2, 3))
+    >>> separable(lambda yc, xc: yc @ xc.T, y, x) is None
+    True
+    >>> separable(lambda yc, xc: yc @ (xc - xc.mean(0)).T, y, x)
+    'reduce_sum reduces over x rows (axis 0)'
+    """
+    try:
+        bj, bi = _rows(y, "y"), _rows(x, "x")
+        closed, shapes = jax.make_jaxpr(g, return_shape=True)(y, x)
+        args = [
+            (row, *[None] * (len(leaf.shape) - 1))
+            for row, tree in (("j", y), ("i", x))
+            for leaf in jax.tree.leaves(tree)
+        ]
+        ins = [_fix(t, _shape(v)) for t, v in zip(args, closed.jaxpr.invars, strict=True)]
+        outs = _run(closed.jaxpr, ins)
+    except _Refused as e:
+        return str(e)
+    if _signature(closed.jaxpr) != _signature(jax.make_jaxpr(g)(_grown(y), _grown(x)).jaxpr):
+        return (
+            "g computes with its blocks' sizes (its primitives or constants differ between "
+            f"blocks of {bj} x {bi} rows and of {bj + 1} x {bi + 1})"
+        )
+    leaves = jax.tree_util.tree_flatten_with_path(shapes)[0]
+    for k, ((path, leaf), tags) in enumerate(zip(leaves, outs, strict=True)):
+        if (
+            tuple(leaf.shape[:2]) != (bj, bi)
+            or tags[0] not in ("j", "b")
+            or tags[1] not in ("i", "b")
+            or set(tags[2:]) & set(_ROWS)
+        ):
+            where = jax.tree_util.keystr(path) or k
+            return (
+                f"output {where} of shape {leaf.shape} has axes {tags}: y rows must be"
+                f" axis 0 ({bj}), x rows axis 1 ({bi}), or broadcasts, and no other axis"
+            )
+    return None
