@@ -110,7 +110,7 @@ NOT_PAIRWISE = {  # name: (outer function on one x row, oracle, the reason expla
             ]
         ),
         lambda x, y: [jnp.sum(dense(lambda a, b: jnp.sum(a * b), x, y), 1)] * 2,
-        "makes 2 batch_vmap calls",
+        "makes 2 nested batch_vmap/batch_map calls",
     ),
     "reduction function": (
         lambda y: (

@@ -152,16 +152,71 @@ def batch_map(
     Array(285., dtype=float32)
     """
     stripped = _strip_dim0(fun, batch_size, strip_dim0, kwargs)
-    call = _prepare(
-        stripped or fun, fun_input, batch_size, reduction, chunk_reduction, shard, mesh, kwargs
-    )
-    out = _engines.run(_engines.plan(call), call)
+    if stripped is None and chunk_reduction is identity and reduction is None:
+        call, plan, form = _stacking(fun, fun_input, batch_size, shard, mesh, kwargs)
+        if isinstance(form, _nested.Nested):
+            return _pairwise_of_chunks(call, form, mesh)
+        return _engines.run(plan, call)
+
+    def run() -> Any:
+        call = _prepare(
+            stripped or fun, fun_input, batch_size, reduction, chunk_reduction, shard, mesh, kwargs
+        )
+        return _engines.run(_engines.plan(call), call)
+
+    if stripped is None and chunk_reduction is identity and is_monoid_tree(reduction):
+        leaves, treedef = jax.tree.flatten(fun_input)
+        inner = _nested.Inner(
+            lambda rows: fun(jax.tree.unflatten(treedef, rows)),
+            leaves,
+            [0] * len(leaves),
+            reduction,
+            batch_size,
+            True,
+            shard,
+            chunked=True,
+        )
+        return _nested.as_inner(inner, run)
+    out = run()
     combined = reduction is not None and chunk_reduction is identity
     if stripped and combined and not is_monoid_tree(reduction):
         # Rows of one combined directly (as the original library): drop that axis.
         # Monoid objects reduce the row axis themselves.
         out = jax.tree.map(lambda y: y[0], out)
     return out
+
+
+def _stacking(
+    fun: Callable, fun_input: Any, batch_size: Any, shard: bool, mesh: Any, kwargs: dict
+) -> tuple[Call, Plan, _nested.Nested | str | None]:
+    """The plan of a :func:`batch_map` call that stacks its results, made while
+    listening for a pairwise reduction written as nested calls (the per-chunk form:
+    ``_nested``), and that form, or why not (None: no inner call heard)."""
+    check_callable(fun, "fun")  # before it is wrapped
+    leaves, treedef = jax.tree.flatten(fun_input)
+    one = lambda *rows: _nested.heard(lambda: fun(jax.tree.unflatten(treedef, list(rows))))
+    listened = lambda chunk: one(*jax.tree.leaves(chunk))
+    with _nested.listen() as listener:
+        call = _prepare(listened, fun_input, batch_size, None, identity, shard, mesh, kwargs)
+        plan = _engines.plan(call)
+    if not any(listener.seen[:1]):  # no nested call: an ordinary stacking call
+        return call, plan, None
+    rows = [jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)) for a in leaves]
+    return call, plan, _nested.find(listener, one, rows, chunked=True)
+
+
+def _pairwise_of_chunks(call: Call, form: _nested.Nested, mesh: Any, explain: bool = False) -> Any:
+    """The pairwise reduction of nested per-chunk calls (``_stacking``), run or
+    explained."""
+    from ._pairwise import explain_pairwise, pairwise  # _pairwise builds on this module
+
+    x = jax.tree.leaves(call.xs)
+    tiles = _nested.tiles(call.batch_size, form.batch_size, x, form.y)
+    args = (form.pair, x, form.y, form.reduction)
+    if not explain:
+        return pairwise(*args, tiles=tiles, shard=call.shard, mesh=mesh)
+    plan = explain_pairwise(*args, tiles=tiles, shard=call.shard)
+    return dataclasses.replace(plan, reason=f"{plan.reason}; read from nested batch_map calls")
 
 
 def _strip_dim0(fun: Callable, batch_size: Any, strip_dim0: bool, kwargs: Any) -> Any:
@@ -214,9 +269,19 @@ def explain(fun: Callable, fun_input: Any, /, *args: Any, **kwargs: Any) -> Plan
     a = inspect.signature(batch_map).bind(fun, fun_input, *args, **kwargs)
     a.apply_defaults()
     batch_size, options, extra = a.arguments["batch_size"], a.arguments, a.arguments["kwargs"]
-    fun = _strip_dim0(fun, batch_size, options["strip_dim0"], extra) or fun
+    stripped = _strip_dim0(fun, batch_size, options["strip_dim0"], extra)
     reduction, chunk_reduction = options["reduction"], options["chunk_reduction"]
     shard, mesh = options["shard"], options["mesh"]
+    if stripped is None and chunk_reduction is identity and reduction is None:
+        call, _, form = _stacking(fun, fun_input, batch_size, shard, mesh, extra)
+        if isinstance(form, _nested.Nested):
+            return _pairwise_of_chunks(call, form, mesh, explain=True)
+        plan = _engines.explain(call)
+        if form is None:
+            return plan
+        note = f"pairwise engine: not a pairwise reduction written as nested calls: {form}"
+        return dataclasses.replace(plan, notes=(*plan.notes, note))
+    fun = stripped or fun
     call = _prepare(fun, fun_input, batch_size, reduction, chunk_reduction, shard, mesh, extra)
     return _engines.explain(call)
 

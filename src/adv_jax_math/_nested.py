@@ -14,6 +14,16 @@ the inner call's mapped inputs (they do not depend on the outer row). Then it ru
 :func:`pairwise` with ``f(xi, yj)`` = the outer function on ``xi`` where the inner
 call evaluates its own function on the row ``yj`` (a *pair* evaluation), and tiles
 ``(bi, bj)``. Anything else runs as planned; ``explain`` says why.
+
+The per-chunk form is heard the same way::
+
+    out = batch_map(lambda xc: batch_map(lambda yc: g(yc, xc), y, bj, reduction=M), x, bi)
+
+where the outer ``batch_map`` stacks its results and the inner one reduces ``g``'s
+blocks ``(bj, bi, ...)`` over the y rows. Blocks are not pairs: the jaxpr of
+``g(yc, xc)`` must show (``_separable.separable``) that block element ``[b, a]``
+depends on y row ``b`` and x row ``a`` alone; then ``f(xi, yj)`` is ``g`` on a
+block of one row each.
 """
 
 from __future__ import annotations
@@ -29,6 +39,7 @@ import jax.numpy as jnp
 
 from ._plan import target_platform
 from ._recognize import is_monoid_tree
+from ._separable import separable
 
 __all__ = ["Inner", "Nested", "as_inner", "find", "heard", "listen", "tiles"]
 
@@ -64,6 +75,7 @@ class Inner:
     batch_size: Any
     chunk_reduction_is_identity: bool
     shard: bool
+    chunked: bool = False  # a batch_map call: its function on chunks of rows
     out: Any = None
 
 
@@ -128,15 +140,21 @@ def as_inner(inner: Inner, run: Callable[[], Any]) -> Any:
     return inner.out
 
 
-def find(listener: _Listen, one: Callable[..., Any], rows: list) -> Nested | str:
-    """The pairwise form of ``one`` (the outer function on one row: its mapped leaves
-    as positional arguments, ``rows`` their avals) after ``listener`` heard its
-    planning trace, or why it has none."""
+def find(
+    listener: _Listen, one: Callable[..., Any], rows: list, chunked: bool = False
+) -> Nested | str:
+    """The pairwise form of ``one`` (the outer function on one row, or with
+    ``chunked`` on a chunk of rows: its mapped leaves as positional arguments,
+    ``rows`` their avals) after ``listener`` heard its planning trace, or why it has
+    none."""
+    kind, other = ("batch_map", "batch_vmap") if chunked else ("batch_vmap", "batch_map")
     if not listener.seen:
         return "its function was not traced"
     heard = listener.seen[0]
     if len(heard) != 1:
-        return f"its function makes {len(heard)} batch_vmap calls, not one"
+        return f"its function makes {len(heard)} nested batch_vmap/batch_map calls, not one"
+    if heard[0].chunked != chunked:
+        return f"the inner call is a {other}: nest {kind} in {kind}"
     if not is_monoid_tree(heard[0].reduction) or not heard[0].chunk_reduction_is_identity:
         return "the inner call's reduction is not a Monoid (ajm.ADD, ajm.LOGSUMEXP, ...)"
     if heard[0].shard:
@@ -166,11 +184,22 @@ def find(listener: _Listen, one: Callable[..., Any], rows: list) -> Nested | str
     if not all(v in consts for v in closed.jaxpr.outvars):
         return "the inner call's mapped inputs are computed in the outer function; close over them"
 
+    y = [jnp.moveaxis(a, axis, 0) for a, axis in zip(inner.mapped, inner.axes, strict=True)]
+
     def pair(x_row: list, y_row: list) -> Any:
         with _mode(_Pair(y_row)):
             return one(*x_row)
 
-    y = [jnp.moveaxis(a, axis, 0) for a, axis in zip(inner.mapped, inner.axes, strict=True)]
+    if chunked:  # blocks of one row each: first show that g's blocks are pairwise
+        block = lambda yc, xc: pair(xc, yc)
+        why = separable(block, [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in y], rows)
+        if why is not None:
+            return f"the inner call's blocks are not shown to be pairs: {why}"
+        one_row = lambda rows: [r[None] for r in rows]
+        corner = lambda x_row, y_row: jax.tree.map(
+            lambda o: o[0, 0], pair(one_row(x_row), one_row(y_row))
+        )
+        return Nested(corner, y, inner.reduction, inner.batch_size)
     return Nested(pair, y, inner.reduction, inner.batch_size)
 
 

@@ -1,0 +1,131 @@
+"""Pairwise reductions written as nested per-chunk ``batch_map`` calls take the pairwise
+engine when the jaxpr shows the blocks are pairs.
+
+``batch_map(lambda xc: batch_map(lambda yc: g(yc, xc), y, bj, reduction=M), x, bi)``
+with ``g`` returning ``(bj, bi, ...)`` blocks is read as ``pairwise`` of ``g`` on blocks
+of one row each, once ``_separable`` shows that block element ``[b, a]`` depends on y
+row ``b`` and x row ``a`` alone: values and gradients against the dense plain-JAX
+oracle on every CPU engine; the forms that are not pairwise (rows mixed, the result
+post-processed, ``y`` computed from the chunk, a ``batch_vmap`` inside) computed as
+written, with the reason in ``explain``.
+"""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from helpers import assert_tree_close
+from test_pairwise import CASES, ENGINES, TILES, dense, inputs, sqdist
+
+import adv_jax_math as ajm
+
+# (a top-k is not: its result puts the k slots first, which the outer call cannot stack)
+NAMES = ["logsumexp", "min_argmin", "argmin", "weighted_logsumexp", "var", "pytree"]
+
+
+def blocks(f):
+    """``f`` written for one pair, as a user writes it for blocks: ``(bj, bi, ...)``."""
+    return lambda yc, xc: jax.vmap(lambda yj: jax.vmap(lambda xi: f(xi, yj))(xc))(yc)
+
+
+def per_chunk(g, reduction, y, tiles=TILES):
+    bi, bj = tiles
+    outer = lambda xc: ajm.batch_map(lambda yc: g(yc, xc), y, bj, reduction=reduction)
+    return outer, bi
+
+
+@pytest.mark.parametrize("backend", list(ENGINES))
+@pytest.mark.parametrize("name", NAMES)
+def test_per_chunk_calls_take_the_pairwise_engine(name, backend):
+    reduction, f, want = CASES[name]
+    x, y = inputs()
+    outer, bi = per_chunk(blocks(f), reduction, y)
+    with ajm.config(backend=backend):
+        plan = ajm.explain(outer, x, bi)
+        got = jax.jit(lambda x: ajm.batch_map(outer, x, bi))(x)
+    assert isinstance(plan, ajm.PairwisePlan), str(plan)
+    assert plan.engine == ENGINES[backend] and plan.tiles == TILES, str(plan)
+    assert "read from nested batch_map calls" in plan.reason, str(plan)
+    assert_tree_close(got, want(dense(f, x, y)), rtol=2e-5, atol=2e-5)
+
+
+def test_the_issues_form_with_broadcasting():
+    # written with broadcasting, not vmap: (bj, 1, D) - (1, bi, D) summed over D
+    x, y = inputs()
+    g = lambda yc, xc: -jnp.sum((yc[:, None] - xc[None]) ** 2, -1)
+    outer, bi = per_chunk(g, ajm.LOGSUMEXP, y)
+    plan = ajm.explain(outer, x, bi)
+    assert plan.engine == ENGINES["auto"], str(plan)
+    want = jax.nn.logsumexp(dense(lambda a, b: -sqdist(a, b), x, y), 1)
+    assert_tree_close(ajm.batch_map(outer, x, bi), want, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("backend", list(ENGINES))
+def test_per_chunk_gradients_match_dense_oracle(backend):
+    # w.r.t. x, y and a closed-over scale
+    reduction, f, want = CASES["logsumexp"]
+    x, y = inputs()
+    scaled = lambda s: lambda a, b: f(a, b) * s
+    loss = lambda run: lambda s, x, y: jnp.sum(jnp.sin(run(scaled(s), x, y)))
+
+    def ours(g, x, y):
+        outer, bi = per_chunk(blocks(g), reduction, y)
+        return ajm.batch_map(outer, x, bi)
+
+    with ajm.config(backend=backend):
+        got = jax.grad(loss(ours), argnums=(0, 1, 2))(0.7, x, y)
+    expect = jax.grad(loss(lambda g, x, y: want(dense(g, x, y))), argnums=(0, 1, 2))(0.7, x, y)
+    assert_tree_close(got, expect, rtol=2e-4, atol=2e-4)
+
+
+def _mixes_x_rows(y):
+    g = lambda yc, xc: -sqdist_blocks(yc, xc - xc.mean(0))
+    return lambda xc: ajm.batch_map(lambda yc: g(yc, xc), y, 16, reduction=ajm.LOGSUMEXP)
+
+
+def _post_processed(y):
+    g = lambda yc, xc: -sqdist_blocks(yc, xc)
+    return lambda xc: 2 * ajm.batch_map(lambda yc: g(yc, xc), y, 16, reduction=ajm.LOGSUMEXP)
+
+
+def _y_from_the_chunk(y):
+    g = lambda yc, xc: -sqdist_blocks(yc, xc)
+    return lambda xc: ajm.batch_map(lambda yc: g(yc, xc), y + xc[0], 16, reduction=ajm.LOGSUMEXP)
+
+
+def _batch_vmap_inside(y):
+    inner = lambda xc: ajm.batch_vmap(
+        lambda yj: -jnp.sum((xc - yj) ** 2, -1), batch_size=16, reduction=ajm.LOGSUMEXP
+    )(y)
+    return inner
+
+
+def sqdist_blocks(yc, xc):
+    return jnp.sum((yc[:, None] - xc[None]) ** 2, -1)
+
+
+OTHERS = {
+    "mixes x rows": (_mixes_x_rows, "not shown to be pairs"),
+    "post-processed": (_post_processed, "does not return the inner call's result as is"),
+    "y from the chunk": (_y_from_the_chunk, "computed in the outer function"),
+    "batch_vmap inside": (_batch_vmap_inside, "the inner call is a batch_vmap"),
+}
+
+
+@pytest.mark.parametrize("name", list(OTHERS))
+def test_other_forms_run_as_written_and_say_why(name):
+    make, why = OTHERS[name]
+    x, y = inputs()
+    x = x[:32]  # whole chunks of 8 (a function mixing rows sees exactly these)
+    outer = make(y)
+    plan = ajm.explain(outer, x, 8)
+    assert not isinstance(plan, ajm.PairwisePlan), str(plan)
+    assert any(why in note for note in plan.notes), str(plan)
+    want = jnp.concatenate([outer(x[i : i + 8]) for i in range(0, x.shape[0], 8)])
+    assert_tree_close(ajm.batch_map(outer, x, 8), want, rtol=2e-5, atol=2e-5)
+
+
+def test_plain_stacking_calls_are_unchanged():
+    x = jnp.arange(12.0).reshape(6, 2)
+    plan = ajm.explain(lambda c: c**2, x, 4)
+    assert not any("pairwise" in note for note in plan.notes), str(plan)
+    assert_tree_close(ajm.batch_map(lambda c: c**2, x, 4), x**2)
