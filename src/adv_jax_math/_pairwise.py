@@ -13,6 +13,9 @@ row's monoid state carried across the y tiles. The engines:
 * ``pairwise scan``: x tiles in a chunked ``vmap``, y tiles in a chunked monoid
   reduction (:func:`batch_vmap` of :func:`batch_map`), each tile rematerialized in a
   gradient: O(bi * bj) memory forward and backward; every ``f``, and ``shard=True``;
+* ``pairwise scan (y over devices)`` for ``shard="y"``: :func:`batch_map` over the y
+  rows spread over the devices, each chunk the block of its y rows by every x row,
+  the devices' monoid states merged;
 * ``pairwise kernel (gpu)`` / ``(tpu)``: the tile kernel (``kernels/pairwise_device.py``,
   ``f``'s features unrolled so every value is 2-D), the default on GPU/TPU where it
   tiles ``f`` and compiles at its tiles; ``backend="interpret"`` runs it in interpret
@@ -42,6 +45,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from . import _config
 from ._api import batch_map, batch_vmap
 from ._monoid import Monoid, MonoidReduction
+from ._monoids_exponential import SoftmaxWeighted
 from ._pairwise_grad import Pairs, fused
 from ._pairwise_kernel import first_row, layout_problem, recognized
 from ._plan import target_platform
@@ -99,7 +103,7 @@ def pairwise(
     reduction: Monoid | Any,
     *,
     tiles: tuple[int, int] | str = "auto",
-    shard: bool = False,
+    shard: bool | str = False,
     mesh: jax.sharding.Mesh | None = None,
     columns: Monoid | Any | None = None,
 ) -> Any:
@@ -124,11 +128,15 @@ def pairwise(
         of at most 8192 rows, at most 2^20 pairs); on GPU ``(64, 64)`` and on TPU
         ``(512, 256)`` for the tile kernel (GPU tiles are powers of two; on TPU
         multiples of 128).
-    shard : bool
-        Spread the rows of ``x`` over the devices of ``mesh`` (each device reduces
-        its own x rows over all of ``y``), as ``batch_vmap(..., shard=True)``.
+    shard : bool or "x" or "y"
+        ``True`` (or ``"x"``): spread the rows of ``x`` over the devices of ``mesh``
+        (each device reduces its own x rows over all of ``y``), as
+        ``batch_vmap(..., shard=True)``. ``"y"``: spread the rows of ``y`` (for a
+        ``y`` too large for one device): each device reduces every x row over its own
+        y rows, in chunks of ``bj`` y rows by all ``N`` x rows, and the devices'
+        monoid states are merged (not softmax-weighted sums).
     mesh : jax.sharding.Mesh or None
-        The mesh for ``shard=True`` (default: the one of ``jax.set_mesh``, else all
+        The mesh for ``shard`` (default: the one of ``jax.set_mesh``, else all
         devices).
     columns : Monoid or pytree of Monoid or None
         Also reduce over ``i`` for every ``j`` (both marginals of the pairwise matrix,
@@ -172,13 +180,15 @@ def pairwise(
 
 
 def _pairwise(
-    f: Callable, x: Any, y: Any, reduction: Any, tiles: Any, shard: bool, mesh: Any
+    f: Callable, x: Any, y: Any, reduction: Any, tiles: Any, shard: bool | str, mesh: Any
 ) -> Any:
     """One pass: ``reduction`` over ``j`` of ``f(x_i, y_j)``, for every ``i``."""
     plan, red, layout = _plan(f, x, y, reduction, tiles, shard)
+    if plan.engine == _SCAN_Y:
+        return _scan_y(f, x, y, red, reduction, plan.tiles[1], mesh)
     y = jax.tree.map(_whole, y)
     if plan.engine == _SCAN and shard:
-        return _scan(f, x, y, reduction, plan.tiles, shard=shard, mesh=mesh)
+        return _scan(f, x, y, reduction, plan.tiles, shard=True, mesh=mesh)
     if plan.engine == _SCAN:
         # x whole too: jax (0.12) cannot vmap a loop over rows split on Explicit axes;
         # the result's rows are split as x's were
@@ -196,7 +206,7 @@ def explain_pairwise(
     reduction: Monoid | Any,
     *,
     tiles: tuple[int, int] | str = "auto",
-    shard: bool = False,
+    shard: bool | str = False,
     columns: Monoid | Any | None = None,
 ) -> PairwisePlan:
     """The plan :func:`pairwise` would run for these arguments (``x`` and ``y`` may
@@ -212,6 +222,7 @@ def explain_pairwise(
 
 
 _SCAN, _KERNEL, _TILES = "pairwise scan", "pairwise kernel (interpret)", "pairwise tiles (xla)"
+_SCAN_Y = "pairwise scan (y over devices)"
 
 
 def _column_pass(f: Callable, tiles: Any) -> tuple[Callable, Any]:
@@ -286,18 +297,20 @@ def _sort_tiles(n: int, m: int) -> tuple[int, int]:
 
 
 def _plan(
-    f: Callable, x: Any, y: Any, reduction: Any, tiles: Any, shard: bool
+    f: Callable, x: Any, y: Any, reduction: Any, tiles: Any, shard: bool | str
 ) -> tuple[PairwisePlan, MonoidReduction, Layout | None]:
     """The plan, the terms over ``j`` it recognized in ``reduction``, and the kernel's
     tile layout (None: the interpret kernel, or no kernel)."""
-    if not isinstance(shard, bool):
-        raise TypeError(f"pairwise: shard={shard!r} must be a bool")
+    if shard not in (False, True, "x", "y"):
+        raise TypeError(f"pairwise: shard={shard!r}; pass False, True (or 'x'), or 'y'")
     _check_monoids(reduction, "reduction")
     n, m = _rows(x, "x"), _rows(y, "y")
     bi, bj = _tiles(tiles, n, m)
     red = recognized(f, x, y, reduction, max(bj, 1))
     red.check_rows(m)
     what = ", ".join(dict.fromkeys(leaf.monoid.name for leaf in red.leaves))
+    if shard == "y" and n and m:
+        return _plan_y(n, m, tiles, what, red), red, None
     backend, platform = _config.current().backend, target_platform()
     tiles_why = None
     if not (n and m):
@@ -350,6 +363,24 @@ def _plan(
     if tiles_why is not None:
         rejected += ((_TILES, tiles_why),)
     return PairwisePlan(n, m, (bi, bj), what, _SCAN, why, rejected), red, None
+
+
+def _plan_y(n: int, m: int, tiles: Any, what: str, red: MonoidReduction) -> PairwisePlan:
+    """The plan for ``shard="y"``: chunks of ``bj`` y rows by every x row on each
+    device (``tiles``' ``bj``; "auto": at most 2^18 pairs and a device's share)."""
+    if any(isinstance(leaf.monoid, SoftmaxWeighted) for leaf in red.leaves):
+        raise NotImplementedError(
+            "pairwise: shard='y' does not take softmax-weighted sums yet (their values would "
+            "be weighed by every x row's scores); use shard=True, which spreads the x rows"
+        )
+    d = jax.device_count()
+    bj = max(1, min(-(-m // d), TILE_ELEMENTS // n)) if tiles == "auto" else tiles[1]
+    why = (
+        f"the y rows spread over the devices (shard='y'): each reduces every x row over its "
+        f"own y rows, in chunks of {bj} y rows by all {n} x rows; the devices' states merged"
+    )
+    lost = (("pairwise kernel", "shard='y': the kernel does not spread over devices yet"),)
+    return PairwisePlan(n, m, (n, bj), what, _SCAN_Y, why, lost)
 
 
 DEVICE_TILES = {"gpu": (64, 64), "tpu": (512, 256)}  # (bi, bj) of an "auto" tile kernel
@@ -408,6 +439,24 @@ def _scan(
     # batched beyond what its compile probe checked (Mosaic refused them on TPU)
     with _config.config(backend="scan"):
         return run()
+
+
+def _scan_y(
+    f: Callable, x: Any, y: Any, red: MonoidReduction, reduction: Any, bj: int, mesh: Any
+) -> Any:
+    """``shard="y"``: :func:`batch_map` over the y rows spread over the devices (each
+    device's monoid states merged across them), each chunk the block of its ``bj`` y
+    rows by every x row, x rows on the minor axis. A result with the monoid's own
+    axes first (top-k's ``(k, N)``) is turned to have the x rows first."""
+    block = lambda yc: jax.vmap(lambda yj: jax.vmap(lambda xi: f(xi, yj))(x))(yc)
+    out = batch_map(block, y, bj, reduction=reduction, shard=True, mesh=mesh)
+    n = jax.tree.leaves(x)[0].shape[0]
+    per_row = [jax.tree.leaves(leaf.out) for leaf in red.leaves]
+    flat = [
+        o if o.shape == (n, *w.shape) else jnp.moveaxis(o, 1, 0)
+        for o, w in zip(jax.tree.leaves(out), [w for ws in per_row for w in ws], strict=True)
+    ]
+    return jax.tree.unflatten(jax.tree.structure(out), flat)
 
 
 # -- the kernel engine (``_pairwise_kernel``; its derivatives: ``_pairwise_grad``) ---------
