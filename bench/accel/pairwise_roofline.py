@@ -137,10 +137,12 @@ How the model counts (the module's note has the rest):
   2080 Ti) x 13.4 TFLOP/s (the 2080 Ti's f32 peak) / the device's non-tensor-core f32
   peak: a scaling of their figure, not a run of KeOps. No published KeOps figure exists
   for TPUs (KeOps runs on CUDA only) nor, in our sources, for its gradient at this size.
-- **attention rows**: the tile kernel does not take softmax-weighted sums yet (the planner
-  runs them on the scan engine), nor values wider than one per pair: these rows model the
-  tile kernel as if it did. **cross-entropy rows**: the logsumexp of the vocabulary's
-  logits only (the label's logit is a gather), D = 4096 features unrolled per pair.
+- **attention rows**: the tile kernel takes softmax-weighted sums of a vector per pair
+  (one fold per value element), but the planner keeps the scan engine's matmul for a
+  dot over 16 or more features: these rows model the tile kernel as if it took the
+  dot over D features unrolled. **cross-entropy rows**: the logsumexp of the
+  vocabulary's logits only (the label's logit is a gather), D = 4096 features unrolled
+  per pair (the same rule keeps the scan engine there).
 - **same flops at matmul peak**: the model's flops at `Device.peak` (TF32 / bf16 matmul
   units), for scale: what a dot-based kernel (flash attention, a fused cross-entropy)
   is bounded by; the tile kernel cannot reach it.
