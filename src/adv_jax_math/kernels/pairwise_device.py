@@ -18,8 +18,10 @@ Each term's monoid folds the ``bj`` rows of a tile into one state per ``x`` row
 * ``"xla"``: the ``"gpu"`` loops in plain XLA, no Pallas (the CPU engine: XLA:CPU
   vectorizes the tiles, where ``f``'s small feature axes as the minor axis it does not).
 
-Both run in interpret mode on CPU (tests). Only terms with one value per pair
-(scalar sources) are taken; :class:`unrolled.NotUnrolled` says why not otherwise.
+Both run in interpret mode on CPU (tests). A vector per pair is folded one element
+per tile (a softmax-weighted sum: its score with each value), the states joined after
+the loops; softmax-weighted sums of several scores per pair only in XLA, each x row
+folding its own. :class:`unrolled.NotUnrolled` says what is not taken.
 """
 
 from __future__ import annotations
