@@ -4,7 +4,7 @@
 4-device mesh of either axis type, with and without ``jax.set_mesh``: every engine
 (scan, interpret kernel, ``shard=True``) and the nested form give the dense oracle's
 value and gradient, and so does the interpret kernel where the tile kernel does not
-take ``f`` (softmax-weighted sums of several scores per pair). Two combinations fail,
+take ``f`` (a primitive its unrolled evaluator lacks). Two combinations fail,
 marked as strict xfails: ``shard=True`` under an Explicit context mesh (a bug of ours, also without
 pairwise), and nested calls over rows split on Explicit axes (jax cannot vmap a loop
 there).
@@ -68,13 +68,14 @@ def test_every_engine_on_meshes_matches_dense(axis_type, spec, set_mesh):
 @pytest.mark.parametrize("set_mesh", [False, True], ids=["no_mesh", "set_mesh"])
 @pytest.mark.parametrize("spec", [P(), P("x")], ids=["P()", "P(x)"])
 def test_interpret_kernel_on_an_explicit_mesh(spec, set_mesh):
-    # softmax-weighted sums of several scores per pair: not tiled, the interpret kernel (under
+    # a cumsum in f: not unrolled, so not tiled; the interpret kernel (under
     # shard_map with whole arguments) runs forward and in the reverse pass
     mesh = jax.make_mesh((4,), ("x",), axis_types=(AxisType.Explicit,))
     host_x = jnp.linspace(-2.0, 2.0, N * 3).reshape(N, 3)
     host_y = jnp.cos(jnp.arange(M * 3.0)).reshape(M, 3)
     x, y = (jax.device_put(a, NamedSharding(mesh, spec)) for a in (host_x, host_y))
-    reduction, f, want = CASES["softmax_two_heads"]
+    reduction, _, want = CASES["softmax_weighted"]
+    f = lambda a, b: (-jnp.sum((a - b) ** 2), jnp.cumsum(b)[:2])
     loss = lambda run: lambda x, y: jnp.sum(jnp.sin(run(x, y)))
     ours = lambda x, y: ajm.pairwise(f, x, y, reduction, tiles=(4, 8))
     with (

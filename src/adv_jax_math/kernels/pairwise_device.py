@@ -19,9 +19,8 @@ Each term's monoid folds the ``bj`` rows of a tile into one state per ``x`` row
   vectorizes the tiles, where ``f``'s small feature axes as the minor axis it does not).
 
 Both run in interpret mode on CPU (tests). A vector per pair is folded one element
-per tile (a softmax-weighted sum: its score with each value), the states joined after
-the loops; softmax-weighted sums of several scores per pair only in XLA, each x row
-folding its own. :class:`unrolled.NotUnrolled` says what is not taken.
+per tile (a softmax-weighted sum: each score with each value), the states joined
+after the loops. :class:`unrolled.NotUnrolled` says what is not taken.
 """
 
 from __future__ import annotations
@@ -38,7 +37,7 @@ from jax.experimental import pallas as pl
 
 from .._monoid import MonoidReduction, index_dtype
 from .pairwise import _pad_rows
-from .unrolled import NotUnrolled, evaluate, stack
+from .unrolled import NotUnrolled, evaluate
 
 __all__ = ["DEVICE_KERNEL_NAME", "Layout", "device_states"]
 
@@ -72,14 +71,6 @@ def device_states(
     n, m = xs[0].shape[0], ys[0].shape[0]
     xt, yt = pl.cdiv(n, bi), pl.cdiv(m, bj)
     fast = layout.kind == "xla"  # not in a kernel: the monoids' fast folds
-    # a softmax-weighted sum with several scores per pair: its result is the scores'
-    # items by the values', the x rows items of both; each x row folds its own
-    # (vmapped; in XLA only)
-    outer = [
-        _softmax(leaf) and _size(jaxpr.outvars[leaf.sources[0]].aval) != 1 for leaf in red.leaves
-    ]
-    if any(outer) and not fast:
-        raise NotUnrolled("softmax-weighted sums of several scores per pair are not tiled yet")
     # x features as rows (1, N'), y features as columns (M', 1); N', M' whole tiles
     # (copies of the last row: f sees real rows only; padded y rows are filled below).
     x_rows = [r[None] for a in xs for r in _pad_rows(a, xt * bi).reshape(xt * bi, -1).T]
@@ -116,32 +107,28 @@ def device_states(
                 src, w = leaf.monoid.without(src, kept, keep)
             return leaf.fold(src, j.astype(index_dtype()), w, fast=fast)
 
-        states = []
-        for leaf, apart in zip(red.leaves, outer, strict=True):
-            objs_read = [values[s] for s in leaf.sources]
-            if apart:  # each x row folds its own: values (bj, bi, *their shape per pair)
-                src = [stack(o, (bj, bi)) for o in objs_read]
-                states.append(jax.vmap(lambda *s, leaf=leaf: fold(leaf, list(s)), 1)(*src))
-            else:  # one state per element of the values per pair, each a 2-D tile
-                part, elements = _elements(leaf, objs_read)
-                states.append([fold(part, [tile2d(e) for e in es]) for es in elements])
+        states = []  # per term: one state per element of its values per pair (2-D tiles)
+        for leaf in red.leaves:
+            part, elements = _elements(leaf, [values[s] for s in leaf.sources])
+            states.append([fold(part, [tile2d(e) for e in es]) for es in elements])
         return states
 
     def merge(a: list, b: list) -> list:
-        out = []
-        for leaf, apart, u, v in zip(red.leaves, outer, a, b, strict=True):
-            merge = leaf.monoid.merge
-            out.append(
-                jax.vmap(merge)(u, v) if apart else [merge(p, q) for p, q in zip(u, v, strict=True)]
-            )
-        return out
+        return [
+            [leaf.monoid.merge(p, q) for p, q in zip(u, v, strict=True)]
+            for leaf, u, v in zip(red.leaves, a, b, strict=True)
+        ]
 
     def joined(states: list) -> list:
         """Each term's state: its elements' states joined (see ``_elements``)."""
-        shapes = [jaxpr.outvars[leaf.sources[-1]].aval.shape for leaf in red.leaves]
+        shapes = [
+            tuple(jaxpr.outvars[s].aval.shape for s in leaf.sources)
+            if _softmax(leaf)
+            else jaxpr.outvars[leaf.sources[-1]].aval.shape
+            for leaf in red.leaves
+        ]
         return [
-            s if apart else _join(leaf, s, shape)
-            for leaf, apart, s, shape in zip(red.leaves, outer, states, shapes, strict=True)
+            _join(leaf, s, shape) for leaf, s, shape in zip(red.leaves, states, shapes, strict=True)
         ]
 
     c_avals = [jax.ShapeDtypeStruct((), c.dtype) for c in flat_consts for _ in range(c.size)]
@@ -253,8 +240,8 @@ def _xla(
     return [s.reshape(-1, *s.shape[2:]) for s in jax.tree.leaves(states)]
 
 
-def _size(aval: Any) -> int:
-    return int(np.prod(aval.shape, dtype=np.int64))
+def _size_of(shape: tuple) -> int:
+    return int(np.prod(shape, dtype=np.int64))
 
 
 def _softmax(leaf: Any) -> bool:
@@ -265,14 +252,14 @@ def _elements(leaf: Any, objs: Sequence[np.ndarray]) -> tuple[Any, list[tuple]]:
     """A term as folds of one value per pair each: the term to fold them with, and
     each fold's sources. A vector per pair is folded element by element, each on its
     own 2-D tile (stacked, its axis would be the tile's minor one again); a
-    softmax-weighted sum of one score per pair, once per value (each fold the score
-    and one value: their states' maxima and norms are the same computation)."""
+    softmax-weighted sum once per score and value (each fold one score and one value:
+    the maxima and norms of one score's folds are the same computation)."""
     if leaf.axis != 0:
         raise NotUnrolled(f"a term reduces every axis ({leaf}), not the pairs'")
-    if _softmax(leaf):
-        score, values = objs
+    if _softmax(leaf):  # every score with every value, scores first
+        scores, values = objs
         paired = dataclasses.replace(leaf, monoid=leaf.monoid.paired())
-        return paired, [(score.reshape(-1)[0], v) for v in values.reshape(-1)]
+        return paired, [(s, v) for s in scores.reshape(-1) for v in values.reshape(-1)]
     if any(o.shape != objs[0].shape for o in objs):
         raise NotUnrolled(f"a term reads values of shapes {[o.shape for o in objs]}")
     return leaf, list(zip(*(o.reshape(-1) for o in objs), strict=True))
@@ -282,11 +269,13 @@ def _join(leaf: Any, parts: list, shape: tuple) -> Any:
     """A term's state, from the states of its elements (``_elements``) for every x
     row (leading axis ``N``): stacked after the rows, as the values per pair are
     (a softmax-weighted sum's maxima and norms taken once, its sums stacked)."""
-    stacked = lambda *p: jnp.stack(p, 1).reshape(p[0].shape[0], *shape, *p[0].shape[1:])
-    if _softmax(leaf):
-        top, norm, lost, *_ = parts[0]
-        return top, norm, lost, stacked(*(p[3] for p in parts)), stacked(*(p[4] for p in parts))
-    return jax.tree.map(stacked, *parts)
+    stacked = lambda shape, *p: jnp.stack(p, 1).reshape(p[0].shape[0], *shape)
+    if _softmax(leaf):  # parts: scores by values; maxima and norms once per score
+        (s_shape, v_shape), k = shape, _size_of(shape[1])
+        per_score = [stacked(s_shape, *(p[i] for p in parts[::k])) for i in range(3)]
+        sums = [stacked((*s_shape, *v_shape), *(p[i] for p in parts)) for i in (3, 4)]
+        return (*per_score, *sums)
+    return jax.tree.map(lambda *p: stacked((*shape, *p[0].shape[1:]), *p), *parts)
 
 
 def _column(row: jax.Array) -> jax.Array:

@@ -10,7 +10,7 @@ Mosaic lays out badly (``D`` on the 128 lanes). Here every per-pair array of sha
 for both, scalars for constants. Each primitive of the jaxpr acts on the elements:
 elementwise ones element by element (broadcast to a common shape), structural ones
 (``reshape``, ``slice``, ``broadcast_in_dim``, ``transpose``, ``concatenate``,
-``unstack``) on the object array, reductions and ``dot_general`` as sums of elements.
+``split``, ``unstack``) on the object array, reductions and ``dot_general`` as sums of elements.
 KeOps unrolls its formulas over the feature dimension the same way.
 
 :func:`evaluate` raises :class:`NotUnrolled` naming the first primitive it cannot
@@ -222,6 +222,9 @@ def evaluate(jaxpr: Any, consts: Sequence[np.ndarray], args: Sequence[np.ndarray
         elif name == "unstack":  # (of a cotangent's rows: softmax-weighted sums)
             a, axis = invals[0], eqn.params["axis"]
             outs = [np.squeeze(s, axis) for s in np.split(a, a.shape[axis], axis)]
+        elif name == "split":  # (a softmax-weighted sum's reverse pass)
+            at = np.cumsum(eqn.params["sizes"])[:-1]
+            outs = np.split(invals[0], at, eqn.params["axis"])
         elif (out := _structural(name, eqn, invals)) is not None:
             outs = [out]
         else:
