@@ -134,7 +134,7 @@ def pairwise(
         ``batch_vmap(..., shard=True)``. ``"y"``: spread the rows of ``y`` (for a
         ``y`` too large for one device): each device reduces every x row over its own
         y rows, in chunks of ``bj`` y rows by all ``N`` x rows, and the devices'
-        monoid states are merged (not softmax-weighted sums).
+        monoid states are merged.
     mesh : jax.sharding.Mesh or None
         The mesh for ``shard`` (default: the one of ``jax.set_mesh``, else all
         devices).
@@ -310,7 +310,7 @@ def _plan(
     red.check_rows(m)
     what = ", ".join(dict.fromkeys(leaf.monoid.name for leaf in red.leaves))
     if shard == "y" and n and m:
-        return _plan_y(n, m, tiles, what, red), red, None
+        return _plan_y(n, m, tiles, what), red, None
     backend, platform = _config.current().backend, target_platform()
     tiles_why = None
     if not (n and m):
@@ -365,14 +365,9 @@ def _plan(
     return PairwisePlan(n, m, (bi, bj), what, _SCAN, why, rejected), red, None
 
 
-def _plan_y(n: int, m: int, tiles: Any, what: str, red: MonoidReduction) -> PairwisePlan:
+def _plan_y(n: int, m: int, tiles: Any, what: str) -> PairwisePlan:
     """The plan for ``shard="y"``: chunks of ``bj`` y rows by every x row on each
     device (``tiles``' ``bj``; "auto": at most 2^18 pairs and a device's share)."""
-    if any(isinstance(leaf.monoid, SoftmaxWeighted) for leaf in red.leaves):
-        raise NotImplementedError(
-            "pairwise: shard='y' does not take softmax-weighted sums yet (their values would "
-            "be weighed by every x row's scores); use shard=True, which spreads the x rows"
-        )
     d = jax.device_count()
     bj = max(1, min(-(-m // d), TILE_ELEMENTS // n)) if tiles == "auto" else tiles[1]
     why = (
@@ -448,6 +443,12 @@ def _scan_y(
     device's monoid states merged across them), each chunk the block of its ``bj`` y
     rows by every x row, x rows on the minor axis. A result with the monoid's own
     axes first (top-k's ``(k, N)``) is turned to have the x rows first."""
+    if any(isinstance(leaf.monoid, SoftmaxWeighted) for leaf in red.leaves):
+        # its values are weighed by their own x row's scores only: each x row its own
+        # reduction (vmapped; the x rows then on the major axis)
+        per_x = lambda xi: jax.vmap(lambda yj: f(xi, yj))
+        run = lambda xi: batch_map(per_x(xi), y, bj, reduction=reduction, shard=True, mesh=mesh)
+        return jax.vmap(run)(x)
     block = lambda yc: jax.vmap(lambda yj: jax.vmap(lambda xi: f(xi, yj))(x))(yc)
     out = batch_map(block, y, bj, reduction=reduction, shard=True, mesh=mesh)
     n = jax.tree.leaves(x)[0].shape[0]
