@@ -29,7 +29,6 @@ Ratios are the other engine's time (memory) over ours: > 1 means ours is faster
 
 from __future__ import annotations
 
-import json
 import re
 import sys
 import time
@@ -46,6 +45,7 @@ from report import (
     mib,
     publish,
     range_text,
+    save,
     table,
     tree_state,
 )
@@ -416,13 +416,9 @@ def main() -> None:
     data["var_errors"] = bm.var_errors(var, seeds)
     data["ratios"] = ratios(data["records"])
     finish_run(data, tree, start)
-    out.mkdir(parents=True, exist_ok=True)
-    section = readme_section(data)
-    (out / "monoids.json").write_text(json.dumps(data, indent=1) + "\n")
-    (out / "monoids.md").write_text(markdown(data) + "\n")
-    print(markdown(data))
+    save(out, "monoids", data, markdown(data))
     publish(
-        section,
+        readme_section(data),
         data,
         quick=args.quick,
         allow_dirty=args.allow_dirty,

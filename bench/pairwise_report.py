@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
-import json
 import os
 import sys
 import time
@@ -44,7 +43,7 @@ import bench_pairwise as bp
 import jax
 import numpy as np
 from _timing import Timing, staged
-from report import arguments, finish_run, machine, publish, table, tree_state
+from report import arguments, finish_run, machine, publish, save, table, tree_state
 
 HERE = Path(__file__).resolve().parent
 BEGIN, END = "<!-- pairwise-bench:begin -->", "<!-- pairwise-bench:end -->"
@@ -322,13 +321,10 @@ def main() -> None:
         if text not in data["descriptions"]:
             data["descriptions"].append(text)
     finish_run(data, tree, start)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "pairwise.json").write_text(json.dumps(data, indent=1, default=_json) + "\n")
-    (out / "pairwise.md").write_text(markdown(data))
-    print(markdown(data))
-    section = markdown(data).split("\n", 2)[2]  # without its title
+    text = markdown(data)
+    save(out, "pairwise", data, text, default=_json)
     publish(
-        section,
+        text.split("\n", 2)[2],  # without its title
         data,
         quick=args.quick,
         allow_dirty=args.allow_dirty,

@@ -37,6 +37,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import jax
 import matplotlib
@@ -572,6 +573,15 @@ def finish_run(data: dict, tree: dict, start: float) -> None:
         data["machine"]["commit"] = tree["commit"] + "-dirty"
 
 
+def save(out: Path, name: str, data: dict, text: str, default: Any = None) -> None:
+    """A run's records as ``out/<name>.json`` (``default``: ``json.dumps``' for what
+    it cannot write) and their markdown ``text`` as ``out/<name>.md``, printed."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(data, indent=1, default=default) + "\n")
+    (out / f"{name}.md").write_text(text.rstrip("\n") + "\n")
+    print(text)
+
+
 def publish(
     section: str,
     data: dict,
@@ -671,13 +681,10 @@ def main() -> None:
     data["grad_memory_vs_n"] = grad_memory_vs_n(s)
     data["goals"] = goals(data["ratios"], data["grad_memory_vs_n"], data["records"])
     finish_run(data, tree, start)
-    out.mkdir(parents=True, exist_ok=True)
+    save(out, "results", data, markdown(data))
     section = readme_section(data)
-    (out / "results.json").write_text(json.dumps(data, indent=1) + "\n")
-    (out / "results.md").write_text(markdown(data) + "\n")
     (out / "README_section.md").write_text(section)
     plots(data, out)
-    print(markdown(data))
     publish(section, data, quick=s.quick, allow_dirty=args.allow_dirty, what="performance section")
 
 
