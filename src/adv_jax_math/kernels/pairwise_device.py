@@ -36,6 +36,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from .._monoid import MonoidReduction, index_dtype
+from .._monoids_exponential import SoftmaxWeighted
 from .pairwise import _pad_rows
 from .unrolled import NotUnrolled, evaluate
 
@@ -245,7 +246,7 @@ def _size_of(shape: tuple) -> int:
 
 
 def _softmax(leaf: Any) -> bool:
-    return leaf.monoid.name.startswith("softmax_weighted")
+    return isinstance(leaf.monoid, SoftmaxWeighted)
 
 
 def _elements(leaf: Any, objs: Sequence[np.ndarray]) -> tuple[Any, list[tuple]]:
