@@ -396,3 +396,22 @@ def test_shard_spreads_x_rows_over_devices(name):
     assert_tree_close(
         g, jax.grad(lambda x: loss(lambda x: want(dense(f, x, y)), x))(x), rtol=2e-4, atol=2e-4
     )
+
+
+@pytest.mark.parametrize("backend", list(ENGINES))
+def test_heads_with_special_rows_match_jax(backend):
+    # two softmax heads over a vector, each folded on its own tile: a NaN x row, and an
+    # x row whose first head's scores are all -inf (NaN, as jax.nn.softmax gives)
+    x = jnp.array([[0.0, 0.0], [1.0, 1.0], [jnp.nan, 0.0], [2.0, -1.0]])
+    y = jax.random.normal(jax.random.key(1), (7, 2))
+
+    def f(a, b):
+        s = jnp.where(a[0] > 1.5, -jnp.inf, -jnp.sum((a - b) ** 2))
+        return jnp.stack([s, -jnp.sum(jnp.abs(a - b))]), jnp.concatenate([b, b[:1]])
+
+    d = dense(f, x, y)
+    want = jnp.einsum("nms,nmk->nsk", jax.nn.softmax(d[0], 1), d[1])
+    with ajm.config(backend=backend):
+        got = ajm.pairwise(f, x, y, ajm.SOFTMAX_WEIGHTED, tiles=(2, 4))
+    assert int(jnp.isnan(want).sum()) == 9  # the NaN row, and the -inf head of row 3
+    assert_tree_close(got, want, rtol=1e-5, atol=1e-5)
