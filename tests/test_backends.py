@@ -32,7 +32,8 @@ def jaxpr_text(f, *args):
 def test_auto_on_cpu_uses_scan_and_says_why():
     plan = ajm.explain(fun, X, 8, **SUM)
     assert plan.engine == "scan" and "interpret mode" in plan.reason, str(plan)
-    assert [name for name, _ in plan.rejected] == ["pallas", "interpret"], plan.rejected
+    assert [name for name, _ in plan.rejected] == ["pallas", "interpret", "pairwise"]
+    assert dict(plan.rejected)["pairwise"].startswith("not shown to be a pairwise reduction")
     assert not contains_kernel(jaxpr_text(lambda x: ajm.batch_map(fun, x, 8, **SUM), X), "cpu")
 
 

@@ -5,7 +5,8 @@ An engine has a ``name``, ``accept(plan, call)`` returning the plan completed
 with its choices (or a :class:`~._plan.Rejection`), and ``run(plan, call)``.
 Order: the shard layer (``shard=True``; each device then runs a plan of its own),
 the fused Pallas kernel compiled for the target, the kernel in interpret mode (on
-request), and the ``lax.scan`` engine, which runs everything.
+request), the pairwise tiles (a reduction ``_pair_rows`` shows to be a pairwise
+one, on CPU), and the ``lax.scan`` engine, which runs everything.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any, Protocol
 import jax
 
 from . import _config
+from ._pair_engine import PairEngine
 from ._plan import Call, Plan, Rejection
 from ._planner import make_plan
 from ._scan import ScanEngine
@@ -40,6 +42,7 @@ ENGINES: tuple[Engine, ...] = (
     ShardEngine(lambda name: _BY_NAME[name]),
     FusedEngine(interpret=False),
     FusedEngine(interpret=True),
+    PairEngine(),
     ScanEngine(),
 )
 _BY_NAME.update({engine.name: engine for engine in ENGINES})

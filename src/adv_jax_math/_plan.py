@@ -208,6 +208,7 @@ class Plan:
     # Smaller blocks for the backward kernel, where the forward's may not hold its
     # VJP (TPU VMEM): per block (fun's jaxpr, its output avals, rows, steps).
     reverse_traced: tuple = field(default=(), repr=False, compare=False)
+    pairing: Any = field(default=None, repr=False, compare=False)  # the pairwise engine's x
 
     def consts(self) -> list[Any]:
         """The constants of every trace the engine evaluates (this plan's and, when

@@ -207,10 +207,13 @@ def _rule(eqn: Any, ins: list[Tags]) -> list[Tags]:
     return [(None,) * len(_shape(v)) for v in eqn.outvars]  # of constants: they read no row
 
 
-def _run(jaxpr: Jaxpr, args: Sequence[Tags]) -> list[Tags]:
-    """The tags of ``jaxpr``'s outputs from its inputs' (its constants untagged)."""
+def _run(jaxpr: Jaxpr, args: Sequence[Tags], consts: Sequence[Tags] | None = None) -> list[Tags]:
+    """The tags of ``jaxpr``'s outputs from its inputs' and its constants' (default:
+    untagged)."""
     untagged = lambda v: _fix((None,) * len(_shape(v)), _shape(v))
     env: dict[Any, Tags] = {v: untagged(v) for v in jaxpr.constvars}
+    if consts is not None:
+        env.update((v, _fix(t, _shape(v))) for v, t in zip(jaxpr.constvars, consts, strict=True))
     env.update(zip(jaxpr.invars, args, strict=True))
     read = lambda v: untagged(v) if isinstance(v, Literal) else env[v]
     for eqn in jaxpr.eqns:
