@@ -12,11 +12,16 @@ import jax
 import jax.numpy as jnp
 
 from . import _engines, _nested
-from ._monoid import identity
+from ._monoid import identity, is_monoid_tree
 from ._plan import Call, Plan
-from ._recognize import is_monoid_tree
 from ._shard import as_global
-from ._validate import batch_size_from, check_callable, check_reduction, resolve_mesh
+from ._validate import (
+    axes_per_leaf,
+    batch_size_from,
+    check_callable,
+    check_reduction,
+    resolve_mesh,
+)
 
 __all__ = ["batch_map", "batch_vmap", "explain"]
 
@@ -286,34 +291,6 @@ def explain(fun: Callable, fun_input: Any, /, *args: Any, **kwargs: Any) -> Plan
     return _engines.explain(call)
 
 
-def _axes_per_leaf(in_axes: Any, args: tuple) -> list[int | None]:
-    """Broadcast a ``jax.vmap``-style ``in_axes`` prefix to one entry per leaf of args."""
-    if isinstance(in_axes, list):
-        in_axes = tuple(in_axes)
-    if isinstance(in_axes, tuple) and len(in_axes) != len(args):
-        raise ValueError(
-            f"in_axes={in_axes!r} has {len(in_axes)} entries but the function was called "
-            f"with {len(args)} positional arguments; give one entry per argument"
-        )
-    if not isinstance(in_axes, tuple):
-        in_axes = (in_axes,) * len(args)
-
-    def spread(axis: Any, subtree: Any) -> list:
-        if axis is not None and (isinstance(axis, bool) or not isinstance(axis, int)):
-            raise TypeError(f"in_axes entries must be int or None, got {axis!r}")
-        return [axis] * len(jax.tree.leaves(subtree))
-
-    try:
-        per_arg = jax.tree.map(spread, in_axes, args, is_leaf=lambda a: a is None)
-    except ValueError as err:
-        raise ValueError(
-            f"in_axes={in_axes!r} is not a prefix of the arguments' structure: {err}"
-        ) from None
-    return [
-        a for axes in jax.tree.leaves(per_arg, is_leaf=lambda a: isinstance(a, list)) for a in axes
-    ]
-
-
 @dataclasses.dataclass(frozen=True)
 class _Mapped:
     """One call of a :func:`batch_vmap` function: its argument leaves, their axes,
@@ -411,7 +388,7 @@ def batch_vmap(
 
     def mapped_call(args: tuple, fkwargs: dict) -> _Mapped:
         leaves, treedef = jax.tree.flatten((args, fkwargs))
-        axes = _axes_per_leaf(in_axes, args) + [0] * len(jax.tree.leaves(fkwargs))
+        axes = axes_per_leaf(in_axes, args) + [0] * len(jax.tree.leaves(fkwargs))
         mapped = [i for i, axis in enumerate(axes) if axis is not None]
         if not mapped:
             raise ValueError(

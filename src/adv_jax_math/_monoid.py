@@ -26,7 +26,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["LeafReduction", "Monoid", "MonoidReduction", "identity", "index_dtype", "merge_stacked"]
+__all__ = [
+    "LeafReduction",
+    "Monoid",
+    "MonoidReduction",
+    "identity",
+    "index_dtype",
+    "is_monoid_tree",
+    "merge_stacked",
+]
 
 State = Any  # a pytree of arrays
 
@@ -420,3 +428,13 @@ class MonoidReduction:
                 )
             )
         return self.finish(out)
+
+
+def is_monoid_tree(reduction: Any) -> bool:
+    """A Monoid object, or a (non-empty) pytree whose leaves are all Monoid objects."""
+    if isinstance(reduction, Monoid):
+        return True
+    if callable(reduction) or reduction is None:
+        return False
+    leaves = jax.tree.leaves(reduction, is_leaf=lambda m: isinstance(m, Monoid))
+    return bool(leaves) and all(isinstance(m, Monoid) for m in leaves)

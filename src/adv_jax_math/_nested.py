@@ -37,8 +37,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from ._monoid import is_monoid_tree
 from ._plan import target_platform
-from ._recognize import is_monoid_tree
 from ._separable import separable
 
 __all__ = ["Inner", "Nested", "as_inner", "find", "heard", "listen", "tiles"]

@@ -44,12 +44,11 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from . import _config
 from ._api import batch_map, batch_vmap
-from ._monoid import Monoid, MonoidReduction
+from ._monoid import Monoid, MonoidReduction, is_monoid_tree
 from ._monoids_exponential import SoftmaxWeighted
 from ._pairwise_grad import Pairs, fused
 from ._pairwise_kernel import first_row, layout_problem, recognized
 from ._plan import target_platform
-from ._recognize import is_monoid_tree
 from ._sharding import explicit, sharding_of
 from .kernels.fused_reduce.targets import pallas_triton, tpu_vmem_limit
 from .kernels.fused_reduce.targets import target as device_target

@@ -20,9 +20,9 @@ import jax.numpy as jnp
 from . import _autotune, _config
 from ._call import Call
 from ._combine_check import check_combine
-from ._monoid import MonoidReduction, identity
+from ._monoid import MonoidReduction, identity, is_monoid_tree
 from ._plan import Kind, Plan, Policy, ShardLayout, target_platform
-from ._recognize import is_monoid_tree, recognize
+from ._recognize import recognize
 from ._sharding import Lanes, explicit, row_sharding, sharding_of, typed_mesh
 from ._trace import Traced, rows_aval, trace
 from ._validate import check_monoid_rows, check_rowwise, mapped_rows

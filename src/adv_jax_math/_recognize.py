@@ -34,12 +34,12 @@ from ._jaxpr_graph import (
     same_structure,
     same_value,
 )
-from ._monoid import LeafReduction, Monoid, identity
+from ._monoid import LeafReduction, Monoid, identity, is_monoid_tree
 from ._monoids import ADD, LOGSUMEXP, MAX, MIN
 from ._monoids_scaled import Scaled
 from ._trace import fresh_jaxpr
 
-__all__ = ["LeafReduction", "Recognition", "is_monoid_tree", "recognize"]
+__all__ = ["LeafReduction", "Recognition", "recognize"]
 
 _REDUCES = {"reduce_sum": ADD, "reduce_max": MAX, "reduce_min": MIN}
 _COMBINES = {"add": ADD, "max": MAX, "min": MIN}
@@ -462,16 +462,6 @@ def _recognize(reduction: Any, chunk_reduction: Callable, out_shape: Any) -> Rec
     parts = [f"{d} + {c}" for d, c in zip(descr, names, strict=True)]
     how = parts[0] if len(parts) == 1 else "; ".join(f"leaf {j}: {p}" for j, p in enumerate(parts))
     return Recognition(rec, tree, "traced: " + how, prologues, sources)
-
-
-def is_monoid_tree(reduction: Any) -> bool:
-    """A Monoid object, or a (non-empty) pytree whose leaves are all Monoid objects."""
-    if isinstance(reduction, Monoid):
-        return True
-    if callable(reduction) or reduction is None:
-        return False
-    leaves = jax.tree.leaves(reduction, is_leaf=lambda m: isinstance(m, Monoid))
-    return bool(leaves) and all(isinstance(m, Monoid) for m in leaves)
 
 
 def recognize(reduction: Callable | None, chunk_reduction: Callable, out_shape: Any) -> Recognition:

@@ -17,6 +17,7 @@ from ._monoid import Monoid
 from ._sharding import context_mesh
 
 __all__ = [
+    "axes_per_leaf",
     "batch_size_from",
     "check_callable",
     "check_monoid_rows",
@@ -245,3 +246,31 @@ def resolve_mesh(mesh: Any) -> Any:
             "jax.set_mesh and pass mesh=None"
         )
     return mesh
+
+
+def axes_per_leaf(in_axes: Any, args: tuple) -> list[int | None]:
+    """Broadcast a ``jax.vmap``-style ``in_axes`` prefix to one entry per leaf of args."""
+    if isinstance(in_axes, list):
+        in_axes = tuple(in_axes)
+    if isinstance(in_axes, tuple) and len(in_axes) != len(args):
+        raise ValueError(
+            f"in_axes={in_axes!r} has {len(in_axes)} entries but the function was called "
+            f"with {len(args)} positional arguments; give one entry per argument"
+        )
+    if not isinstance(in_axes, tuple):
+        in_axes = (in_axes,) * len(args)
+
+    def spread(axis: Any, subtree: Any) -> list:
+        if axis is not None and (isinstance(axis, bool) or not isinstance(axis, int)):
+            raise TypeError(f"in_axes entries must be int or None, got {axis!r}")
+        return [axis] * len(jax.tree.leaves(subtree))
+
+    try:
+        per_arg = jax.tree.map(spread, in_axes, args, is_leaf=lambda a: a is None)
+    except ValueError as err:
+        raise ValueError(
+            f"in_axes={in_axes!r} is not a prefix of the arguments' structure: {err}"
+        ) from None
+    return [
+        a for axes in jax.tree.leaves(per_arg, is_leaf=lambda a: isinstance(a, list)) for a in axes
+    ]
