@@ -21,8 +21,32 @@ def test_chunk_size_alias_used_when_batch_size_is_none():
 
 
 def test_batch_size_wins_over_chunk_size():
-    plan = ajm.explain(jnp.sin, jnp.arange(10.0), 5, chunk_size=3)
+    plan = ajm.explain(lambda x: jnp.sort(x, -1), jnp.ones((10, 3)), 5, chunk_size=3)
     assert plan.batch_size == 5 and plan.chunks == 2
+
+
+def test_elementwise_maps_run_whole():
+    # one fusion with no intermediate arrays: chunks would bound nothing
+    calls = []
+    fun = lambda x: calls.append(x.shape) or jnp.sin(x) * jnp.exp(-x) + 1.0
+    x = jnp.linspace(0.0, 3.0, 1003).reshape(-1, 1) * jnp.ones(4)
+    plan = ajm.explain(fun, x, 64)
+    assert (plan.policy, plan.chunks, plan.rows_per_chunk) == (ajm.Policy.SINGLE, 1, 1003)
+    assert "fun is elementwise: its jaxpr runs on all 1003 rows at once" in plan.notes[0]
+    calls.clear()
+    got = jax.jit(lambda x: ajm.batch_map(fun, x, 64))(x)
+    assert calls == [(64, 4)], calls  # traced once, on a chunk; its jaxpr run on all rows
+    assert_tree_close(got, fun(x))
+    grad = jax.grad(lambda x: ajm.batch_map(fun, x, 64).sum())(x)
+    assert_tree_close(grad, jax.grad(lambda x: fun(x).sum())(x))
+    text = str(jax.make_jaxpr(lambda x: ajm.batch_map(fun, x, 64))(x))
+    assert "while" not in text and "scan" not in text
+    # kept in chunks: a custom derivative rule, an array of the chunk's shape, a reduction
+    w = jnp.arange(256.0).reshape(64, 4)
+    for kept in (jax.nn.relu, lambda c: c * w, lambda c: c - c.sum(-1, keepdims=True)):
+        plan = ajm.explain(kept, x, 64)
+        assert plan.chunks == 16 and plan.rows_per_chunk == 64, str(plan)
+    assert_tree_close(ajm.batch_map(jax.nn.relu, x - 1, 64), jax.nn.relu(x - 1))
 
 
 def test_unexpected_kwargs_are_all_named():
