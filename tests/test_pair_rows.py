@@ -181,4 +181,9 @@ def test_sharded_calls_and_other_backends_are_not_taken():
     assert plan.engine == "shard" and plan.shard.local.engine == "scan", str(plan)
     assert dict(plan.shard.local.rejected)["pairwise"] == "not over a mesh"
     with ajm.config(backend="interpret"):
-        assert engine(f, ajm.ADD, x, y).engine == "interpret"
+        plan = engine(f, ajm.ADD, x, y)
+    # the interpret kernel where it runs (jax 0.9 declines this one: then scan, not pairwise)
+    assert plan.engine in ("interpret", "scan"), str(plan)
+    assert dict(plan.rejected).get("pairwise", "not requested (backend='interpret')") == (
+        "not requested (backend='interpret')"
+    )
