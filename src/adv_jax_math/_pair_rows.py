@@ -116,8 +116,8 @@ def find(traced: Traced, reduction: MonoidReduction) -> Pairing | str:
     """The constants of the prepared chunk jaxpr ``traced`` that pair with its rows
     (see the module docstring), or why none do. Candidates: the constants with at least
     two rows, those with the same number of rows together, then each alone."""
-    if min((s.shape[0] for s in jax.tree.leaves(traced.out_shape) if s.shape), default=0) < 2:
-        return "the chunk has fewer than 2 rows"
+    if min((_shape(v)[:1] or (0,))[0] for v in traced.jaxpr.jaxpr.invars) < 2:
+        return "the chunk has fewer than 2 rows: its rows cannot be told from broadcasts"
     rows: dict[int, list[int]] = {}
     for k, c in enumerate(traced.consts):
         if np.ndim(c) and np.shape(c)[0] >= 2:

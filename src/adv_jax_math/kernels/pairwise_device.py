@@ -236,14 +236,16 @@ def _xla(
     bi, bj = tiles
     c_vals = [c[k] for c in consts for k in range(c.shape[0])]
     ys = [c.reshape(-1, bj, 1) for c in y_cols]
+    rest = [c[1:] for c in ys]
+    starts = bj * jnp.arange(1, ys[0].shape[0], dtype=jnp.int32)
 
     def per_x(x_vals: list) -> list:
         first = tile(c_vals, x_vals, [c[0] for c in ys], 0)
         # the other tiles after the first (with two tiles, XLA inlines the loop of one
-        # step and would hold both tiles' values at once), each read in place
-        first, later = lax.optimization_barrier((first, ys))
-        step = lambda s, t: (merge(s, tile(c_vals, x_vals, [c[t] for c in later], t * bj)), None)
-        return lax.scan(step, first, jnp.arange(1, ys[0].shape[0], dtype=jnp.int32))[0]
+        # step and would hold both tiles' values at once)
+        first, after = lax.optimization_barrier((first, starts))
+        step = lambda s, t: (merge(s, tile(c_vals, x_vals, t[1], t[0])), None)
+        return lax.scan(step, first, (after, rest))[0]
 
     states = lax.map(per_x, [r.reshape(-1, 1, bi) for r in x_rows])
     return [s.reshape(-1, *s.shape[2:]) for s in jax.tree.leaves(states)]
