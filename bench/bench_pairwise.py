@@ -370,8 +370,8 @@ def gaussian(n: int, *, rounds: int = 5, slow_rounds: int | None = None) -> Case
             "nested batch_map",
             nested_gauss(bi, bj, as_written=True),
             f"batch_map over {bi}-row x chunks of batch_map(ADD) over {bj}-row y chunks, "
-            "run as written (its result + 0: not read as pairwise), as before the planner "
-            "read this form",
+            "run as written (its result + 0: the outer call not read as pairwise): a loop "
+            "over x chunks, each inner call on the pairwise tiles (it closes over its chunk)",
             rounds=slow_rounds,
         ),
         Contender(

@@ -35,10 +35,14 @@ def _args(plan: Plan, call: Call, found: Pairing) -> tuple:
 
 def _tiles(plan: Plan, found: Pairing) -> tuple[int, int] | str:
     """A chunk's pairs (``batch_size`` rows by every x row) as one tile, when that is
-    fewer than an "auto" tile's; else "auto"."""
+    fewer than an "auto" tile's; else "auto". With ``batch_size="auto"``: "auto" (the
+    autotuner sized the scan engine's chunks, whose memory grows with their rows; a
+    tile of at most 2^18 pairs holds a few MiB, N-body's gradient 5 MiB)."""
     from ._pairwise import SORT_TILE_ELEMENTS, TILE_ELEMENTS
 
     assert plan.reduction is not None
+    if plan.autotune is not None:
+        return "auto"
     sorts = any(leaf.monoid.sorts for leaf in plan.reduction.leaves)
     limit = SORT_TILE_ELEMENTS if sorts else TILE_ELEMENTS
     return (found.n, plan.rows_per_chunk) if plan.rows_per_chunk * found.n < limit else "auto"
