@@ -187,3 +187,11 @@ def test_sharded_calls_and_other_backends_are_not_taken():
     assert dict(plan.rejected).get("pairwise", "not requested (backend='interpret')") == (
         "not requested (backend='interpret')"
     )
+
+
+def test_auto_batch_size_takes_the_tiles_own_size():
+    # the autotuner sizes the scan engine's chunks; the tiles keep their own "auto" size
+    f, x, y = CASES["add"][1], *inputs()
+    plan = engine(f, ajm.ADD, x, y, b="auto")
+    assert plan.engine == "pairwise" and "tiles of 37 x rows by 53 rows" in plan.reason
+    assert_tree_close(chunked(f, ajm.ADD, x, y, "auto"), dense(f, x, y).sum(1), rtol=2e-5)
