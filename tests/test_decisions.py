@@ -25,14 +25,14 @@ def test_batch_size_wins_over_chunk_size():
     assert plan.batch_size == 5 and plan.chunks == 2
 
 
-def test_elementwise_maps_run_whole():
-    # one fusion with no intermediate arrays: chunks would bound nothing
+def test_row_local_maps_run_whole():
+    # one fusion with nothing larger than the inputs and outputs: chunks would bound nothing
     calls = []
     fun = lambda x: calls.append(x.shape) or jnp.sin(x) * jnp.exp(-x) + 1.0
     x = jnp.linspace(0.0, 3.0, 1003).reshape(-1, 1) * jnp.ones(4)
     plan = ajm.explain(fun, x, 64)
     assert (plan.policy, plan.chunks, plan.rows_per_chunk) == (ajm.Policy.SINGLE, 1, 1003)
-    assert "fun is elementwise: its jaxpr runs on all 1003 rows at once" in plan.notes[0]
+    assert "its jaxpr runs on all 1003 rows at once" in plan.notes[0]
     calls.clear()
     got = jax.jit(lambda x: ajm.batch_map(fun, x, 64))(x)
     assert calls == [(64, 4)], calls  # traced once, on a chunk; its jaxpr run on all rows
@@ -41,9 +41,15 @@ def test_elementwise_maps_run_whole():
     assert_tree_close(grad, jax.grad(lambda x: fun(x).sum())(x))
     text = str(jax.make_jaxpr(lambda x: ajm.batch_map(fun, x, 64))(x))
     assert "while" not in text and "scan" not in text
-    # kept in chunks: a custom derivative rule, an array of the chunk's shape, a reduction
+    # a feature reduction is row-local too: norms per row, run whole
+    norms = lambda c: c / jnp.linalg.norm(c, axis=-1, keepdims=True)
+    assert ajm.explain(norms, x, 64).chunks == 1
+    assert_tree_close(ajm.batch_map(norms, x, 64), norms(x))
+    # kept in chunks: a custom derivative rule, an array of the chunk's shape, values
+    # larger per row than the inputs and outputs, a reduction over the rows
     w = jnp.arange(256.0).reshape(64, 4)
-    for kept in (jax.nn.relu, lambda c: c * w, lambda c: c - c.sum(-1, keepdims=True)):
+    outer = lambda c: (c[:, :, None] * c[:, None, :]).sum(-1)
+    for kept in (jax.nn.relu, lambda c: c * w, outer, lambda c: c - c.sum(0)):
         plan = ajm.explain(kept, x, 64)
         assert plan.chunks == 16 and plan.rows_per_chunk == 64, str(plan)
     assert_tree_close(ajm.batch_map(jax.nn.relu, x - 1, 64), jax.nn.relu(x - 1))

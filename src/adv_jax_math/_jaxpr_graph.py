@@ -29,6 +29,7 @@ __all__ = [
     "graph",
     "node_value",
     "peel",
+    "row_local",
     "same_structure",
     "same_value",
     "subjaxpr",
@@ -114,6 +115,35 @@ def elementwise(closed: ClosedJaxpr) -> bool:
         )
 
     return pure(closed.jaxpr)
+
+
+_ROW_REDUCE = frozenset({"reduce_sum", "reduce_max", "reduce_min"})
+
+
+def row_local(closed: ClosedJaxpr, rows: int) -> bool:
+    """Whether ``closed``, traced on ``rows`` rows (calls inlined, no effects), works row
+    by row with no value larger per row than its largest input or output: elementwise
+    operations, reshapes and broadcasts, and sums, maxima or minima over other axes than
+    the rows (``norm(r, axis=-1)``)."""
+    shape = lambda v: tuple(v.aval.shape)
+    per_row = lambda v: int(np.prod(shape(v)[1:] if shape(v)[:1] == (rows,) else shape(v)))
+    ends = [v for v in (*closed.jaxpr.invars, *closed.jaxpr.outvars) if not isinstance(v, Literal)]
+    bound = max((per_row(v) for v in ends), default=0)
+
+    def ok(jaxpr: Jaxpr) -> bool:
+        for eqn in jaxpr.eqns:
+            name = eqn.primitive.name
+            if (sub := subjaxpr(eqn)) is not None:
+                inner = ok(sub.jaxpr)
+            elif name in _ROW_REDUCE:
+                inner = 0 not in eqn.params["axes"]
+            else:
+                inner = name in ELEMENTWISE | KEEPDIMS
+            if not inner or any(per_row(v) > bound for v in eqn.outvars):
+                return False
+        return not jaxpr.effects
+
+    return ok(closed.jaxpr)
 
 
 def subjaxpr(eqn: Any) -> ClosedJaxpr | None:
@@ -217,7 +247,7 @@ _CUSTOM = ("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr")
 
 
 def at_rows(closed: ClosedJaxpr, rows: int, n: int, args: list) -> list:
-    """An :func:`elementwise` jaxpr traced on ``rows`` rows, evaluated on ``args`` of
+    """A :func:`row_local` jaxpr traced on ``rows`` rows, evaluated on ``args`` of
     ``n`` rows: each broadcast or reshape to ``rows`` leading rows made ``n``; a custom
     derivative rule (which cannot be re-bound at other shapes) raises ValueError, as
     an array of the old shape meeting the new raises TypeError (the caller keeps the

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from . import _autotune, _config
 from ._call import Call
 from ._combine_check import check_combine
-from ._jaxpr_graph import at_rows, elementwise
+from ._jaxpr_graph import at_rows, row_local
 from ._monoid import MonoidReduction, identity, is_monoid_tree
 from ._plan import Kind, Plan, Policy, ShardLayout, target_platform
 from ._recognize import recognize
@@ -130,12 +130,12 @@ def make_plan(call: Call, *, mapped: bool = False) -> Plan:
         check_rowwise(raw.out_shape, rows, "fun(chunk)")
     whole = _whole_map(call, kind, policy, raw, rows, mapped)
     if whole is not None:
-        # XLA fuses an elementwise map over all rows with no intermediate arrays:
-        # chunks would bound nothing and serialize it (XLA:CPU runs a loop body's
-        # fusion on one thread; the large map of bench/report.py: 29.7 -> 14.9 ms).
+        # Chunks would bound nothing larger than the inputs and outputs and serialize
+        # it (XLA:CPU runs a loop body's fusion on one thread; the large map of
+        # bench/report.py: 29.7 -> 14.9 ms).
         notes = [
-            f"fun is elementwise: its jaxpr runs on all {n} rows at once (no intermediate "
-            f"arrays to bound; chunks of {b} rows would only serialize it)"
+            f"fun works row by row with nothing larger than its inputs and outputs: its "
+            f"jaxpr runs on all {n} rows at once (chunks of {b} rows would only serialize it)"
         ]
         policy, chunks, rows, avals, raw = Policy.SINGLE, 1, n, rows_aval(call.xs, n), whole
     if policy is Policy.OVERLAP and not (kind is Kind.MAP and call.chunk_reduction is identity):
@@ -181,15 +181,16 @@ def make_plan(call: Call, *, mapped: bool = False) -> Plan:
 def _whole_map(
     call: Call, kind: Kind, policy: Policy, raw: Traced, rows: int, mapped: bool
 ) -> Traced | None:
-    """A chunked map of an elementwise ``fun`` (results stacked) on all rows at once:
-    its jaxpr (only elementwise operations, reshapes and broadcasts, no effects) is one
-    fusion with no intermediate arrays on every platform, evaluated again on all rows
-    (``fun`` is not traced again); None where it does not apply or cannot be
-    evaluated so. A device's share (``mapped``) keeps its chunks."""
+    """A chunked map (results stacked) of a ``fun`` that works row by row with nothing
+    larger than its inputs and outputs (``_jaxpr_graph.row_local``: elementwise
+    operations, reshapes, broadcasts, reductions over feature axes) on all rows at once:
+    XLA fuses it with no intermediate array larger than those, on every platform. Its
+    jaxpr is evaluated again on all rows (``fun`` is not traced again); None where this
+    does not apply or cannot be done. A device's share (``mapped``) keeps its chunks."""
     chunked = policy in (Policy.OVERLAP, Policy.REMAINDER)
     if not chunked or kind is not Kind.MAP or call.chunk_reduction is not identity or mapped:
         return None
-    if not elementwise(raw.jaxpr):
+    if not row_local(raw.jaxpr, rows):
         return None
     n = mapped_rows(call.xs)
     avals = rows_aval(call.xs, n)
