@@ -248,10 +248,10 @@ _CUSTOM = ("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr")
 
 def at_rows(closed: ClosedJaxpr, rows: int, n: int, args: list) -> list:
     """A :func:`row_local` jaxpr traced on ``rows`` rows, evaluated on ``args`` of
-    ``n`` rows: each broadcast or reshape to ``rows`` leading rows made ``n``; a custom
-    derivative rule (which cannot be re-bound at other shapes) raises ValueError, as
-    an array of the old shape meeting the new raises TypeError (the caller keeps the
-    chunks)."""
+    ``n`` rows: each broadcast or reshape to ``rows`` leading rows made ``n``. A custom
+    derivative rule (which cannot be re-bound at other shapes) raises ValueError, and
+    an array of the old shape meeting the new fails to bind: the caller keeps the
+    chunks."""
 
     def run(jaxpr: Jaxpr, consts: Any, vals: list) -> list:
         env = dict(zip(jaxpr.constvars, consts, strict=True))
