@@ -22,7 +22,6 @@ __all__ = [
     "INLINE",
     "KEEPDIMS",
     "Node",
-    "at_rows",
     "deps",
     "elementwise",
     "evaluate",
@@ -241,36 +240,3 @@ def evaluate(root: Node, bcasts: frozenset, y: jax.Array) -> jax.Array:
         return memo[n.k]
 
     return ev(root)
-
-
-_CUSTOM = ("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr")
-
-
-def at_rows(closed: ClosedJaxpr, rows: int, n: int, args: list) -> list:
-    """A :func:`row_local` jaxpr traced on ``rows`` rows, evaluated on ``args`` of
-    ``n`` rows: each broadcast or reshape to ``rows`` leading rows made ``n``. A custom
-    derivative rule (which cannot be re-bound at other shapes) raises ValueError, and
-    an array of the old shape meeting the new fails to bind: the caller keeps the
-    chunks."""
-
-    def run(jaxpr: Jaxpr, consts: Any, vals: list) -> list:
-        env = dict(zip(jaxpr.constvars, consts, strict=True))
-        env.update(zip(jaxpr.invars, vals, strict=True))
-        read = lambda v: v.val if isinstance(v, Literal) else env[v]
-        for eqn in jaxpr.eqns:
-            ins, name = [read(v) for v in eqn.invars], eqn.primitive.name
-            if name in _CUSTOM:
-                raise ValueError(f"{name}: its derivative rule is not re-bound")
-            if (sub := subjaxpr(eqn)) is not None:
-                outs = run(sub.jaxpr, sub.consts, ins)
-            else:
-                params = dict(eqn.params)
-                key = {"broadcast_in_dim": "shape", "reshape": "new_sizes"}.get(name)
-                if key and tuple(params[key])[:1] == (rows,):
-                    params[key] = (n, *params[key][1:])
-                out = eqn.primitive.bind(*ins, **params)
-                outs = out if eqn.primitive.multiple_results else [out]
-            env.update(zip(eqn.outvars, outs, strict=True))
-        return [read(v) for v in jaxpr.outvars]
-
-    return run(closed.jaxpr, closed.consts, args)

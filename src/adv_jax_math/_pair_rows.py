@@ -22,6 +22,8 @@ its size parameters (``broadcast_in_dim``'s shape, ``reshape``'s sizes, a whole
 ``slice``) at one row, and operands that are constant along an axis (tagged a
 broadcast) are cut to their first element where they meet one row; calls are
 entered, and a custom derivative rule on the rows is refused (it cannot be resized).
+:func:`evaluate` takes other row counts too: the planner runs a row-local map's chunk
+jaxpr on all its rows with it.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from ._monoid import LeafReduction, MonoidReduction
 from ._separable import Tags, _body, _fix, _Refused, _rule, _run, _shape
 from ._trace import Traced, sub_jaxprs
 
-__all__ = ["Pairing", "find", "pair"]
+__all__ = ["Pairing", "evaluate", "find", "pair", "results", "row_tags"]
 
 _ROWS = ("i", "j")
 _CUSTOM = ("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr")
@@ -62,7 +64,7 @@ class Pairing:
         return f"fun closes over {arrays} whose {self.n} rows pair with the chunk's rows"
 
 
-def _tags(v: Any, row: str | None) -> Tags:
+def row_tags(v: Any, row: str | None) -> Tags:
     """Axis 0 tagged ``row``, the others untagged (then fixed: size 1 is a broadcast)."""
     shape = _shape(v)
     return _fix((row, *[None] * (len(shape) - 1))[: len(shape)], shape)
@@ -70,9 +72,9 @@ def _tags(v: Any, row: str | None) -> Tags:
 
 def _try(traced: Traced, reduction: MonoidReduction, xs: Sequence[int]) -> Pairing | str:
     jaxpr = traced.jaxpr.jaxpr
-    consts = [_tags(v, "i" if k in xs else None) for k, v in enumerate(jaxpr.constvars)]
+    consts = [row_tags(v, "i" if k in xs else None) for k, v in enumerate(jaxpr.constvars)]
     try:
-        outs = _run(jaxpr, [_tags(v, "j") for v in jaxpr.invars], consts)
+        outs = _run(jaxpr, [row_tags(v, "j") for v in jaxpr.invars], consts)
     except _Refused as e:
         return str(e)
     n = int(np.shape(traced.consts[xs[0]])[0])
@@ -137,21 +139,35 @@ def find(traced: Traced, reduction: MonoidReduction) -> Pairing | str:
 # -- f(xi, yj): the jaxpr at one row of each -----------------------------------------------
 
 
-def _want(v: Any, tags: Tags) -> tuple[int, ...]:
-    return tuple(1 if t in _ROWS else n for t, n in zip(tags, _shape(v), strict=True))
+Sizes = dict[str, int]  # rows per tag: "i" (x rows), "j" (y rows)
+ONE_PAIR: Sizes = {"i": 1, "j": 1}
+
+
+def _want(v: Any, tags: Tags, sizes: Sizes) -> tuple[int, ...]:
+    return tuple(sizes.get(str(t), n) for t, n in zip(tags, _shape(v), strict=True))
+
+
+def _fit(value: Any, axis: int, w: int) -> Any:
+    """``value`` (a broadcast along ``axis``: constant there) with ``w`` elements on it."""
+    if np.shape(value)[axis] == w:
+        return value
+    first = lax.slice_in_dim(value, 0, 1, axis=axis)
+    shape = list(np.shape(value))
+    shape[axis] = w
+    return jnp.broadcast_to(first, shape)
 
 
 def _cut(value: Any, want: Sequence[int], skip: Sequence[int] = ()) -> Any:
-    """``value`` with each axis longer than ``want``'s one row (a broadcast: constant
-    along it) cut to its first element."""
-    for d, (n, w) in enumerate(zip(np.shape(value), want, strict=True)):
-        if d not in skip and n != w and w == 1:
-            value = lax.slice_in_dim(value, 0, 1, axis=d)
+    """``value`` fitted to ``want`` on each axis but ``skip`` (see :func:`_fit`)."""
+    for d, w in enumerate(want):
+        value = value if d in skip else _fit(value, d, w)
     return value
 
 
-def _resized(eqn: Any, vals: list, ins: list[Tags], want: list[tuple[int, ...]]) -> tuple:
-    """Operands and parameters of ``eqn`` at one row of each axis tagged rows."""
+def _resized(
+    eqn: Any, vals: list, ins: list[Tags], want: list[tuple[int, ...]], sizes: Sizes
+) -> tuple:
+    """Operands and parameters of ``eqn`` with each axis tagged rows at ``sizes``."""
     name, params = eqn.primitive.name, dict(eqn.params)
     if name in ELEMENTWISE or name in ("add_any", "sort"):
         vals = [v if np.ndim(v) == 0 else _cut(v, want[0]) for v in vals]
@@ -160,27 +176,23 @@ def _resized(eqn: Any, vals: list, ins: list[Tags], want: list[tuple[int, ...]])
     elif name == "dot_general":
         (_, _), (lb, rb) = params["dimension_numbers"]
         lhs, rhs = vals
-        for u, v in zip(lb, rb, strict=True):
-            if np.shape(lhs)[u] != np.shape(rhs)[v]:  # one is a broadcast: cut it
-                if np.shape(lhs)[u] > 1:
-                    lhs = lax.slice_in_dim(lhs, 0, 1, axis=u)
-                else:
-                    rhs = lax.slice_in_dim(rhs, 0, 1, axis=v)
+        for k, (u, v) in enumerate(zip(lb, rb, strict=True)):  # batch axes lead the result
+            lhs, rhs = _fit(lhs, u, want[0][k]), _fit(rhs, v, want[0][k])
         vals = [lhs, rhs]
     elif name == "broadcast_in_dim":
         params["shape"] = want[0]
     elif name == "reshape":
         params["new_sizes"] = want[0]
     elif name in ("slice", "dynamic_slice"):  # whole along the rows (else refused)
-        rows = [t in _ROWS for t in ins[0]]
-        one = lambda key, value: tuple(
-            value if r else v for r, v in zip(rows, params[key], strict=True)
+        at = lambda key, start: tuple(
+            v if t not in _ROWS else 0 if start else sizes[str(t)]
+            for t, v in zip(ins[0], params[key], strict=True)
         )
         if name == "slice":
-            params["start_indices"] = one("start_indices", 0)
-            params["limit_indices"] = one("limit_indices", 1)
+            params["start_indices"] = at("start_indices", True)
+            params["limit_indices"] = at("limit_indices", False)
         else:
-            params["slice_sizes"] = one("slice_sizes", 1)
+            params["slice_sizes"] = at("slice_sizes", False)
     return vals, params
 
 
@@ -196,11 +208,17 @@ def _bind(eqn: Any, vals: list, params: dict) -> list:
     return list(out) if eqn.primitive.multiple_results else [out]
 
 
-def _evaluate(
-    jaxpr: Jaxpr, consts: list, args: list, const_tags: list | None, arg_tags: list
+def evaluate(
+    jaxpr: Jaxpr,
+    consts: list,
+    args: list,
+    const_tags: list | None,
+    arg_tags: list,
+    sizes: Sizes = ONE_PAIR,
 ) -> tuple[list, list[Tags]]:
-    """``jaxpr`` with its axes tagged rows at one row: (values, tags) of its outputs
-    (``const_tags`` None: the constants untagged)."""
+    """``jaxpr`` with its axes tagged rows at ``sizes`` (default: one row each): (values,
+    tags) of its outputs (``const_tags`` None: the constants untagged). Raises
+    ``_Refused`` where an equation cannot be resized."""
     env: dict[Any, Any] = {}
     tags: dict[Any, Tags] = {}
     if const_tags is None:
@@ -217,18 +235,18 @@ def _evaluate(
         if touched and body is not None:
             if eqn.primitive.name in _CUSTOM:
                 raise _Refused(f"{eqn.primitive.name} on rows: its derivative rule is not resized")
-            outs, outs_t = _evaluate(body.jaxpr, list(body.consts), vals, None, ins)
+            outs, outs_t = evaluate(body.jaxpr, list(body.consts), vals, None, ins, sizes)
         else:
             outs_t = _rule(eqn, ins)
-            want = [_want(v, t) for v, t in zip(eqn.outvars, outs_t, strict=True)]
+            want = [_want(v, t, sizes) for v, t in zip(eqn.outvars, outs_t, strict=True)]
             if touched:
-                vals, params = _resized(eqn, vals, ins, want)
+                vals, params = _resized(eqn, vals, ins, want, sizes)
             else:
                 params = eqn.params
             outs = _bind(eqn, vals, params)
             for o, w in zip(outs, want, strict=True):
                 if tuple(np.shape(o)) != w:
-                    raise _Refused(f"{eqn.primitive.name} makes {np.shape(o)} at one row, not {w}")
+                    raise _Refused(f"{eqn.primitive.name} makes {np.shape(o)}, not {w}")
         for v, o, t in zip(eqn.outvars, outs, outs_t, strict=True):
             env[v], tags[v] = o, _fix(t, _shape(v))
     return [read(v) for v in jaxpr.outvars], [tag(v) for v in jaxpr.outvars]
@@ -239,14 +257,14 @@ def pair(traced: Traced, reduction: MonoidReduction, found: Pairing) -> Any:
     constants (a list), ``yj`` a row of each input leaf; returns one value per term of
     ``reduction`` (a tuple of its sources' for a term reading several)."""
     jaxpr, xs, leaves = traced.jaxpr.jaxpr, set(found.consts), reduction.leaves
-    const_tags = [_tags(v, "i" if k in xs else None) for k, v in enumerate(jaxpr.constvars)]
-    arg_tags = [_tags(v, "j") for v in jaxpr.invars]
+    const_tags = [row_tags(v, "i" if k in xs else None) for k, v in enumerate(jaxpr.constvars)]
+    arg_tags = [row_tags(v, "j") for v in jaxpr.invars]
 
     def f(xi: list, yj: list) -> list:
         consts = list(traced.consts)
         for k, row in zip(found.consts, xi, strict=True):
             consts[k] = row[None]
-        outs, _ = _evaluate(jaxpr, consts, [r[None] for r in yj], const_tags, arg_tags)
+        outs, _ = evaluate(jaxpr, consts, [r[None] for r in yj], const_tags, arg_tags)
         at = lambda o, axis: lax.index_in_dim(o[0], 0, axis - 1, keepdims=False)
         terms = [tuple(at(outs[s], found.axes[s]) for s in leaf.sources) for leaf in leaves]
         return [t[0] if len(t) == 1 else t for t in terms]

@@ -20,8 +20,9 @@ import jax.numpy as jnp
 from . import _autotune, _config
 from ._call import Call
 from ._combine_check import check_combine
-from ._jaxpr_graph import at_rows, row_local
+from ._jaxpr_graph import row_local
 from ._monoid import MonoidReduction, identity, is_monoid_tree
+from ._pair_rows import evaluate, row_tags
 from ._plan import Kind, Plan, Policy, ShardLayout, target_platform
 from ._recognize import recognize
 from ._sharding import Lanes, explicit, row_sharding, sharding_of, typed_mesh
@@ -190,15 +191,17 @@ def _whole_map(
     chunked = policy in (Policy.OVERLAP, Policy.REMAINDER)
     if not chunked or kind is not Kind.MAP or call.chunk_reduction is not identity or mapped:
         return None
-    if not row_local(raw.jaxpr, rows):
+    if rows < 2 or not row_local(raw.jaxpr, rows):  # (one row: rows look like broadcasts)
         return None
     n = mapped_rows(call.xs)
-    avals = rows_aval(call.xs, n)
+    closed = raw.jaxpr
+    tags = [row_tags(v, "j") for v in closed.jaxpr.invars]
     again = lambda xs: jax.tree.unflatten(
-        jax.tree.structure(raw.out_shape), at_rows(raw.jaxpr, rows, n, jax.tree.leaves(xs))
+        jax.tree.structure(raw.out_shape),
+        evaluate(closed.jaxpr, closed.consts, jax.tree.leaves(xs), None, tags, {"j": n})[0],
     )
     try:  # (no user code runs here: a failure only means the chunks stay)
-        return trace(again, avals)
+        return trace(again, rows_aval(call.xs, n))
     except Exception:
         return None
 
