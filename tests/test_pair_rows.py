@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 from helpers import assert_tree_close
-from test_pairwise import CASES, dense, inputs, sqdist
+from test_pairwise import CASES, dense, inputs, scaled_loss, sqdist
 
 import adv_jax_math as ajm
 
@@ -62,12 +62,7 @@ def test_gradients_match_dense_oracle(name):
     # w.r.t. x (the constant read as the pairwise x), y and another closed-over value
     reduction, f, want = CASES[name]
     x, y = inputs()
-    scaled = lambda s: lambda a, b: jax.tree.map(lambda v: v * s, f(a, b))
-
-    def loss(run, s, x, y):
-        out = run(scaled(s), x, y)
-        return sum(jnp.sum(jnp.sin(v)) for v in jax.tree.leaves(out) if v.dtype.kind == "f")
-
+    loss = scaled_loss(f)
     ours = lambda g, x, y: chunked(g, reduction, x, y)
     oracle = lambda g, x, y: want(dense(g, x, y))
     got = jax.jit(jax.grad(lambda *a: loss(ours, *a), argnums=(0, 1, 2)))(0.7, x, y)

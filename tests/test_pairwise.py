@@ -118,18 +118,25 @@ def test_values_match_dense_oracle(name, backend):
 DIFFERENTIABLE = [name for name in CASES if name not in ("argmin", "argmax")]
 
 
-@pytest.mark.parametrize("backend", list(ENGINES))
-@pytest.mark.parametrize("name", DIFFERENTIABLE)
-def test_gradients_match_dense_oracle(name, backend):
-    # w.r.t. x, y and a parameter f closes over; reverse and forward mode
-    reduction, f, want = CASES[name]
-    x, y = inputs()
+def scaled_loss(f):
+    """``loss(run, s, x, y)``: the sum of the sines of ``run(f scaled by s, x, y)``'s
+    float leaves, for gradients w.r.t. x, y and a value ``f`` closes over."""
     scaled = lambda s: lambda a, b: jax.tree.map(lambda v: v * s, f(a, b))
 
     def loss(run, s, x, y):
         out = run(scaled(s), x, y)
         return sum(jnp.sum(jnp.sin(v)) for v in jax.tree.leaves(out) if v.dtype.kind == "f")
 
+    return loss
+
+
+@pytest.mark.parametrize("backend", list(ENGINES))
+@pytest.mark.parametrize("name", DIFFERENTIABLE)
+def test_gradients_match_dense_oracle(name, backend):
+    # w.r.t. x, y and a parameter f closes over; reverse and forward mode
+    reduction, f, want = CASES[name]
+    x, y = inputs()
+    loss = scaled_loss(f)
     ours = lambda g, x, y: ajm.pairwise(g, x, y, reduction, tiles=TILES)
     oracle = lambda g, x, y: want(dense(g, x, y))
     with ajm.config(backend=backend):
