@@ -55,6 +55,22 @@ def test_row_local_maps_run_whole():
     assert_tree_close(ajm.batch_map(jax.nn.relu, x - 1, 64), jax.nn.relu(x - 1))
 
 
+@pytest.mark.parametrize(
+    "fun",
+    [
+        lambda c: jnp.full_like(c, c.shape[0]),  # no output read from the rows
+        lambda c: (2 * c, jnp.ones_like(c)),  # one of two
+        lambda c: c + jnp.arange(c.shape[0]),  # the row's place in its chunk
+    ],
+)
+def test_maps_that_depend_on_the_chunk_keep_their_chunks(fun):
+    # the original's semantics: fun sees each chunk (here of 2 rows), never all rows
+    x = jnp.arange(6.0)
+    want = jax.tree.map(lambda *c: jnp.concatenate(c), *(fun(x[i : i + 2]) for i in (0, 2, 4)))
+    assert ajm.explain(fun, x, 2).chunks == 3
+    assert_tree_close(ajm.batch_map(fun, x, 2), want)
+
+
 def test_unexpected_kwargs_are_all_named():
     with pytest.raises(ValueError, match="'bogus'.*'other'"):
         ajm.batch_map(jnp.sin, jnp.ones(3), 2, bogus=1, other=2)

@@ -196,10 +196,15 @@ def _whole_map(
     n = mapped_rows(call.xs)
     closed = raw.jaxpr
     tags = [row_tags(v, "j") for v in closed.jaxpr.invars]
-    again = lambda xs: jax.tree.unflatten(
-        jax.tree.structure(raw.out_shape),
-        evaluate(closed.jaxpr, closed.consts, jax.tree.leaves(xs), None, tags, {"j": n})[0],
-    )
+
+    def again(xs: Any) -> Any:
+        outs, found = evaluate(
+            closed.jaxpr, closed.consts, jax.tree.leaves(xs), None, tags, {"j": n}
+        )
+        if any(t[:1] != ("j",) for t in found):  # e.g. full_like(x, x.shape[0]): not row by row
+            raise ValueError("an output is not read from the rows")
+        return jax.tree.unflatten(jax.tree.structure(raw.out_shape), outs)
+
     try:  # (no user code runs here: a failure only means the chunks stay)
         return trace(again, rows_aval(call.xs, n))
     except Exception:
