@@ -327,7 +327,7 @@ def test_fastest_sizes_are_retimed_interleaved_and_the_fastest_run_kept(monkeypa
         d = ajm.explain(wide, xs(), "auto", reduction=jnp.add, chunk_reduction=jnp.sum).autotune
     (prog,) = programs
     timed = [c.rows for c in d.candidates if c.seconds is not None]
-    assert len(timed) == _autotune.MAX_COMPILES
+    assert len(timed) == min(_autotune.MAX_COMPILES, sum(c.fits for c in d.candidates))
     run = lambda r: (r, prog.long_chunks(r))
     m = 2 * len(timed)
     search, again = calls[:m], calls[m:]

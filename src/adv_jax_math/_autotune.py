@@ -67,7 +67,10 @@ __all__ = ["BudgetError", "Candidate", "Decision", "autodiff_leaves", "choose", 
 
 SMALLEST = 16  # first candidate (smaller ones only when 16 rows do not fit)
 SECOND_PROBE = 256  # second point of the memory model
-MAX_COMPILES = 3  # chunk programs compiled per decision, at most
+# Chunk programs compiled per decision, at most: with three, the search never timed
+# the best's other neighbour (MLP per-example gradients, bench/bench_autotune.py:
+# 16, 64, 256 timed where 128 was fastest); planning went from 2.5 to 2.9-3.2 s.
+MAX_COMPILES = 4
 HEADROOM = 0.05  # estimated bytes plus 5% must fit the budget
 # Re-timing (_retime): the RETIME_TOP fastest timed sizes within RETIME_WITHIN times
 # the fastest are timed again, one run each per round, for up to RETIME_ROUNDS
