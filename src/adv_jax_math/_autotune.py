@@ -69,7 +69,7 @@ SMALLEST = 16  # first candidate (smaller ones only when 16 rows do not fit)
 SECOND_PROBE = 256  # second point of the memory model
 # Chunk programs compiled per decision, at most: with three, the search never timed
 # the best's other neighbour (MLP per-example gradients, bench/bench_autotune.py:
-# 16, 64, 256 timed where 128 was fastest); planning went from 2.5 to 2.9-3.2 s.
+# 16, 64, 256 timed where 128 was fastest); its planning went from 2.3-2.7 to 2.3-3.5 s.
 MAX_COMPILES = 4
 HEADROOM = 0.05  # estimated bytes plus 5% must fit the budget
 # Re-timing (_retime): the RETIME_TOP fastest timed sizes within RETIME_WITHIN times
