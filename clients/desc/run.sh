@@ -18,6 +18,8 @@
 #    replaced by adv_jax_math (desc_standin_plugin.py; test harness only), and
 #    the call forms DESC used, recorded during that run.
 # BASELINE=1 also runs the same DESC tests with DESC's own batching.
+# DESC_SETUP_ONLY=1 stops after 1 and 2 (CI prepares them while other work runs;
+# pass the same DESC_WORK to the run that follows).
 set -euo pipefail
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -76,6 +78,8 @@ if [[ ! -d "$SRC/tests" ]]; then
   touch "$SRC/tests/__init__.py"           # tests use relative / tests.* imports
   cp "$HERE/desc_test_utils.py" "$SRC/tests/utils.py"
 fi
+
+[[ "${DESC_SETUP_ONLY:-0}" == 1 ]] && { log "setup only (DESC_SETUP_ONLY=1): venv and sdist ready"; exit 0; }
 
 # ------------------------------------------------------------ 3. compare ------
 log "compare.py (DESC's helpers vs ours)"
