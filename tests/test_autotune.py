@@ -329,19 +329,63 @@ def test_fastest_sizes_are_retimed_interleaved_and_the_fastest_run_kept(monkeypa
     timed = [c.rows for c in d.candidates if c.seconds is not None]
     assert len(timed) == min(_autotune.MAX_COMPILES, sum(c.fits for c in d.candidates))
     run = lambda r: (r, prog.long_chunks(r))
-    m = 2 * len(timed)
-    search, again = calls[:m], calls[m:]
-    assert sorted(search) == sorted(run(r) for r in timed for _ in range(2))
-    order = sorted(timed)  # fastest first by the search's timings
-    rounds = [order, order[::-1], order]  # each round the previous one reversed
-    assert again == [run(r) for rnd in rounds for r in rnd]
+    k = len(timed)
+    search, again = calls[: -3 * k], calls[-3 * k :]
+    # the search: each size's first timing is two runs in a row; before each next
+    # size, one more run of every size timed so far (no more than that)
+    firsts = [i for i, c in enumerate(search) if c not in search[:i]]
+    assert sorted(search[i] for i in firsts) == sorted(run(r) for r in timed)
+    assert all(search[i + 1] == search[i] for i in firsts)
+    checks = [c for i, c in enumerate(search) if i not in firsts and i - 1 not in firsts]
+    assert checks and len(checks) <= k * (k - 1) // 2
+    order = again[:k]  # then three rounds, each the previous one reversed
+    assert sorted(order) == sorted(run(r) for r in timed)
+    assert again == order + order[::-1] + order
     for c in d.candidates:  # from the fastest run: neither the search's nor the burst
         if c.seconds is not None:
             assert c.seconds == pytest.approx(1 - np.log2(c.rows) / 100)
     # the search's timings alone would have chosen the smallest size
     assert d.batch_size == max(timed) != min(timed)
-    sizes_text = ", ".join(map(str, order))
+    sizes_text = ", ".join(map(str, sorted(timed)))
     assert f"{sizes_text} rows timed again interleaved, 3 rounds, the fastest run" in d.reason
+
+
+def test_a_burst_of_load_in_one_first_timing_does_not_steer_the_search(monkeypatch, programs):
+    """Per call, 1 + |log2(rows) - 8| / 20 seconds (256 rows fastest), but 256 rows'
+    first timing (the search's second probe) runs 1.5x slow. Without a run of the
+    sizes timed so far before each step, the search turned to smaller sizes and
+    never timed 256 again."""
+    calls = []
+
+    def run(self, rows, m):
+        calls.append(rows)
+        t = 1 + abs(np.log2(rows) - 8) / 20
+        if rows == 256 and calls.count(256) <= 2:
+            t *= 1.5
+        return t * m / self.chunks(rows)
+
+    monkeypatch.setattr(ChunkProgram, "run", run)
+    with ajm.config(memory_budget=8 * MIB):
+        d = ajm.explain(wide, xs(), "auto", reduction=jnp.add, chunk_reduction=jnp.sum).autotune
+    timed = [c.rows for c in d.candidates if c.seconds is not None]
+    assert timed[0] == 16 and 256 in timed and max(timed) > 256, d  # went past 256
+    assert d.batch_size == 256, d
+
+
+def test_the_search_steps_to_the_fastest_size_next_to_the_fastest_timed(monkeypatch, programs):
+    """Per call, 1 + |log2(rows) - 7| / 20 seconds: 128 rows fastest, every size fits.
+    After 16 and 256 rows the search steps one size at a time (512, then 128); a
+    jump to the middle of the untimed sizes above 256 spent a compile far away and
+    never timed 128."""
+
+    def run(self, rows, m):
+        return (1 + abs(np.log2(rows) - 7) / 20) * m / self.chunks(rows)
+
+    monkeypatch.setattr(ChunkProgram, "run", run)
+    with ajm.config(memory_budget=64 * MIB):
+        d = ajm.explain(wide, xs(), "auto", reduction=jnp.add, chunk_reduction=jnp.sum).autotune
+    timed = [c.rows for c in d.candidates if c.seconds is not None]
+    assert timed == [16, 128, 256, 512] and d.batch_size == 128, d
 
 
 def test_no_retiming_keeps_the_first_timings(monkeypatch):

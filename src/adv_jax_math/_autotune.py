@@ -11,7 +11,8 @@ differentiated input) are added to ``a``. Candidates the model puts under the
 budget are timed on synthetic inputs of the right shapes and dtypes (real
 compiled runs through many chunks, the fastest of a few): the whole call's time is
 estimated as ``chunks * seconds per chunk`` (``ChunkProgram.seconds``), and a local
-search over the sizes that fit finds the fastest. Timings taken one size after
+search over the sizes that fit finds the fastest (before each of its steps, the
+fastest sizes timed so far get one more run each, side by side). Timings taken one size after
 another are at the mercy of other processes (a burst of load makes one size look
 slow), so the fastest few sizes are then timed again side by side, round by round,
 one run of each size per round, each size keeping its fastest run; the fastest
@@ -265,7 +266,7 @@ def _sizes(n: int, allow_single: bool) -> list[int]:
 
 def _search(prog: ChunkProgram, n: int, sizes: list[int], budget: int, source: str) -> Decision:
     """At most ``MAX_COMPILES`` chunk programs: the smallest size, a second probe
-    (the memory model's second point), then a search on the log scale towards the
+    (the memory model's second point), then a search one power of two at a time towards the
     faster side, among the sizes the model fits under the budget."""
     mem: dict[int, int] = {}
     secs: dict[int, float] = {}
@@ -317,8 +318,16 @@ def _search(prog: ChunkProgram, n: int, sizes: list[int], budget: int, source: s
         if rows in sizes:
             timed(rows)
     while len(mem) < MAX_COMPILES:
-        nxt = _next_size([s for s in sizes if fits(s)], secs)
-        if nxt is None:
+        ok = [s for s in sizes if fits(s)]
+        if _next_size(ok, secs) is None:
+            break
+        # One more run of each fastest size, side by side, before the next step: a
+        # burst of load during one size's first timing would steer the search away
+        # (MLP per-example gradients: 256 rows timed 1.4x slow sent it to 32 rows
+        # where 128 was the fastest).
+        _retime(prog, n, secs, rounds=min(1, RETIME_ROUNDS))
+        nxt = _next_size(ok, secs)
+        if nxt is None:  # the fastest is now one whose neighbours are all timed
             break
         if timed(nxt) is None:  # the model was optimistic: refit through the largest sizes
             fixed, per_row = _fit(mem, upper=True)
@@ -344,12 +353,14 @@ def _search(prog: ChunkProgram, n: int, sizes: list[int], budget: int, source: s
     )
 
 
-def _retime(prog: ChunkProgram, n: int, secs: dict[int, float]) -> tuple[list[int], int]:
+def _retime(
+    prog: ChunkProgram, n: int, secs: dict[int, float], rounds: int | None = None
+) -> tuple[list[int], int]:
     """Time the fastest sizes of ``secs`` again, side by side: the ``RETIME_TOP``
     fastest within ``RETIME_WITHIN`` times the fastest. Each round times one run of
     each of them (``prog.seconds``, which keeps each size's fastest run, the
     search's included), in the previous round's order reversed, so that load from
-    other processes hits them alike. At most ``RETIME_ROUNDS`` rounds; one starts
+    other processes hits them alike. At most ``rounds`` (``RETIME_ROUNDS``) rounds; one starts
     only if re-timing, with one more round as long as the last, stays within
     ``RETIME_SECONDS`` (the first always runs). Returns the sizes re-timed and the
     number of rounds (none when fewer than two sizes qualify)."""
@@ -359,7 +370,8 @@ def _retime(prog: ChunkProgram, n: int, secs: dict[int, float]) -> tuple[list[in
     if len(order) < 2:
         return order, 0
     start, last, done = _clock(), 0.0, 0
-    while done < RETIME_ROUNDS and (done == 0 or _clock() - start + last <= RETIME_SECONDS):
+    limit = RETIME_ROUNDS if rounds is None else rounds
+    while done < limit and (done == 0 or _clock() - start + last <= RETIME_SECONDS):
         t0 = _clock()
         for rows in order:
             secs[rows] = prog.seconds(rows, spend=0.0, runs=1)
@@ -368,9 +380,11 @@ def _retime(prog: ChunkProgram, n: int, secs: dict[int, float]) -> tuple[list[in
 
 
 def _next_size(ok: list[int], secs: dict[int, float]) -> int | None:
-    """The next size to time: the log-scale middle of the untimed sizes between the
-    fastest timed size and its timed neighbour (or the end) on one side; the side
-    whose neighbour is faster first, an unexplored end counting as fast."""
+    """The next size to time: the untimed size next to the fastest timed one, on the
+    side whose timed neighbour (or end) is faster, an unexplored end counting as
+    fast. One step at a time: the log-scale middle of the gap spent a compile far
+    from the fastest (MLP per-example gradients: 16, 256, then 1024 and 64, never
+    128, the fastest)."""
     timed = [s for s in ok if s in secs]
     if not timed:
         return ok[0] if ok else None
@@ -384,7 +398,7 @@ def _next_size(ok: list[int], secs: dict[int, float]) -> int | None:
             j += step
         if gap:
             bound = secs[ok[j]] if 0 <= j < len(ok) else secs[best]
-            options.append((bound, -step, sorted(gap)[len(gap) // 2]))
+            options.append((bound, -step, gap[0]))
     return min(options)[2] if options else None
 
 
