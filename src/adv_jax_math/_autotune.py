@@ -321,10 +321,8 @@ def _search(prog: ChunkProgram, n: int, sizes: list[int], budget: int, source: s
         ok = [s for s in sizes if fits(s)]
         if _next_size(ok, secs) is None:
             break
-        # One more run of each fastest size, side by side, before the next step: a
-        # burst of load during one size's first timing would steer the search away
-        # (MLP per-example gradients: 256 rows timed 1.4x slow sent it to 32 rows
-        # where 128 was the fastest).
+        # One more run of the fastest sizes, side by side: a burst of load in one first
+        # timing steered the search away (MLP gradients: 256 rows 1.4x slow, 32 next).
         _retime(prog, n, secs, rounds=min(1, RETIME_ROUNDS))
         nxt = _next_size(ok, secs)
         if nxt is None:  # the fastest is now one whose neighbours are all timed
@@ -380,11 +378,9 @@ def _retime(
 
 
 def _next_size(ok: list[int], secs: dict[int, float]) -> int | None:
-    """The next size to time: the untimed size next to the fastest timed one, on the
-    side whose timed neighbour (or end) is faster, an unexplored end counting as
-    fast. One step at a time: the log-scale middle of the gap spent a compile far
-    from the fastest (MLP per-example gradients: 16, 256, then 1024 and 64, never
-    128, the fastest)."""
+    """The untimed size next to the fastest timed one, on the side whose timed
+    neighbour (or end) is faster, an unexplored end counting as fast. (Jumping to a
+    gap's log-scale middle timed 16, 256, 1024, 64 rows, never 128, the fastest.)"""
     timed = [s for s in ok if s in secs]
     if not timed:
         return ok[0] if ok else None
