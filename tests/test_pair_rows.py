@@ -184,9 +184,24 @@ def test_sharded_calls_and_other_backends_are_not_taken():
     )
 
 
-def test_auto_batch_size_takes_the_tiles_own_size():
-    # the autotuner sizes the scan engine's chunks; the tiles keep their own "auto" size
+def test_auto_batch_size_takes_the_tiles_own_size(monkeypatch):
+    # the tiles keep their own "auto" size, so the autotuner, which sizes the scan
+    # engine's chunks, compiles and times nothing (it timed chunks that never ran)
+    from adv_jax_math import _autotune
+
+    def timed(*args):
+        raise AssertionError("a chunk program was built for a call the tiles run")
+
+    monkeypatch.setattr(_autotune, "ChunkProgram", timed)
     f, x, y = CASES["add"][1], *inputs()
     plan = engine(f, ajm.ADD, x, y, b="auto")
     assert plan.engine == "pairwise" and "tiles of 37 x rows by 53 rows" in plan.reason
+    assert plan.autotune.candidates == () and "tiles size themselves" in str(plan), str(plan)
+    assert "at their own size" in plan.notes[-1], str(plan)
     assert_tree_close(chunked(f, ajm.ADD, x, y, "auto"), dense(f, x, y).sum(1), rtol=2e-5)
+    loss = lambda x, y, b: jnp.sum(jnp.sin(chunked(f, ajm.ADD, x, y, b)))
+    want = jax.grad(lambda x, y: jnp.sum(jnp.sin(dense(f, x, y).sum(1))), (0, 1))(x, y)
+    assert_tree_close(jax.grad(loss, (0, 1))(x, y, "auto"), want, rtol=2e-5, atol=2e-5)
+    with ajm.config(backend="scan"):  # not the tiles: autotuned as usual
+        with pytest.raises(AssertionError, match="chunk program was built"):
+            engine(f, ajm.ADD, x, y, b="auto")

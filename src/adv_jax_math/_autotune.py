@@ -11,14 +11,11 @@ differentiated input) are added to ``a``. Candidates the model puts under the
 budget are timed on synthetic inputs of the right shapes and dtypes (real
 compiled runs through many chunks, the fastest of a few): the whole call's time is
 estimated as ``chunks * seconds per chunk`` (``ChunkProgram.seconds``), and a local
-search over the sizes that fit finds the fastest (before each of its steps, the
-fastest sizes timed so far get one more run each, side by side). Timings taken one size after
-another are at the mercy of other processes (a burst of load makes one size look
-slow), so the fastest few sizes are then timed again side by side, round by round,
-one run of each size per round, each size keeping its fastest run; the fastest
-estimate is chosen. Re-timing is bounded (``RETIME_ROUNDS``
-rounds, ``RETIME_SECONDS``). The chosen size has always been compiled and measured
-itself; ``explain`` shows the time planning took (``ms planning``).
+search over the sizes that fit finds the fastest. A burst of load from other
+processes makes one timing slow, so before each step of the search, and then for up
+to ``RETIME_ROUNDS`` rounds (``RETIME_SECONDS``), the fastest sizes timed so far are
+timed again side by side, each keeping its fastest run; the fastest is chosen, a
+size that was compiled and measured itself. ``explain`` shows the planning time.
 
 Rule for "differentiated" (``config(autotune_grad="auto")``): a mapped input leaf
 or a value ``fun`` closes over is a float tracer of an autodiff transformation
@@ -117,13 +114,16 @@ class Decision:
     cache: str = "computed"
 
     def brief(self) -> str:
-        return (
-            f"auto: {self.batch_size} rows per chunk, budget {fmt_bytes(self.budget)} "
-            f"({self.budget_source}); {self.cache}, {self.seconds * 1e3:.0f} ms planning"
-        )
+        planning = f"{self.cache}, {self.seconds * 1e3:.0f} ms planning"
+        if not self.candidates:  # nothing measured: the reason is the decision
+            return f"auto: {self.reason}; {planning}"
+        budget = f"budget {fmt_bytes(self.budget)} ({self.budget_source})"
+        return f"auto: {self.batch_size} rows per chunk, {budget}; {planning}"
 
     def lines(self) -> list[tuple[str, str]]:
-        """``(label, text)`` rows for ``Plan.__str__``."""
+        """``(label, text)`` rows for ``Plan.__str__`` (none when nothing was measured)."""
+        if not self.candidates:
+            return []
         model = (
             f"bytes = {fmt_bytes(self.fixed_bytes)} + {fmt_bytes(self.row_bytes)} x rows "
             f"({self.grad})"

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 import jax
 
 from . import _config
-from ._pair_engine import PairEngine
+from ._pair_engine import PairEngine, auto_draft
 from ._plan import Call, Plan, Rejection
 from ._planner import make_plan
 from ._scan import ScanEngine
@@ -93,7 +93,13 @@ def _why_not(rejected: list[tuple[str, Rejection]], requested: str) -> str:
 
 
 def plan(call: Call, *, mapped: bool = False) -> Plan:
-    """The full plan for ``call``: chunks, reduction and engine."""
+    """The full plan for ``call``: chunks, reduction and engine. A ``batch_size="auto"``
+    call the pairwise tiles run is not autotuned (see ``_pair_engine.auto_draft``)."""
+    draft = auto_draft(call) if call.batch_size == "auto" and not mapped else None
+    if draft is not None:
+        tiled = select(draft, call)
+        if tiled.engine == PairEngine.name:
+            return tiled
     return select(make_plan(call, mapped=mapped), call)
 
 

@@ -8,21 +8,32 @@ It runs where ``pairwise`` itself would take those tiles (``pairwise tiles (xla)
 on CPU, with ``backend="auto"``; the tiles hold at most the pairs of one chunk
 (``batch_size`` rows by all ``T`` rows of ``x``) unless a chunk holds more than an
 "auto" tile. Gradients are ``pairwise``'s (recomputing ``f`` on tiles).
+
+With ``batch_size="auto"`` the tiles take their own "auto" size, so the autotuner,
+which sizes the scan engine's chunks, is not run for a call the tiles take
+(:func:`auto_draft`): it compiled and timed chunk programs that never ran (N-body's
+energy gradient in ``bench/bench_autotune.py``: 1.1-1.8 s of planning).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any
 
 import jax
 
-from . import _config
+from . import _autotune, _config
+from ._autotune_measure import default_budget
 from ._pair_rows import Pairing, find, pair, results
-from ._plan import Call, Kind, Plan, Policy, Rejection
+from ._plan import Call, Kind, Plan, Policy, Rejection, target_platform
+from ._planner import make_plan
 from ._separable import _Refused
+from ._validate import mapped_rows
 
-__all__ = ["PairEngine"]
+__all__ = ["PairEngine", "auto_draft"]
+
+DRAFT_ROWS = 1024  # the chunk size a batch_size="auto" call is drafted at for the tiles
 
 
 def _args(plan: Plan, call: Call, found: Pairing) -> tuple:
@@ -35,8 +46,7 @@ def _args(plan: Plan, call: Call, found: Pairing) -> tuple:
 
 def _tiles(plan: Plan, found: Pairing) -> tuple[int, int] | str:
     """A chunk's pairs (``batch_size`` rows by every x row) as one tile, when that is
-    fewer than an "auto" tile's; else "auto". With ``batch_size="auto"``: "auto" (the
-    autotuner sized the scan engine's chunks, whose memory grows with their rows; a
+    fewer than an "auto" tile's; else "auto". With ``batch_size="auto"``: "auto" (a
     tile of at most 2^18 pairs holds a few MiB, N-body's gradient 5 MiB)."""
     from ._pairwise import SORT_TILE_ELEMENTS, TILE_ELEMENTS
 
@@ -82,7 +92,9 @@ class PairEngine:
             "f's features unrolled into 2-D tiles"
         )
         note = "pairwise: the tiles replace the chunks above, holding at most a chunk's pairs"
-        if _tiles(plan, found) == "auto":
+        if plan.autotune is not None:
+            note = "pairwise: the tiles replace the chunks above, at their own size"
+        elif _tiles(plan, found) == "auto":
             note = "pairwise: the tiles replace the chunks above (a chunk holds more pairs)"
         return dataclasses.replace(
             plan, engine=self.name, reason=reason, pairing=found, notes=(*plan.notes, note)
@@ -95,3 +107,32 @@ class PairEngine:
         assert isinstance(found, Pairing) and plan.reduction is not None
         out = pairwise(*_args(plan, call, found), tiles=_tiles(plan, found))
         return results(plan.reduction, found, out)
+
+
+def auto_draft(call: Call) -> Plan | None:
+    """A ``batch_size="auto"`` call planned at ``DRAFT_ROWS`` rows per chunk, its
+    ``autotune`` saying that the tiles size themselves, where :class:`PairEngine`
+    could take it (CPU, ``backend="auto"``, a reduction over unsharded rows); else
+    None. The engines then decide: a plan no engine before the tiles takes is planned
+    and autotuned as usual (``_engines.plan``)."""
+    if _config.current().backend != "auto" or target_platform() != "cpu":
+        return None
+    if call.reduction is None or call.shard:
+        return None
+    n = mapped_rows(call.xs)
+    if not n:
+        return None
+    start = time.perf_counter()
+    rows = min(n, DRAFT_ROWS)
+    draft = make_plan(dataclasses.replace(call, batch_size=rows))
+    if draft.shard is not None or draft.kind is not Kind.MONOID:
+        return None
+    opts = _config.current()
+    budget, source = (opts.memory_budget, "config") if opts.memory_budget else default_budget("cpu")
+    why = (
+        "the pairwise tiles size themselves (at most 2^18 pairs a tile, not fitted to the "
+        "budget); no chunk program compiled or timed"
+    )
+    seconds = time.perf_counter() - start
+    decision = _autotune.Decision(rows, n, budget, source, 0, 0.0, (), "", why, seconds)
+    return dataclasses.replace(draft, autotune=decision)
