@@ -24,9 +24,9 @@ differ by a few percent from run to run, up to ~20% on a busy machine). Where "a
 compiled to exactly the chosen size's program (the same HLO), the goal takes that
 program's times in the same rounds: the choice is judged, not the spread between two
 timings of one program (and a fastest fixed size compiled to that very program, as
-N-body's from 1024 rows up, is the same choice: 1.00). Planning cost: the first trace with "auto" against the
-compile time of the chosen program (at most 6x); the second trace (a cache hit)
-against a trace with the chosen fixed size.
+N-body's from 1024 rows up, is the same choice: 1.00). Planning cost: the first trace
+with "auto" against the compile time of the chosen program (at most 7x); the second
+trace (a cache hit) against a trace with the chosen fixed size.
 
 ``python bench/bench_autotune.py`` writes ``bench/results/autotune_table.md``;
 ``pytest bench/bench_autotune.py`` checks the goals.
@@ -254,10 +254,11 @@ def test_auto_fits_budget_and_is_fast(name, budget):
 @pytest.mark.parametrize("name", list(WORKLOADS))
 def test_planning_cost(name):
     r = auto(name, 32)
-    # Three chunk programs are compiled, each about as large as the whole call's
-    # (2.5-2.9x its compile time), then timed and re-timed (0.5-1 s): measured
-    # 4.4-5.3x at be78b04; 6x bounds what it costs.
-    assert r["planning"] <= 6 * r["compile_chosen"], r
+    # Up to four chunk programs are compiled, each about as large as the whole call's
+    # (MLP gradients: 1.2-1.7 s for 3-4 of them), then timed and re-timed (0.8-0.9 s):
+    # measured 4.9-6.0x at 32 MiB at 3e077f4 (4.4-5.3x at be78b04, with three); 7x
+    # bounds what it costs. The pairwise tiles (N-body) time nothing: 10-20 ms.
+    assert r["planning"] <= 7 * r["compile_chosen"], r
     assert r["second"] <= r["fixed_trace"] + 0.05, r  # a cache hit: as cheap as a fixed size
 
 
