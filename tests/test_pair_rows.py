@@ -202,6 +202,6 @@ def test_auto_batch_size_takes_the_tiles_own_size(monkeypatch):
     loss = lambda x, y, b: jnp.sum(jnp.sin(chunked(f, ajm.ADD, x, y, b)))
     want = jax.grad(lambda x, y: jnp.sum(jnp.sin(dense(f, x, y).sum(1))), (0, 1))(x, y)
     assert_tree_close(jax.grad(loss, (0, 1))(x, y, "auto"), want, rtol=2e-5, atol=2e-5)
-    with ajm.config(backend="scan"):  # not the tiles: autotuned as usual
-        with pytest.raises(AssertionError, match="chunk program was built"):
-            engine(f, ajm.ADD, x, y, b="auto")
+    scan = ajm.config(backend="scan")  # not the tiles: autotuned as usual
+    with scan, pytest.raises(AssertionError, match="chunk program was built"):
+        engine(f, ajm.ADD, x, y, b="auto")
