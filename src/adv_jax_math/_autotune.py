@@ -58,7 +58,7 @@ from typing import Any
 import jax
 
 from . import _config
-from ._autotune_measure import ChunkProgram, default_budget, fmt_bytes
+from ._autotune_measure import ChunkProgram, budget_in_force, fmt_bytes
 from ._call import Call, autodiff_leaves
 
 __all__ = ["BudgetError", "Candidate", "Decision", "autodiff_leaves", "choose", "clear_cache"]
@@ -235,9 +235,7 @@ def choose(call: Call, n: int, platform: str) -> Decision:
     """The chunk size for ``call`` over ``n`` rows on ``platform`` (see module doc)."""
     start = time.perf_counter()
     opts = _config.current()
-    budget, source = (
-        (opts.memory_budget, "config") if opts.memory_budget else default_budget(platform)
-    )
+    budget, source = budget_in_force(opts, platform)
     grad_rows = getattr(call, "grad_rows", None)
     prog = ChunkProgram(call, n, opts, grad_rows)
     sizes = _sizes(n, allow_single=not (prog.differentiated and opts.remat))

@@ -35,6 +35,7 @@ __all__ = [
     "BUDGET_FRACTION",
     "ChunkProgram",
     "autodiff_leaves",
+    "budget_in_force",
     "default_budget",
     "fmt_bytes",
     "outer_batch",
@@ -67,6 +68,13 @@ def default_budget(platform: str) -> tuple[int, str]:
     if free is None:
         free, where = _host_available(), "available system memory"
     return int(BUDGET_FRACTION * free), f"{BUDGET_FRACTION:.0%} of {fmt_bytes(free)} free ({where})"
+
+
+def budget_in_force(opts: Options, platform: str) -> tuple[int, str]:
+    """``config(memory_budget=...)`` when set, else :func:`default_budget`."""
+    if opts.memory_budget:
+        return opts.memory_budget, "config"
+    return default_budget(platform)
 
 
 def _host_available() -> int:

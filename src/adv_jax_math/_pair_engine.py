@@ -24,7 +24,7 @@ from typing import Any
 import jax
 
 from . import _autotune, _config
-from ._autotune_measure import default_budget
+from ._autotune_measure import budget_in_force
 from ._pair_rows import Pairing, find, pair, results
 from ._plan import Call, Kind, Plan, Policy, Rejection, target_platform
 from ._planner import make_plan
@@ -115,7 +115,8 @@ def auto_draft(call: Call) -> Plan | None:
     could take it (CPU, ``backend="auto"``, a reduction over unsharded rows); else
     None. The engines then decide: a plan no engine before the tiles takes is planned
     and autotuned as usual (``_engines.plan``)."""
-    if _config.current().backend != "auto" or target_platform() != "cpu":
+    opts = _config.current()
+    if opts.backend != "auto" or target_platform() != "cpu":
         return None
     if call.reduction is None or call.shard:
         return None
@@ -127,8 +128,7 @@ def auto_draft(call: Call) -> Plan | None:
     draft = make_plan(dataclasses.replace(call, batch_size=rows))
     if draft.shard is not None or draft.kind is not Kind.MONOID:
         return None
-    opts = _config.current()
-    budget, source = (opts.memory_budget, "config") if opts.memory_budget else default_budget("cpu")
+    budget, source = budget_in_force(opts, "cpu")
     why = (
         "the pairwise tiles size themselves (at most 2^18 pairs a tile, not fitted to the "
         "budget); no chunk program compiled or timed"
