@@ -30,6 +30,12 @@ $(VENV_COMPAT)/.installed: pyproject.toml CMakeLists.txt $(wildcard kernels/cpu/
 	$(VENV_COMPAT)/bin/pip install $(PIP_FLAGS) -e '.[test]' 'jax==0.9.2' 'jaxlib==0.9.2'
 	touch $@
 
+# $(call install_extra,NAME): pip install the optional dependencies NAME of pyproject.toml
+# into $(VENV), without building and installing the package again (.installed did).
+install_extra = $(VENV)/bin/python -c 'import sys, tomllib; \
+  print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"][sys.argv[1]]))' \
+  $(1) > $(VENV)/$(1)-requirements.txt && $(VENV)/bin/pip install $(PIP_FLAGS) -r $(VENV)/$(1)-requirements.txt
+
 demo: $(VENV)/.installed
 	$(VENV)/bin/python bench/demo.py
 
@@ -111,7 +117,7 @@ test-clients:
 # DOCS_FLAGS=-E rereads every page; `rm -rf docs/_build` also re-executes them.
 DOCS_FLAGS ?=
 $(VENV)/.docs-installed: $(VENV)/.installed pyproject.toml
-	$(VENV)/bin/pip install $(PIP_FLAGS) -e '.[test,bench,docs]'
+	$(call install_extra,docs)
 	touch $@
 
 docs: $(VENV)/.docs-installed
@@ -136,7 +142,7 @@ bench-monoids: $(VENV)/.installed
 # BENCH_PAIRWISE_FLAGS=--quick: a smoke run.
 BENCH_PAIRWISE_FLAGS ?=
 $(VENV)/.bench-pairwise-installed: $(VENV)/.installed pyproject.toml
-	$(VENV)/bin/pip install $(PIP_FLAGS) -e '.[test,bench,bench-pairwise]'
+	$(call install_extra,bench-pairwise)
 	touch $@
 
 bench-pairwise: $(VENV)/.bench-pairwise-installed
