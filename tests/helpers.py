@@ -26,6 +26,7 @@ __all__ = [
     "assert_tree_close",
     "contains_kernel",
     "enable_x64",
+    "normal",
     "on_abstract_device",
     "oracle",
     "reduction_kwargs",
@@ -42,6 +43,18 @@ TOL = {
     np.dtype(jnp.bfloat16): dict(rtol=2e-2, atol=2e-2),
 }
 EXACT = dict(rtol=0, atol=0)  # integers and booleans
+
+
+# ---------------------------------------------------------------------------- #
+# Test data
+# ---------------------------------------------------------------------------- #
+
+
+def normal(seed: int, shape: tuple[int, ...], dtype: Any = np.float32) -> jax.Array:
+    """Standard normal test data, from NumPy's generator: ``jax.random`` compiles a
+    program per shape outside ``jit`` (about 0.2 s each here), a few hundred over
+    the suite."""
+    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), dtype)
 
 
 def _tolerance(dtype: np.dtype) -> dict[str, float]:

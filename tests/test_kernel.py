@@ -23,6 +23,7 @@ from helpers import (
     oracle,
     reduction_kwargs,
 )
+from helpers import normal as standard_normal
 
 import adv_jax_math as ajm
 from adv_jax_math import _engines
@@ -40,7 +41,7 @@ W4 = jnp.array([0.5, -1.0, 2.0, 0.25], jnp.float32)
 
 
 def normal(shape, dtype=jnp.float32, seed=0):
-    return jax.random.normal(jax.random.key(seed), shape).astype(dtype)
+    return standard_normal(seed, shape, dtype)
 
 
 def monoid_reduction(fun, xs, monoid, axis):

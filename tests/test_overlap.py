@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_tree_close, needs_kernel, oracle, reduction_kwargs
+from helpers import assert_tree_close, needs_kernel, normal, oracle, reduction_kwargs
 from jax.ad_checkpoint import print_saved_residuals
 
 import adv_jax_math as ajm
@@ -76,7 +76,7 @@ def _relative_error(got, values, reduce):
 @pytest.mark.parametrize("batch_size", [4, 64, 1024])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 def test_chunked_sum_is_as_exact_as_jnp_sum(n, batch_size, dtype):
-    x = (jnp.abs(jax.random.normal(jax.random.key(0), (n,))) + 0.5).astype(dtype)
+    x = (jnp.abs(normal(0, (n,))) + 0.5).astype(dtype)
     values = np.asarray(x.astype(jnp.float32))
     chunked = jax.jit(
         lambda v: ajm.batch_map(lambda r: r, v, batch_size, **reduction_kwargs("add"))
@@ -89,7 +89,7 @@ def test_chunked_sum_is_as_exact_as_jnp_sum(n, batch_size, dtype):
 
 @pytest.mark.parametrize("batch_size", [4, 64, 1024])
 def test_chunked_logsumexp_is_as_exact_as_plain(batch_size):
-    x = jax.random.normal(jax.random.key(1), (2**18,)) * 3
+    x = normal(1, (2**18,)) * 3
     lse = lambda v: np.log(np.sum(np.exp(v - v.max()))) + v.max()
     chunked = jax.jit(
         lambda v: ajm.batch_map(lambda r: r, v, batch_size, **reduction_kwargs("logsumexp"))
@@ -127,7 +127,7 @@ def test_ties_share_the_gradient_evenly(engine, monoid):
 def test_remat_off_stores_no_input_slices():
     # With remat off a gradient keeps fun's intermediates per chunk, but slices of the
     # inputs (and the overlap weights) are taken again instead of stored.
-    x = jax.random.normal(jax.random.key(2), (1000,))
+    x = normal(2, (1000,))
 
     def loss(w):
         fun = lambda c: jnp.sin(w * c) * jnp.exp(-0.5 * c * c)

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_tree_close, needs_abstract_devices, on_abstract_device
+from helpers import assert_tree_close, needs_abstract_devices, normal, on_abstract_device
 from jax import lax
 
 import adv_jax_math as ajm
@@ -29,7 +29,7 @@ ENGINES = {
 
 
 def points(n: int, seed: int) -> jax.Array:
-    return jax.random.normal(jax.random.key(seed), (n, D))
+    return normal(seed, (n, D))
 
 
 def inputs():
@@ -141,10 +141,11 @@ def test_gradients_match_dense_oracle(name, backend):
     oracle = lambda g, x, y: want(dense(g, x, y))
     with ajm.config(backend=backend):
         got = jax.jit(jax.grad(lambda *a: loss(ours, *a), argnums=(0, 1, 2)))(0.7, x, y)
-        fwd = jax.jvp(lambda s: loss(ours, s, x, y), (0.7,), (1.0,))
-    expect = jax.grad(lambda *a: loss(oracle, *a), argnums=(0, 1, 2))(0.7, x, y)
+        fwd = jax.jit(lambda s: jax.jvp(lambda s: loss(ours, s, x, y), (s,), (1.0,)))(0.7)
+    expect = jax.jit(jax.grad(lambda *a: loss(oracle, *a), argnums=(0, 1, 2)))(0.7, x, y)
     assert_tree_close(got, expect, rtol=2e-4, atol=2e-4)
-    assert_tree_close(fwd, jax.jvp(lambda s: loss(oracle, s, x, y), (0.7,), (1.0,)), rtol=2e-4)
+    want_fwd = jax.jit(lambda s: jax.jvp(lambda s: loss(oracle, s, x, y), (s,), (1.0,)))(0.7)
+    assert_tree_close(fwd, want_fwd, rtol=2e-4)
 
 
 def test_kernel_holds_the_whole_forward():
@@ -295,7 +296,7 @@ def test_cpu_reverse_pass_is_tiled(name, monkeypatch):
 def test_values_of_shape_one_per_pair_are_tiled(reduction, want, backend):
     # KeOps' Vj(1) convention: b as (M, 1) rows, f returning a (1,) value per pair
     x, y = inputs()
-    b = jax.random.normal(jax.random.key(2), (M, 1))
+    b = normal(2, (M, 1))
     f = lambda xi, yb: jnp.exp(-sqdist(xi, yb[0])) * yb[1]
     run = lambda x, b: ajm.pairwise(f, x, (y, b), reduction, tiles=TILES)
     oracle = lambda x, b: want(dense(f, x, (y, b)))
@@ -410,7 +411,7 @@ def test_heads_with_special_rows_match_jax(backend):
     # two softmax heads over a vector, each folded on its own tile: a NaN x row, and an
     # x row whose first head's scores are all -inf (NaN, as jax.nn.softmax gives)
     x = jnp.array([[0.0, 0.0], [1.0, 1.0], [jnp.nan, 0.0], [2.0, -1.0]])
-    y = jax.random.normal(jax.random.key(1), (7, 2))
+    y = normal(1, (7, 2))
 
     def f(a, b):
         s = jnp.where(a[0] > 1.5, -jnp.inf, -jnp.sum((a - b) ** 2))

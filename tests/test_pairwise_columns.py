@@ -12,7 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import pytest
-from helpers import assert_tree_close, needs_abstract_devices, on_abstract_device
+from helpers import assert_tree_close, needs_abstract_devices, normal, on_abstract_device
 
 import adv_jax_math as ajm
 
@@ -22,8 +22,8 @@ BACKENDS = ("auto", "scan", "interpret")
 
 
 def inputs():
-    x = jax.random.normal(jax.random.key(0), (N, D))
-    y = jax.random.normal(jax.random.key(1), (M, D))
+    x = normal(0, (N, D))
+    y = normal(1, (M, D))
     return x, y
 
 
@@ -167,8 +167,8 @@ def test_plan_text_shows_the_column_pass():
 def test_sinkhorn_marginals_in_one_call():
     # P_ij = exp((f_i + g_j - |x_i - y_j|^2) / eps): its row and column sums at once
     x, y = inputs()
-    f = 0.3 * jax.random.normal(jax.random.key(2), (N,))
-    g = 0.3 * jax.random.normal(jax.random.key(3), (M,))
+    f = 0.3 * normal(2, (N,))
+    g = 0.3 * normal(3, (M,))
     eps = 0.5
     plan = lambda xf, yg: jnp.exp((xf[1] + yg[1] - sqdist(xf[0], yg[0])) / eps)
     rows, cols = ajm.pairwise(plan, (x, f), (y, g), ajm.ADD, columns=ajm.ADD)

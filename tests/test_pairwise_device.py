@@ -9,7 +9,7 @@ accel-pairwise``).
 import jax
 import jax.numpy as jnp
 import pytest
-from helpers import assert_tree_close
+from helpers import assert_tree_close, normal
 from test_pairwise import CASES, dense, inputs
 
 import adv_jax_math as ajm
@@ -48,7 +48,7 @@ def test_tiles_match_dense_oracle(name, kind):
 def test_closed_over_constants_and_features_unrolled(kind):
     # a matrix and a bandwidth closed over; indexing, dot and norm inside f
     x, y = inputs()
-    w = jax.random.normal(jax.random.key(3), (3, 3))
+    w = normal(3, (3, 3))
     f = lambda a, b: jnp.exp(-jnp.linalg.norm(a @ w - b) / 0.7) + a[0] * b[2]
     got = run(f, x, y, ajm.LOGSUMEXP, kind)
     assert_tree_close(got, jax.nn.logsumexp(dense(f, x, y), 1), rtol=2e-5, atol=2e-5)

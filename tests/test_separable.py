@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_tree_close
+from helpers import assert_tree_close, normal
 from jax import lax
 
 from adv_jax_math._separable import separable
@@ -43,11 +43,12 @@ def pairwise(g, yc, xc):
 
 
 def points(rows, key):
-    return jax.random.normal(jax.random.key(key), (rows, D), jnp.float32)
+    return normal(key, (rows, D))
 
 
 def weighted(rows, key):
-    return points(rows, key), jax.random.uniform(jax.random.key(key + 1), (rows,))
+    w = np.random.default_rng(key + 1).uniform(size=rows)
+    return points(rows, key), jnp.asarray(w, jnp.float32)
 
 
 ACCEPTED = {

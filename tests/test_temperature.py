@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import pytest
-from helpers import assert_tree_close, engine
+from helpers import assert_tree_close, engine, normal
 
 import adv_jax_math as ajm
 
@@ -29,7 +29,7 @@ def costs(x):
 
 
 def points(n: int = 203) -> jax.Array:
-    return jax.random.normal(jax.random.key(0), (n, 3))
+    return normal(0, (n, 3))
 
 
 @pytest.mark.parametrize("eps", [EPS, 2.0, jnp.float32(0.02)])

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_tree_close, engine
+from helpers import assert_tree_close, engine, normal
 
 import adv_jax_math as ajm
 
@@ -21,9 +21,8 @@ def columns(n: int = 23) -> tuple[jax.Array, jax.Array]:
     """``(a, b)``, ``(n, 6)``: a column each of mixed-sign weights, positive weights,
     zeros with huge ``a`` (left out), a negative sum, all-zero weights, an infinite
     ``a`` among finite ones."""
-    k1, k2 = jax.random.split(jax.random.key(0))
-    a = 3 * jax.random.normal(k1, (n, 6))
-    b = jax.random.normal(k2, (n, 6))
+    a = 3 * normal(0, (n, 6))
+    b = normal(1, (n, 6))
     b = b.at[:, 1].set(jnp.abs(b[:, 1]) + 0.1)
     a = a.at[::3, 2].set(1e30)
     b = b.at[::3, 2].set(0.0)
@@ -82,9 +81,8 @@ def test_gradients_as_jax(name, return_sign):
 
 def test_pairwise_sinkhorn_step_with_weights():
     # f_i = -eps * logsumexp_j((g_j - C_ij) / eps, b=w_j): OTT-JAX's update with marginals
-    kx, ky, kg = jax.random.split(jax.random.key(1), 3)
-    x, y = jax.random.normal(kx, (41, 3)), jax.random.normal(ky, (57, 3))
-    g, w, eps = jax.random.normal(kg, (57,)), jnp.linspace(0.0, 2.0, 57), 0.2
+    x, y = normal(2, (41, 3)), normal(3, (57, 3))
+    g, w, eps = normal(4, (57,)), jnp.linspace(0.0, 2.0, 57), 0.2
     pair = lambda xi, yw: ((yw[1] - jnp.sum((xi - yw[0]) ** 2)) / eps, yw[2])
     dense = jax.vmap(jax.vmap(pair, (None, 0)), (0, None))(x, (y, g, w))
     expect = -eps * jax.nn.logsumexp(dense[0], axis=1, b=dense[1])
