@@ -549,6 +549,9 @@ def main(argv=None) -> int:
             print(f"PAIR FAILED {p}", flush=True)
         return 1 if problems else 0
 
+    # The two-kind check runs first, in a fresh process: libtpu admits one process at a
+    # time, and with --same-process this one holds it from make_mesh on.
+    pair_lines, failures = _pair_check(args) if args.target in PAIRS and not args.case else ([], [])
     platform, mesh = make_mesh(args.target) if args.same_process else (None, None)
     how = "all cases in one process" if args.same_process else "a fresh process per case"
     print(
@@ -561,7 +564,7 @@ def main(argv=None) -> int:
         f"{'ptxas regs/spill / vmem':<24} s",
         flush=True,
     )
-    records, failures = [], []
+    records = []
     for case in selected:
         fresh = not args.same_process
         rec = (
@@ -573,20 +576,26 @@ def main(argv=None) -> int:
         records.append(rec)
         print(_row(rec), flush=True)
         failures += [f"{case.name}: {p}" for p in check(rec, args.target)]
-    if args.target in PAIRS and not args.case:
-        cmd = [sys.executable, os.path.abspath(__file__), "--target", args.target, "--pair"]
-        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(("# pair", "PAIR"))]
-        print("\n".join(lines), flush=True)
-        failures += [ln.removeprefix("PAIR FAILED ") for ln in lines if ln.startswith("PAIR")]
-        if proc.returncode and not any(ln.startswith("PAIR") for ln in lines):
-            failures.append(f"two-kind check: rc={proc.returncode}: {proc.stderr[-800:]}")
+    if pair_lines:
+        print("\n".join(pair_lines), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(records, f, indent=1, default=str)
     for failure in failures:
         print(f"CHECK FAILED [{args.target}] {failure}", flush=True)
     return 1 if args.check and failures else 0
+
+
+def _pair_check(args: argparse.Namespace) -> tuple[list[str], list[str]]:
+    """The two-kind check of ``args.target`` (``PAIRS``) in a fresh process: the lines
+    it prints and its failures."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--target", args.target, "--pair"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(("# pair", "PAIR"))]
+    failures = [ln.removeprefix("PAIR FAILED ") for ln in lines if ln.startswith("PAIR")]
+    if proc.returncode and not failures:
+        failures.append(f"two-kind check: rc={proc.returncode}: {proc.stderr[-800:]}")
+    return lines, failures
 
 
 if __name__ == "__main__":
