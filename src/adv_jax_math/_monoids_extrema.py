@@ -9,6 +9,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from ._monoid import Monoid, _col, index_dtype
 from ._monoids_numerics import Items, _float, _full, _inexact, _spread, _weigh, _wide
@@ -186,6 +187,14 @@ class Tally(Monoid):
         count = hit.astype(_wide(_float(y.dtype)))
         count = jnp.sum(count if w is None else count * _col(w, count), axis=0)
         return top, first, count
+
+    def fold_fast(self, ys, idx, w, again=None) -> Any:
+        """:meth:`fold` over values computed once (outside kernels: an optimization
+        barrier). XLA may compute them again in each of the three reductions, in loops
+        that can round differently: at -O0 (``jax_disable_most_optimizations``) a
+        tile's count came out 0 for a top whose first row was found, and the max's
+        gradient NaN (tests/test_pairwise.py)."""
+        return self.fold([lax.optimization_barrier(ys[0])], idx, w)
 
     def merge(self, a: Any, b: Any) -> Any:
         (ta, fa, na), (tb, fb, nb) = a, b
