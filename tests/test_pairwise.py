@@ -428,8 +428,9 @@ def test_heads_with_special_rows_match_jax(backend):
 # With jax_disable_most_optimizations (LLVM at -O0) XLA:CPU computed a tile's values in
 # the tally's three reductions a last bit apart: a count of 0 for a max whose first
 # row was found, and a NaN gradient where plain JAX's is finite (these data). The CPU
-# tiles now tally in one reduction (Tally.fold_fast). The interpret kernel folds as
-# the device kernels do, in three: at -O0 it still gives NaN rows (not wrong values).
+# tiles now tally values computed once (an optimization barrier, Tally.fold_fast). The
+# interpret kernel folds as the device kernels do, where Pallas lowers no barrier: at
+# -O0 it still gives NaN rows (not wrong values).
 @pytest.mark.parametrize("backend", ["auto", "scan"])
 def test_max_gradient_with_most_optimizations_disabled(backend):
     f = lambda a, b: -sqdist(a, b)
