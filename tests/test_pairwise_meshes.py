@@ -4,10 +4,10 @@
 4-device mesh of either axis type, with and without ``jax.set_mesh``: every engine
 (scan, interpret kernel, ``shard=True``) and the nested form give the dense oracle's
 value and gradient, and so does the interpret kernel where the tile kernel does not
-take ``f`` (a primitive its unrolled evaluator lacks). Two combinations fail,
-marked as strict xfails: ``shard=True`` under an Explicit context mesh (a bug of ours, also without
-pairwise), and nested calls over rows split on Explicit axes (jax cannot vmap a loop
-there).
+take ``f`` (a primitive its unrolled evaluator lacks). ``shard=True`` under an
+Explicit context mesh and nested calls over rows split on Explicit axes run loops
+under ``vmap`` over rows typed on the mesh: their carries start on it
+(``_sharding.on_context_mesh``).
 """
 
 import contextlib
@@ -51,10 +51,10 @@ def test_every_engine_on_meshes_matches_dense(axis_type, spec, set_mesh):
     reduction, f, want = CASES["logsumexp"]
     loss = lambda run: lambda x, y: jnp.sum(jnp.sin(run(x, y)))
     expect = jax.value_and_grad(loss(lambda x, y: want(dense(f, x, y))), (0, 1))(host_x, host_y)
-    explicit = axis_type == AxisType.Explicit
-    engines = ["scan", "interpret"]
-    engines += [] if explicit and set_mesh else ["shard"]  # known bugs: see below
-    engines += [] if explicit and spec == P("x") else ["nested"]
+    engines = ["scan", "interpret", "shard"]
+    # nested vmaps of rows both split on one Explicit axis type a pair's value on it
+    # twice, which jax refuses (plain jax.vmap of jax.vmap too): see the test below
+    engines += [] if axis_type == AxisType.Explicit and spec == P("x") else ["nested"]
     for engine in engines:
         backend = ajm.config(backend="interpret") if engine == "interpret" else None
         with (
@@ -88,33 +88,18 @@ def test_interpret_kernel_on_an_explicit_mesh(spec, set_mesh):
     assert_tree_close(jax.device_get(got), expect, rtol=2e-5, atol=2e-5)
 
 
-def _explicit_case(engine, spec, set_mesh):
+@pytest.mark.parametrize("set_mesh", [False, True], ids=["no_mesh", "set_mesh"])
+def test_nested_calls_over_rows_split_on_an_explicit_mesh(set_mesh):
+    # x split on the Explicit axis, y unsharded: the outer call vmaps the inner
+    # call's loop over rows typed on the mesh
     mesh = jax.make_mesh((4,), ("x",), axis_types=(AxisType.Explicit,))
-    x = jax.device_put(jnp.ones((N, 3)), NamedSharding(mesh, spec))
+    host_x = jnp.linspace(-2.0, 2.0, N * 3).reshape(N, 3)
+    x = jax.device_put(host_x, NamedSharding(mesh, P("x")))
     y = jnp.cos(jnp.arange(M * 3.0)).reshape(M, 3)
     reduction, f, want = CASES["logsumexp"]
+    loss = lambda run: lambda x: jnp.sum(jnp.sin(run(x, y)))
     with jax.set_mesh(mesh) if set_mesh else contextlib.nullcontext():
-        got = jax.jit(lambda x, y: _run(engine, f, reduction)(x, y))(x, y)
-    assert_tree_close(got, want(dense(f, x, y)), rtol=2e-5, atol=2e-5)
-
-
-@pytest.mark.xfail(
-    strict=True,
-    reason="known bug: shard=True under jax.set_mesh of an Explicit mesh fails where the "
-    "sharded function holds a batch_map (pairwise's scan engine: batch_vmap of batch_map): the "
-    "planner's retrace with rows typed on the lanes' axis vmaps the inner scan over them, and "
-    "jax's scan batching rule meets an aval on an empty mesh ('Resource axis: x of P('x',) is "
-    "not found in mesh: ()'), the limitation of the xfail below",
-)
-def test_shard_under_an_explicit_context_mesh():
-    _explicit_case("shard", P(), set_mesh=True)
-
-
-@pytest.mark.xfail(
-    strict=True,
-    reason="jax 0.12 cannot vmap a scan over rows split on Explicit axes (plain "
-    "jax.vmap(lambda a: lax.scan(...)) fails alike): the outer call's planning trace of "
-    "nested calls does, before the pairwise form is read",
-)
-def test_nested_calls_on_rows_split_on_an_explicit_mesh():
-    _explicit_case("nested", P("x"), set_mesh=False)
+        got = jax.jit(jax.value_and_grad(loss(_run("nested", f, reduction))))(x)
+    assert jax.typeof(got[1]).sharding.spec == P("x", None)  # as x is
+    expect = jax.value_and_grad(loss(lambda x, y: want(dense(f, x, y))))(host_x)
+    assert_tree_close(jax.device_get(got), expect, rtol=2e-5, atol=2e-5)

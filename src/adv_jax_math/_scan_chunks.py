@@ -20,7 +20,7 @@ from jax.ad_checkpoint import checkpoint_name
 from . import _config, _progress
 from ._monoid import LeafReduction, MonoidReduction, index_dtype
 from ._plan import Plan
-from ._sharding import Lanes
+from ._sharding import Lanes, on_context_mesh
 from ._trace import Traced, size
 
 __all__ = ["LARGE_FUN", "RECOMPUTED"]
@@ -50,8 +50,11 @@ def _save_all_but_recomputed(prim: Any, *_: Any, **params: Any) -> bool:
 def _steps(step: Callable, init: Any, k: int, *, rows: int) -> tuple[Any, Any]:
     """``state, y = step(i, state)`` for ``i`` in ``range(k)`` in a scan; the ``y``
     are stacked. The index is scanned over, not carried: a carried counter would be
-    a residual that keeps the forward loop alive in a gradient."""
-    return _progress.scan(lambda state, i: step(i, state), init, jnp.arange(k), rows=rows)
+    a residual that keeps the forward loop alive in a gradient. ``init`` is typed on
+    the context mesh (``on_context_mesh``): a nested call's loop is vmapped over the
+    outer rows."""
+    start = on_context_mesh(init)
+    return _progress.scan(lambda state, i: step(i, state), start, jnp.arange(k), rows=rows)
 
 
 # -- the rows of a plan: shares, chunks, indices ---------------------------------------

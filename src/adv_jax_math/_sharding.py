@@ -25,6 +25,7 @@ __all__ = [
     "context_mesh",
     "explicit",
     "follow_layout",
+    "on_context_mesh",
     "place",
     "row_sharding",
     "sharding_of",
@@ -187,6 +188,25 @@ def zeros(shape: tuple[int, ...], dtype: Any, like: Any = None, fill: Any = 0) -
     if explicit(sharding) and len(sharding.spec) <= len(shape):
         out = jax.sharding.reshard(out, sharding)
     return out
+
+
+def on_context_mesh(tree: Any) -> Any:
+    """``tree``'s arrays typed on no mesh, replicated on the context mesh when it has
+    an Explicit axis (others unchanged). A loop's carry that starts as such a value
+    and is batched later (a ``scan`` under ``vmap`` over rows split on that axis)
+    would otherwise be typed on the empty mesh with the rows' axis, which jax refuses
+    (``Resource axis ... not found in mesh: ()``)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if getattr(mesh, "empty", True) or AxisType.Explicit not in tuple(mesh.axis_types):
+        return tree
+
+    def put(x: Any) -> Any:
+        sharding = getattr(jax.typeof(x), "sharding", None)
+        if isinstance(sharding, NamedSharding) and sharding.mesh.empty:
+            return jax.sharding.reshard(x, NamedSharding(mesh, PartitionSpec()))
+        return x
+
+    return jax.tree.map(put, tree)
 
 
 @contextlib.contextmanager
