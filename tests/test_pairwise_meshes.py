@@ -103,3 +103,16 @@ def test_nested_calls_over_rows_split_on_an_explicit_mesh(set_mesh):
     assert jax.typeof(got[1]).sharding.spec == P("x", None)  # as x is
     expect = jax.value_and_grad(loss(lambda x, y: want(dense(f, x, y))))(host_x)
     assert_tree_close(jax.device_get(got), expect, rtol=2e-5, atol=2e-5)
+
+
+def test_scan_engine_folds_rows_split_on_an_explicit_axis_where_they_live():
+    # x split, y replicated: each device folds its own x rows; nothing is gathered
+    mesh = jax.make_mesh((4,), ("x",), axis_types=(AxisType.Explicit,))
+    x = jax.device_put(jnp.linspace(-2.0, 2.0, N * 3).reshape(N, 3), NamedSharding(mesh, P("x")))
+    y = jax.device_put(jnp.cos(jnp.arange(M * 3.0)).reshape(M, 3), NamedSharding(mesh, P()))
+    reduction, f, _ = CASES["logsumexp"]
+    with ajm.config(backend="scan"):
+        run = jax.jit(lambda x, y: ajm.pairwise(f, x, y, reduction, tiles=(4, 8)))
+        hlo = run.lower(x, y).compile().as_text()
+        assert jax.typeof(run(x, y)).sharding.spec == P("x")
+    assert "all-gather" not in hlo

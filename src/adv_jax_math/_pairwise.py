@@ -189,10 +189,7 @@ def _pairwise(
     if plan.engine == _SCAN and shard:
         return _scan(f, x, y, reduction, plan.tiles, shard=True, mesh=mesh)
     if plan.engine == _SCAN:
-        # x whole too: jax (0.12) cannot vmap a loop over rows split on Explicit axes;
-        # the result's rows are split as x's were
-        out = _scan(f, jax.tree.map(_whole, x), y, reduction, plan.tiles)
-        return jax.tree.map(lambda o: _rows_like(o, x), out)
+        return _scan(f, x, y, reduction, plan.tiles)
     conv, consts = jax.closure_convert(f, first_row(x), first_row(y))
     out = _fused(conv, list(consts), plan, red, layout, x, y, reduction)
     return jax.tree.map(lambda o: _rows_like(o, x), out)
