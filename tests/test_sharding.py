@@ -26,6 +26,7 @@ pytestmark = [
 
 N, B = 16, 3  # rows divisible by the devices, chunks that do not divide them
 W = jnp.array([0.5, -1.0, 2.0, 0.25])
+Y = jnp.cos(jnp.arange(32.0)).reshape(8, 4)  # rows a nested call reduces over
 
 
 def fun(x):
@@ -150,6 +151,15 @@ def test_shard_true(devices, axis_type, spec, set_mesh):
         got = ajm.batch_map(fun, x, B, reduction=ajm.top_k(2), shard=True, **kw)
         want = tuple(jnp.moveaxis(a, -1, 0) for a in jax.lax.top_k(fun(host(x)).T, 2))
         assert_tree_close(got, want)
+        # a fun holding a batch_map: its loop runs under vmap over the lanes' rows
+        pair = lambda v: lambda y: jnp.sum(jnp.exp(-((y - v) ** 2)), axis=1)
+        sums = dict(reduction=jnp.add, chunk_reduction=lambda c: jnp.sum(c, 0))
+        inner = lambda v: ajm.batch_map(pair(v), Y, 4, **sums)
+        vmapped = ajm.batch_vmap(inner, batch_size=B, shard=True, **kw)
+        # jit only with the mesh set: otherwise shard=True takes every device, and jit
+        # does not move an x committed to one of them
+        got = (jax.jit(vmapped) if set_mesh else vmapped)(x)
+        assert_tree_close(got, jax.vmap(lambda v: jnp.sum(pair(v)(Y)))(host(x)))
         plan = ajm.explain(fun, x, B, reduction=ajm.ARGMIN, shard=True, **kw)
         assert plan.engine == "shard", str(plan)
         if set_mesh:
