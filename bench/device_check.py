@@ -1,4 +1,4 @@
-"""Time the fused Pallas kernel against the scan engine and plain XLA on one GPU.
+"""Time the fused Pallas kernel against the scan engine and plain XLA on one GPU or TPU.
 
 Run by ``bench/device_check.sh`` (which also sets up jax for CUDA and runs the
 tests). Workloads, from ``workloads``:
@@ -38,7 +38,16 @@ import adv_jax_math as ajm
 
 from workloads import ADD_ONE, ADD_ONE_LOGSUMEXP, Workload, max_rel_error, nbody
 
-PEAK_BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12}  # bytes/s, datasheets
+# bytes/s, datasheets (device_kind substrings)
+PEAK_BANDWIDTH = {
+    "H200": 4.8e12,
+    "H100": 3.35e12,
+    "A100": 2.0e12,
+    "TPU v5 lite": 8.19e11,
+    "TPU v6": 1.64e12,
+    "TPU v5p": 2.765e12,
+    "TPU v4": 1.2e12,
+}
 
 
 def peak_bandwidth(default: float) -> tuple[float, str]:
@@ -147,14 +156,56 @@ def gradients(*, interpret: bool, reps: int) -> None:
             print(f"| {case.name} | {name} | {m.time.median * 1e3:.3f} | {shown} |", flush=True)
 
 
+def pairwise_sums(*, interpret: bool, reps: int) -> None:
+    """(d): KeOps' benchmark, the Gaussian kernel sum ``sum_j exp(-|x_i - y_j|^2 / 0.5) b_j``
+    (D = 3, float32): ``ajm.pairwise`` (the tile kernel) against plain XLA over blocks
+    of x rows (``lax.map`` of the dense block, about 1 GiB of pairs a block)."""
+    f = lambda xi, yj: jnp.exp(-jnp.sum((xi - yj[:3]) ** 2) / 0.5) * yj[3]
+    print("\n## pairwise Gaussian kernel sum, D = 3, float32")
+    print("| N = M | engine | ms | Gpairs/s | max rel err |")
+    print("|---|---|---|---|---|")
+    for n in (1000,) if interpret else (10**5, 10**6):
+        rng = np.random.default_rng(0)
+        x = jnp.asarray(rng.normal(size=(n, 3)), jnp.float32)
+        y = jnp.asarray(rng.normal(size=(n, 4)), jnp.float32)
+        block = max(1, (1 << 28) // n)
+
+        def xla(x, y, block=block):
+            row = lambda xi: jnp.sum(jax.vmap(lambda yj: f(xi, yj))(y))
+            return jax.lax.map(row, x, batch_size=block)
+
+        def ours(x, y):
+            with ajm.config(backend="interpret" if interpret else "auto"):
+                return ajm.pairwise(f, x, y, ajm.ADD)
+
+        with ajm.config(backend="interpret" if interpret else "auto"):
+            plan = ajm.explain_pairwise(f, x, y, ajm.ADD)
+        print(f"<!-- N = {n}: {plan.engine}, tiles {plan.tiles} -->")
+        reference = None
+        for name, fun in (("xla (blocks of x)", xla), (f"pairwise: {plan.engine}", ours)):
+            try:
+                slow = name.startswith("xla") and n > 10**5  # about 12 s a call on a v5e
+                m = measure(jax.jit(fun), (x, y), repeats=1 if slow else reps, warmup=1)
+            except Exception as e:  # one engine failing is a result too
+                print(f"| {n} | {name} | failed: {type(e).__name__}: {str(e)[:200]} | | |")
+                continue
+            reference = m.out if reference is None else reference
+            seconds = m.time.median
+            print(
+                f"| {n} | {name} | {seconds * 1e3:.2f} | {float(n) * n / seconds / 1e9:.1f} |"
+                f" {max_rel_error(m.out, reference):.1e} |",
+                flush=True,
+            )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--interpret", action="store_true", help="tiny sizes, interpret mode")
     parser.add_argument("--peak", type=float, default=4.8e12, help="peak bytes/s if unknown")
     parser.add_argument("--reps", type=int, default=10)
     args = parser.parse_args()
-    if not args.interpret and jax.default_backend() != "gpu":
-        raise SystemExit(f"no GPU: jax.devices() = {jax.devices()}; use --interpret on CPU")
+    if not args.interpret and jax.default_backend() not in ("gpu", "tpu"):
+        raise SystemExit(f"no GPU or TPU: jax.devices() = {jax.devices()}; use --interpret")
     peak, kind = peak_bandwidth(args.peak)
     print(f"jax {jax.__version__} on {kind}; peak bandwidth {peak / 1e12:.2f} TB/s")
     common = {"interpret": args.interpret, "peak": peak, "reps": args.reps}
@@ -172,6 +223,9 @@ def main() -> None:
 
     # (c) gradients: backward kernels against the scan engine, next to the model
     gradients(interpret=args.interpret, reps=args.reps)
+
+    # (d) the pairwise tile kernel on KeOps' Gaussian kernel sum
+    pairwise_sums(interpret=args.interpret, reps=args.reps)
 
 
 if __name__ == "__main__":

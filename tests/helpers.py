@@ -18,6 +18,7 @@ import pytest
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
 __all__ = [
+    "KERNEL_MARKERS",
     "KERNEL_NAME",
     "ORACLES",
     "TOL",
