@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from typing import Any
 
 import jax
@@ -20,7 +21,7 @@ from jax.extend.core import ClosedJaxpr, Literal, jaxpr_as_fun
 
 from . import _autotune, _config
 from . import _tangent as tangent
-from ._autotune_measure import fmt_bytes
+from ._autotune_measure import budget_in_force, fmt_bytes
 from ._call import Call
 from ._combine_check import check_combine
 from ._jaxpr_graph import row_local, subjaxpr
@@ -98,7 +99,7 @@ def make_plan(call: Call, *, mapped: bool = False) -> Plan:
         if spread is not None and n:
             return _sharded_plan(call, n, *spread)  # each device's plan chooses for its rows
         if n:
-            decision = _autotune.choose(call, n, target_platform())
+            decision = _runs_whole(call, n) or _autotune.choose(call, n, target_platform())
         b = decision.batch_size if decision else None
         call = dataclasses.replace(call, batch_size=b)
     assert not isinstance(b, str)  # "auto", the only str batch_size, was resolved above
@@ -324,6 +325,28 @@ def _whole_note(n: int, b: int | None) -> str:
         f"fun works row by row with nothing larger than its inputs and outputs: its "
         f"jaxpr runs on all {n} rows at once (chunks of {b} rows would only serialize it)"
     )
+
+
+def _runs_whole(call: Call, n: int) -> _autotune.Decision | None:
+    """``batch_size="auto"`` for a map that runs whole, and so does its reverse mode
+    (:func:`_whole_map`, traced on a few rows): one call on all rows, nothing to choose
+    (measuring a chunk program here made the map's outputs count against the budget:
+    a BudgetError where the plan needs no temporary memory)."""
+    start, rows = time.perf_counter(), _autotune.SMALLEST
+    if call.reduction is not None or call.chunk_reduction is not identity or n <= rows:
+        return None
+    raw = trace(call.fun, rows_aval(call.xs, rows))
+    whole = _whole_map(call, Kind.MAP, Policy.OVERLAP, raw, rows, False)
+    if whole is None or whole.chunked_derivatives:
+        return None
+    why = (
+        f"one call on all {n} rows: fun works row by row with nothing larger than its inputs "
+        "and outputs, and its reverse mode keeps no more than those: chunks would bound "
+        "nothing; nothing compiled or timed"
+    )
+    budget, source = budget_in_force(_config.current(), target_platform())
+    seconds = time.perf_counter() - start
+    return _autotune.Decision(n, n, budget, source, 0, 0.0, (), "not measured", why, seconds)
 
 
 def _spread(call: Call, n: int | None, mapped: bool) -> tuple[Any, tuple[str, ...], bool] | None:
