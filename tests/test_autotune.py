@@ -153,6 +153,57 @@ def test_map_and_remainder():
     assert_tree_close(out, wide(x), rtol=1e-4, atol=1e-3)
 
 
+def test_map_outputs_larger_than_the_budget():
+    # A map writes each chunk into its outputs (the call's results, no temporaries):
+    # counted twice per row, 512 KiB of outputs made every size "over budget"
+    # (BudgetError: "one row needs 1.0 MiB"); fixed sizes need 9 KiB here.
+    w = jnp.cos(jnp.arange(8 * 32.0).reshape(8, 32))
+    fun = lambda r: jnp.tanh(r @ w)  # (n, 32) outputs: not row-local (a matmul)
+    x = jax.ShapeDtypeStruct((N, 8), jnp.float32)
+    with ajm.config(memory_budget=256 * KIB):
+        plan = ajm.explain(fun, x, "auto")
+        assert temp_bytes(lambda x: ajm.batch_map(fun, x, "auto"), x) <= 256 * KIB
+    assert plan.chunks > 1 and plan.autotune.fixed_bytes < 256 * KIB, str(plan)
+
+
+def test_row_local_map_runs_whole_forward_and_reverse():
+    # tanh row by row: one call on all rows, forward and in reverse mode (XLA recomputes
+    # tanh in the backward pass): nothing to measure. Measuring a chunk program counted
+    # the 1 MiB of outputs against a 256 KiB budget (BudgetError: "one row needs 2.0 MiB").
+    fun = lambda r: jnp.tanh(r) * 2.0
+    x = jax.ShapeDtypeStruct((N, 64), jnp.float32)
+    f = lambda x: ajm.batch_map(fun, x, "auto")
+    with ajm.config(memory_budget=256 * KIB):
+        plan = ajm.explain(fun, x, "auto")
+        assert temp_bytes(f, x) <= 256 * KIB
+        assert temp_bytes(jax.grad(lambda x: jnp.sum(f(x))), x) <= 256 * KIB
+        values = xs(N)
+        got = jax.jit(jax.value_and_grad(lambda x: jnp.sum(f(x) ** 2)))(values)
+    assert plan.policy is ajm.Policy.SINGLE and plan.batch_size == N
+    assert "nothing compiled or timed" in plan.autotune.reason, plan.autotune
+    want = jax.value_and_grad(lambda x: jnp.sum(fun(x) ** 2))(values)
+    assert_tree_close(got, want, rtol=1e-5)
+
+
+def test_row_local_map_whose_gradient_runs_in_chunks_fits_the_budget():
+    # softmax rows: the forward pass runs whole; run whole, reverse mode kept both
+    # layers' exponentials for all rows (4.8 MiB); its chunks hold the outputs'
+    # cotangents (2 MiB), then chunks of the size chosen
+    def fun(r):  # (jax.nn.softmax has a custom derivative rule: it keeps its chunks)
+        for i in range(2):
+            e = jnp.exp(r * 3.0 + 0.1 * i - jnp.max(r * 3.0, axis=-1, keepdims=True))
+            r = e / e.sum(-1, keepdims=True)
+        return r
+
+    x = jax.ShapeDtypeStruct((N, 64), jnp.float32)
+    loss = lambda x: jnp.sum(ajm.batch_map(fun, x, "auto") ** 2)
+    with ajm.config(memory_budget=3 * MIB):
+        assert temp_bytes(jax.grad(loss), x) <= 3 * MIB
+        plan = ajm.explain(fun, x, "auto")
+    assert plan.policy is ajm.Policy.SINGLE and plan.derivatives is not None, str(plan)
+    assert plan.autotune.candidates and plan.batch_size < N, plan.autotune
+
+
 # -- transformations -------------------------------------------------------------------------
 
 

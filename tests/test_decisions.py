@@ -41,10 +41,26 @@ def test_row_local_maps_run_whole():
     assert_tree_close(grad, jax.grad(lambda x: fun(x).sum())(x))
     text = str(jax.make_jaxpr(lambda x: ajm.batch_map(fun, x, 64))(x))
     assert "while" not in text and "scan" not in text
-    # a feature reduction is row-local too: norms per row, run whole
+    # its reverse mode keeps nothing per row (XLA recomputes elementwise values): whole too
+    assert plan.backward.startswith("whole too") and plan.derivatives is None, plan.backward
+    # a feature reduction is row-local too: norms per row, run whole (reverse mode keeps
+    # a few numbers per row, less than a row's input and output: whole too)
     norms = lambda c: c / jnp.linalg.norm(c, axis=-1, keepdims=True)
-    assert ajm.explain(norms, x, 64).chunks == 1
+    plan = ajm.explain(norms, x, 64)
+    assert plan.chunks == 1 and plan.derivatives is None
+    assert "whole too: reverse mode keeps 12 B of fun's intermediates per row" in plan.backward
     assert_tree_close(ajm.batch_map(norms, x, 64), norms(x))
+    # a softmax: reverse mode run whole would keep its exponentials for all rows, more
+    # than the rows' inputs and outputs: the derivatives run in the chunks
+    exp = lambda c: jnp.exp(c * 3.0 - jnp.max(c * 3.0, axis=-1, keepdims=True))
+    softmax = lambda c: exp(c) / exp(c).sum(-1, keepdims=True)  # (jax.nn's: a custom rule)
+    plan = ajm.explain(softmax, x, 64)
+    assert (plan.policy, plan.derivatives.rows_per_chunk) == (ajm.Policy.SINGLE, 64), str(plan)
+    assert plan.backward.startswith("in 16 chunks of 64 rows") and "would keep" in plan.backward
+    text = str(jax.make_jaxpr(lambda x: ajm.batch_map(softmax, x, 64))(x))
+    assert "while" not in text and "scan" not in text  # the forward pass runs whole
+    grad = jax.grad(lambda x: jnp.sum(ajm.batch_map(softmax, x, 64) ** 3))(x)
+    assert_tree_close(grad, jax.grad(lambda x: jnp.sum(softmax(x) ** 3))(x))
     # kept in chunks: a custom derivative rule, an array of the chunk's shape, values
     # larger per row than the inputs and outputs, a reduction over the rows
     w = jnp.arange(256.0).reshape(64, 4)

@@ -5,9 +5,9 @@ program -- ``chunk_reduction(fun(rows))``, and its VJP when the call is being
 differentiated, run over a few chunks in a loop as the call runs them (see
 ``_autotune_measure``) -- is compiled with ``jax.jit(...).lower(avals).compile()``
 at up to ``MAX_COMPILES`` candidate sizes (powers of two). ``memory_analysis()`` gives its bytes
-(temporaries, outputs and the chunk's rows), fitted as ``a + b * rows``; rows the
-whole call holds regardless of the chunk size (a map's outputs, the cotangent of a
-differentiated input) are added to ``a``. Candidates the model puts under the
+(temporaries, outputs and the chunk's rows), fitted as ``a + b * rows``; what the
+whole call holds regardless of the chunk size (in reverse mode, a map's outputs'
+cotangents; not the call's results) is added to ``a``. Candidates the model puts under the
 budget are timed on synthetic inputs of the right shapes and dtypes (real
 compiled runs through many chunks, the fastest of a few): the whole call's time is
 estimated as ``chunks * seconds per chunk`` (``ChunkProgram.seconds``), and a local
@@ -280,10 +280,12 @@ def _search(prog: ChunkProgram, n: int, sizes: list[int], budget: int, source: s
     if not fits_measured(sizes[0]):
         small = [2**k for k in range(int(math.log2(sizes[0]))) if 2**k < n]
         if not small or not fits_measured(1):
-            one = measure(1) if small else mem[sizes[0]]
+            held = prog.held()  # (for all n rows: the outputs' cotangents)
+            one = (measure(1) if small else mem[sizes[0]]) - held
+            also = f", and {fmt_bytes(held)} for the outputs' cotangents" if held else ""
             raise BudgetError(
                 f"batch_size='auto': one row needs {fmt_bytes(one)} of compiled temporary "
-                f"memory ({prog.grad_text()}); the memory budget is {fmt_bytes(budget)} "
+                f"memory ({prog.grad_text()}){also}; the memory budget is {fmt_bytes(budget)} "
                 f"({source}), of which {1 - 1 / (1 + HEADROOM):.0%} is kept as headroom. "
                 "Raise it with adv_jax_math.config(memory_budget=...) or "
                 "ADV_JAX_MATH_MEMORY_BUDGET"

@@ -150,8 +150,9 @@ class Plan:
     reason : str
         Why that engine.
     backward : str
-        How reverse mode runs (``explain`` only; fused engines): the backward
-        kernels, or why the scan engine's chunks are transposed instead.
+        How reverse mode runs: the backward kernels, or why the scan engine's chunks
+        are transposed instead (``explain`` only; fused engines); for a map run
+        whole, whether its derivatives run whole too or in chunks, and why.
     roofline : tuple
         The roofline model's verdicts (``kernels.fused_reduce.model.Verdict``) on
         the fused kernel's passes against the scan engine's (compiled kernels on
@@ -177,6 +178,11 @@ class Plan:
     autotune : Decision or None
         For ``batch_size="auto"``: the memory model (fixed and per-row bytes), the
         candidate sizes with their bytes and times, and why the chosen one won.
+    derivatives : Plan or None
+        For a map run whole (``SINGLE``) whose reverse mode, run whole too, would keep
+        ``fun``'s intermediates for all rows: the chunked plan its derivatives run
+        (``jax.jvp`` chunk by chunk; reverse mode transposes those chunks, each
+        recomputed, so gradient memory stays O(batch_size)).
     """
 
     n: int | None
@@ -202,6 +208,7 @@ class Plan:
     shard: ShardLayout | None = None
     autotune: _autotune.Decision | None = None
     lanes: Lanes | None = None
+    derivatives: Plan | None = None
     traced: Traced | None = field(default=None, repr=False, compare=False)
     tail: Traced | None = field(default=None, repr=False, compare=False)  # fun on the remainder
     block_traced: Any = field(default=None, repr=False, compare=False)  # fused engine's jaxpr
@@ -219,7 +226,8 @@ class Plan:
         ]
         for block in (self.block_traced, *self.reverse_traced):
             out += list(block[0].consts) if block is not None else []
-        for sub in (self.shard.local, self.shard.remainder) if self.shard else ():
+        subs = (self.shard.local, self.shard.remainder) if self.shard else ()
+        for sub in (*subs, self.derivatives):
             out += sub.consts() if sub is not None else []
         return out
 
@@ -227,9 +235,9 @@ class Plan:
         """The plan with each trace constant ``c`` replaced by ``values[id(c)]`` (when
         present): the same computation on other copies of its constants."""
         again = lambda block: (rebind(block[0], values), *block[1:]) if block else block
+        sub = lambda p: p.with_consts(values) if p is not None else None
         lay = self.shard
         if lay is not None:
-            sub = lambda p: p.with_consts(values) if p is not None else None
             lay = dataclasses.replace(lay, local=sub(lay.local), remainder=sub(lay.remainder))
         return dataclasses.replace(
             self,
@@ -238,6 +246,7 @@ class Plan:
             block_traced=again(self.block_traced),
             reverse_traced=tuple(map(again, self.reverse_traced)),
             shard=lay,
+            derivatives=sub(self.derivatives),
         )
 
     def __str__(self) -> str:
