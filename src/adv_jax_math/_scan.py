@@ -100,6 +100,11 @@ class ScanEngine:
         """Each term's state over ``plan``'s rows (global indices from ``offset``)."""
         return states(plan, xs, offset)
 
+    def describe_reverse(self, plan: Plan, call: Call) -> Plan:
+        """``plan`` as is: reverse mode differentiates the chunk loop itself (each chunk
+        rematerialized, see ``_scan_chunks._remat``), which the plan already shows."""
+        return plan
+
 
 def _native_notes(plan: Plan) -> tuple[str, ...]:
     """Whether each term with a native CPU kernel (logsumexp) reduces a chunk with it,
