@@ -57,6 +57,24 @@ def as_global(x: Any, mesh: Any) -> Any:
     return jax.device_put(x, replicated) if other and replicated is not None else x
 
 
+def _other_mesh(plan: Plan, mesh: Any) -> str:
+    """Why ``plan`` cannot run: ``fun`` closes over an array typed on the Explicit axes
+    of another mesh than the one its rows are spread over (its trace holds that mesh's
+    shardings: it cannot be moved, nor computed with rows on another mesh); else ""."""
+    abstract = mesh.abstract_mesh if isinstance(mesh, Mesh) else mesh
+    for c in plan.consts():
+        sharding = sharding_of(c)
+        if explicit(sharding) and sharding.mesh.abstract_mesh != abstract:
+            return (
+                f"shard=True spreads the rows over the mesh {dict(mesh.shape)} (axes "
+                f"{tuple(mesh.axis_names)}), but fun closes over an array {np.shape(c)} "
+                f"typed on the Explicit axes of the mesh {dict(sharding.mesh.shape)} (axes "
+                f"{tuple(sharding.mesh.axis_names)}): call under jax.set_mesh(that mesh), "
+                "so that the rows are spread over it, or pass the array as an input"
+            )
+    return ""
+
+
 class ShardEngine:
     """Rows spread over a mesh; each part (the devices' shares, a global remainder)
     runs on the engine its plan chose, ``engine_of(name)`` (the registry's)."""
@@ -85,7 +103,7 @@ class ShardEngine:
             plan,
             engine=self.name,
             reason=f"rows over {lay.devices} devices, each share running {first.engine}",
-            error=first.error,
+            error=first.error or _other_mesh(plan, lay.mesh),
             notes=(*plan.notes, *declined),
         )
 
