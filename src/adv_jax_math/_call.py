@@ -35,14 +35,23 @@ class Call:
     # batch_size="auto": which leaves of xs are differentiated, when xs are
     # placeholders (a device's share of rows); None: look at xs themselves.
     grad_rows: tuple[bool, ...] | None = None
+    # a part of a sharded call (a device's share, a global remainder): the shard layer
+    # merges the parts' monoid states, so its engine must give them (``Engine.states``)
+    share: bool = False
 
     def with_rows(self, xs: Any) -> Call:
-        """The same call on other rows (a device's share), not sharded again."""
+        """The same call on other rows (a part of a sharded call), not sharded again."""
         grad_rows = self.grad_rows
         if grad_rows is None and self.batch_size == "auto":
             grad_rows = autodiff_leaves(self.xs)
         return Call(
-            self.fun, xs, self.batch_size, self.reduction, self.chunk_reduction, grad_rows=grad_rows
+            self.fun,
+            xs,
+            self.batch_size,
+            self.reduction,
+            self.chunk_reduction,
+            grad_rows=grad_rows,
+            share=True,
         )
 
 

@@ -1,8 +1,12 @@
 """The engine registry: one ordered list of engines; the first that accepts a plan
 runs it, and every engine tried before it records why it could not.
 
-An engine has a ``name``, ``accept(plan, call)`` returning the plan completed
-with its choices (or a :class:`~._plan.Rejection`), and ``run(plan, call)``.
+An engine (:class:`Engine`) has a ``name``, ``accept(plan, call)`` returning the plan
+completed with its choices (or a :class:`~._plan.Rejection`), ``run(plan, call)``,
+``states(plan, xs, offset)`` (a monoid's states, which the shard layer merges across
+the parts of a sharded call) and ``describe_reverse(plan, call)`` (for ``explain``).
+An engine that cannot give the states of a part of a sharded call (``call.share``)
+declines it in ``accept``, saying why.
 Order: the shard layer (``shard=True``; each device then runs a plan of its own),
 the fused Pallas kernel compiled for the target, the kernel in interpret mode (on
 request), the pairwise tiles (a reduction ``_pair_rows`` shows to be a pairwise
@@ -30,11 +34,27 @@ __all__ = ["ENGINES", "Engine", "explain", "plan", "run"]
 
 
 class Engine(Protocol):
+    """What the registry, the shard layer and :func:`explain` call on an engine."""
+
     name: str
 
-    def accept(self, plan: Plan, call: Call) -> Plan | Rejection: ...
+    def accept(self, plan: Plan, call: Call) -> Plan | Rejection:
+        """``plan`` completed with this engine's choices, or why it cannot run it (a
+        part of a sharded call, ``call.share``, only where :meth:`states` serves it)."""
+        ...
 
-    def run(self, plan: Plan, call: Call) -> Any: ...
+    def run(self, plan: Plan, call: Call) -> Any:
+        """The call's result (``plan`` accepted by this engine)."""
+        ...
+
+    def states(self, plan: Plan, xs: Any, offset: int) -> list:
+        """A monoid plan's state per term over the rows ``xs`` (global row indices
+        from ``offset``), to be merged with other parts' (the shard layer)."""
+        ...
+
+    def describe_reverse(self, plan: Plan, call: Call) -> Plan:
+        """``plan`` with how reverse mode runs it (``Plan.backward``), for ``explain``."""
+        ...
 
 
 _BY_NAME: dict[str, Engine] = {}
@@ -107,8 +127,7 @@ def explain(call: Call) -> Plan:
     """:func:`plan`, with how its reverse mode would run where the engine says
     (``describe_reverse``: building the backward kernels as a gradient would)."""
     out = plan(call)
-    describe = getattr(_BY_NAME.get(out.engine), "describe_reverse", None)
-    return out if describe is None or out.error else describe(out, call)
+    return out if out.error else _BY_NAME[out.engine].describe_reverse(out, call)
 
 
 def run(plan: Plan, call: Call) -> Any:

@@ -23,17 +23,22 @@ from typing import Any
 
 import jax
 
-from . import _autotune, _config
+from . import _autotune, _config, _scan
 from ._autotune_measure import budget_in_force
 from ._pair_rows import Pairing, find, pair, results
 from ._plan import Call, Kind, Plan, Policy, Rejection, target_platform
 from ._planner import make_plan
 from ._separable import _Refused
+from ._shard import PART
 from ._validate import mapped_rows
 
 __all__ = ["PairEngine", "auto_draft"]
 
 DRAFT_ROWS = 1024  # the chunk size a batch_size="auto" call is drafted at for the tiles
+SHARE = (
+    f"{PART}: the shard layer merges the parts' monoid states, and the tiles give each x "
+    "row's result, not a state"
+)
 
 
 def _args(plan: Plan, call: Call, found: Pairing) -> tuple:
@@ -73,6 +78,8 @@ class PairEngine:
             return Rejection("only for monoid reductions over rows")
         if plan.shard is not None or plan.lanes is not None:
             return Rejection("not over a mesh")
+        if call.share:  # the global remainder of a sharded call (its share has lanes)
+            return Rejection(SHARE)
         if plan.platform != "cpu":
             return Rejection(f"on CPU only (the fused kernel runs chunks on {plan.platform})")
         assert plan.reduction is not None
@@ -107,6 +114,21 @@ class PairEngine:
         assert isinstance(found, Pairing) and plan.reduction is not None
         out = pairwise(*_args(plan, call, found), tiles=_tiles(plan, found))
         return results(plan.reduction, found, out)
+
+    def states(self, plan: Plan, xs: Any, offset: int) -> list:
+        """Each term's state over ``plan``'s rows: the scan engine's, over the chunks of
+        the plan the tiles replace. The tiles reduce to each x row's result, not to a
+        state, so :meth:`accept` declines the parts of a sharded call, whose states the
+        shard layer merges; these states are for a caller holding such a plan."""
+        return _scan.states(plan, xs, offset)
+
+    def describe_reverse(self, plan: Plan, call: Call) -> Plan:
+        """Reverse mode is ``pairwise``'s: pairwise sums on the same tiles."""
+        backward = (
+            "pairwise's reverse pass: sums over the pairs on the same tiles, recomputing f "
+            "and its VJP per tile (nothing N x M stored)"
+        )
+        return dataclasses.replace(plan, backward=backward)
 
 
 def auto_draft(call: Call) -> Plan | None:

@@ -49,7 +49,7 @@ from ._monoids_exponential import SoftmaxWeighted
 from ._pairwise_grad import Pairs, fused
 from ._pairwise_kernel import first_row, layout_problem, recognized
 from ._plan import target_platform
-from ._sharding import explicit, sharding_of
+from ._sharding import explicit, sharding_of, typed_mesh
 from .kernels.fused_reduce.targets import pallas_triton, tpu_vmem_limit
 from .kernels.fused_reduce.targets import target as device_target
 from .kernels.pairwise_device import Layout
@@ -183,8 +183,11 @@ def _pairwise(
 ) -> Any:
     """One pass: ``reduction`` over ``j`` of ``f(x_i, y_j)``, for every ``i``."""
     plan, red, layout = _plan(f, x, y, reduction, tiles, shard)
-    if plan.engine == _SCAN_Y:
-        return _scan_y(f, x, y, red, reduction, plan.tiles[1], mesh)
+    if plan.engine == _SCAN_Y:  # every device reduces its y rows for every x row,
+        # on the mesh x and y are typed on where none is given or set
+        with typed_mesh(*([] if mesh else [x, y])):
+            out = _scan_y(f, jax.tree.map(_whole, x), y, red, reduction, plan.tiles[1], mesh)
+        return jax.tree.map(lambda o: _rows_like(o, x), out)
     y = jax.tree.map(_whole, y)
     if plan.engine == _SCAN and shard:
         return _scan(f, x, y, reduction, plan.tiles, shard=True, mesh=mesh)

@@ -38,6 +38,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec
 
 from . import _tangent as tangent
 from ._jaxpr_graph import elementwise
@@ -57,7 +58,7 @@ from ._scan_chunks import (
 )
 from ._scan_map import run_generic, run_map
 from ._scan_tangent import merge_shares, tangent_shares
-from ._sharding import Lanes
+from ._sharding import Lanes, explicit, sharding_of
 from ._trace import Traced, size
 from .kernels import native
 
@@ -99,6 +100,11 @@ class ScanEngine:
     def states(self, plan: Plan, xs: Any, offset: int) -> list:
         """Each term's state over ``plan``'s rows (global indices from ``offset``)."""
         return states(plan, xs, offset)
+
+    def describe_reverse(self, plan: Plan, call: Call) -> Plan:
+        """``plan`` as is: reverse mode differentiates the chunk loop itself (each chunk
+        rematerialized, see ``_scan_chunks._remat``), which the plan already shows."""
+        return plan
 
 
 def _native_notes(plan: Plan) -> tuple[str, ...]:
@@ -206,11 +212,26 @@ def identity_states(reduction: MonoidReduction, out_shape: Any, lanes: Lanes | N
     out = []
     for leaf in reduction.leaves:
         state = leaf.monoid.init(_items(reduction, leaf, out_shape))
+        state = _typed_like_items(state, reduction.reads(jax.tree.leaves(out_shape), leaf))
         if lanes is not None:
             spread = lambda a: lanes.constrain(jnp.broadcast_to(a, (lanes.count, *a.shape)))
             state = jax.tree.map(spread, state)
         out.append(state)
     return out
+
+
+def _typed_like_items(state: Any, reads: list) -> Any:
+    """``state`` with each part shaped as an item (a row of what the term reads) typed
+    as the items are on Explicit axes: a nested call's carry then has its outputs'
+    sharding (rows of an outer call split over devices), which its merges and their
+    tangents (a ``select`` of both) require."""
+    typed = [(r, s) for r in reads if explicit(s := sharding_of(r))]
+    if not typed:
+        return state
+    read, sharding = typed[0]
+    item = NamedSharding(sharding.mesh, PartitionSpec(*sharding.spec[1:]))
+    put = lambda a: jax.sharding.reshard(a, item) if a.shape == read.shape[1:] else a
+    return jax.tree.map(put, state)
 
 
 def _merge(leaf: LeafReduction, a: Any, b: Any, lanes: Lanes | None) -> Any:

@@ -34,7 +34,9 @@ from . import _tangent as tangent
 from ._plan import Call, Kind, Plan, Policy, Rejection
 from ._sharding import Lanes, explicit, sharding_of
 
-__all__ = ["ShardEngine", "as_global"]
+__all__ = ["PART", "ShardEngine", "as_global"]
+
+PART = "a part of a sharded call"  # how an engine's rejection of a part begins
 
 
 def as_global(x: Any, mesh: Any) -> Any:
@@ -55,6 +57,24 @@ def as_global(x: Any, mesh: Any) -> Any:
     return jax.device_put(x, replicated) if other and replicated is not None else x
 
 
+def _other_mesh(plan: Plan, mesh: Any) -> str:
+    """Why ``plan`` cannot run: ``fun`` closes over an array typed on the Explicit axes
+    of another mesh than the one its rows are spread over (its trace holds that mesh's
+    shardings: it cannot be moved, nor computed with rows on another mesh); else ""."""
+    abstract = mesh.abstract_mesh if isinstance(mesh, Mesh) else mesh
+    for c in plan.consts():
+        sharding = sharding_of(c)
+        if explicit(sharding) and sharding.mesh.abstract_mesh != abstract:
+            return (
+                f"shard=True spreads the rows over the mesh {dict(mesh.shape)} (axes "
+                f"{tuple(mesh.axis_names)}), but fun closes over an array {np.shape(c)} "
+                f"typed on the Explicit axes of the mesh {dict(sharding.mesh.shape)} (axes "
+                f"{tuple(sharding.mesh.axis_names)}): call under jax.set_mesh(that mesh), "
+                "so that the rows are spread over it, or pass the array as an input"
+            )
+    return ""
+
+
 class ShardEngine:
     """Rows spread over a mesh; each part (the devices' shares, a global remainder)
     runs on the engine its plan chose, ``engine_of(name)`` (the registry's)."""
@@ -71,26 +91,78 @@ class ShardEngine:
         assert lay is not None  # a SHARDED plan carries its layout
         first = lay.local or lay.remainder
         assert first is not None  # n > 0 rows: a divisible prefix, a remainder or both
+        parts = (("each device's share", lay.local), ("global remainder", lay.remainder))
+        declined = tuple(
+            f"{label}: {name} not used: {why}"
+            for label, p in parts
+            if p is not None
+            for name, why in p.rejected
+            if why.startswith(PART)
+        )
         return dataclasses.replace(
             plan,
             engine=self.name,
             reason=f"rows over {lay.devices} devices, each share running {first.engine}",
-            error=first.error,
+            error=first.error or _other_mesh(plan, lay.mesh),
+            notes=(*plan.notes, *declined),
         )
 
-    def run(self, plan: Plan, call: Call) -> Any:
+    def describe_reverse(self, plan: Plan, call: Call) -> Plan:
+        """How reverse mode runs: where a part's engine is not the scan engine, its
+        states have the scan engine's tangent, transposed (``_tangent.reduce``); else
+        JAX differentiates every part's chunk loop."""
+        lay = plan.shard
+        assert lay is not None
+        engines = {p.engine for p in (lay.local, lay.remainder) if p is not None}
+        if plan.kind is not Kind.MONOID or engines <= {"scan"}:
+            return plan
+        backward = (
+            "the scan engine's chunks, transposed: the rows are spread over devices "
+            f"({', '.join(sorted(engines))} giving the states; no backward kernel per device yet)"
+        )
+        return dataclasses.replace(plan, backward=backward)
+
+    def states(self, plan: Plan, xs: Any, offset: int) -> list:
+        """Each term's state over all parts (the devices' shares, the global remainder),
+        merged: a sharded plan as a part of another call."""
+        reduction = plan.reduction
+        assert plan.kind is Kind.MONOID and reduction is not None
+        merged: list | None = None
+        for p, rows, first in self._parts(plan, xs):
+            part = self.engine_of(p.engine).states(p, rows, offset + first)
+            merged = (
+                part
+                if merged is None
+                else [
+                    leaf.monoid.merge(a, b)
+                    for leaf, a, b in zip(reduction.leaves, merged, part, strict=True)
+                ]
+            )
+        assert merged is not None
+        return merged
+
+    def _parts(self, plan: Plan, xs: Any) -> list[tuple[Plan, Any, int]]:
+        """(plan, rows, first row) of each part: the devices' shares, split over the
+        mesh, and the global remainder, replicated."""
         lay = plan.shard
         assert lay is not None
         n = lay.prefix + lay.global_remainder
         lanes = Lanes(lay.devices, lay.mesh, lay.axes)
         cut = lambda x, a, b: x if (a, b) == (0, n) else x[a:b]
-        head = jax.tree.map(lambda x: lanes.constrain(cut(x, 0, lay.prefix)), call.xs)
-        tail = jax.tree.map(lambda x: lanes.gather(cut(x, lay.prefix, n)), call.xs)
         parts = []
         if lay.local is not None:
+            head = jax.tree.map(lambda x: lanes.constrain(cut(x, 0, lay.prefix)), xs)
             parts.append((lay.local, head, 0))
         if lay.remainder is not None:
+            tail = jax.tree.map(lambda x: lanes.gather(cut(x, lay.prefix, n)), xs)
             parts.append((lay.remainder, tail, lay.prefix))
+        return parts
+
+    def run(self, plan: Plan, call: Call) -> Any:
+        lay = plan.shard
+        assert lay is not None
+        lanes = Lanes(lay.devices, lay.mesh, lay.axes)
+        parts = self._parts(plan, call.xs)
         if plan.kind is Kind.MONOID and parts[0][0].policy is not Policy.EMPTY:
             assert plan.reduction is not None
             states_of = lambda p, xs, offset: self.engine_of(p.engine).states(p, xs, offset)
