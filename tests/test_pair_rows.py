@@ -153,6 +153,18 @@ def test_results_not_laid_out_per_x_row_and_whole_sums_stay_chunked():
     assert "softmax_weighted's result is not laid out" in dict(heads.rejected)["pairwise"]
 
 
+def test_a_loop_on_constants_in_the_chunk():
+    # evaluated at one pair as one equation, it warned (an error here) that its jaxpr
+    # had no debug info; the tiles, which cannot unroll it, then decline
+    x, y = inputs()
+    scale = lambda: jax.lax.fori_loop(0, 3, lambda k, c: c + k, 0.5)
+    fun = lambda yc: blocks(sqdist, x)(yc) * scale()
+    plan = ajm.explain(fun, y, B, reduction=ajm.ADD)
+    assert "scan is not unrolled" in dict(plan.rejected)["pairwise"], str(plan)
+    got = ajm.batch_map(fun, y, B, reduction=ajm.ADD)
+    assert_tree_close(got, dense(sqdist, x, y).sum(1) * 3.5, rtol=2e-5)
+
+
 def test_under_vmap_and_on_meshes():
     f, x, y = CASES["logsumexp"][1], *inputs()
     want = jax.nn.logsumexp(dense(f, x, y), 1)

@@ -196,12 +196,16 @@ def _resized(
     return vals, params
 
 
-def _bind(eqn: Any, vals: list, params: dict) -> list:
+def _bind(eqn: Any, vals: list, params: dict, debug: Any) -> list:
     """``eqn``'s primitive on ``vals``; one with a jaxpr inside (a call, a loop, untouched
-    by the rows) as a jaxpr of that one equation."""
+    by the rows) as a jaxpr of that one equation (``debug``: the debug info of the
+    jaxpr it is in, renamed to its inputs and outputs)."""
     if any(True for _ in sub_jaxprs(params)):
         ins = [v for v in eqn.invars if not isinstance(v, Literal)]
-        one = Jaxpr([], ins, eqn.outvars, [eqn], eqn.effects)
+        if debug is not None:
+            names = dict(arg_names=("",) * len(ins), result_paths=("",) * len(eqn.outvars))
+            debug = debug._replace(**names)
+        one = Jaxpr([], ins, eqn.outvars, [eqn], eqn.effects, debug_info=debug)
         args = [a for v, a in zip(eqn.invars, vals, strict=True) if not isinstance(v, Literal)]
         return list(jaxpr_as_fun(ClosedJaxpr(one, []))(*args))
     out = eqn.primitive.bind(*vals, **params)
@@ -243,7 +247,7 @@ def evaluate(
                 vals, params = _resized(eqn, vals, ins, want, sizes)
             else:
                 params = eqn.params
-            outs = _bind(eqn, vals, params)
+            outs = _bind(eqn, vals, params, getattr(jaxpr, "debug_info", None))
             for o, w in zip(outs, want, strict=True):
                 if tuple(np.shape(o)) != w:
                     raise _Refused(f"{eqn.primitive.name} makes {np.shape(o)}, not {w}")
