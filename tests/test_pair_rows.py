@@ -153,6 +153,21 @@ def test_results_not_laid_out_per_x_row_and_whole_sums_stay_chunked():
     assert "softmax_weighted's result is not laid out" in dict(heads.rejected)["pairwise"]
 
 
+@pytest.mark.parametrize("k", [5, 7])
+def test_a_top_k_with_as_many_slots_as_x_rows_stays_chunked(k):
+    # (k, T) with k == T has the shape of a result per x row, its values are not (a
+    # check by shapes alone, growing the x rows to 7, took k = T = 7 for one)
+    x, y = inputs()
+    x = x[:k]
+    fun = blocks(sqdist, x)
+    plan = ajm.explain(fun, y, B, reduction=ajm.top_k(k))
+    assert plan.engine == "scan", str(plan)
+    assert "not laid out per x row" in dict(plan.rejected)["pairwise"], str(plan)
+    values, idx = ajm.batch_map(fun, y, B, reduction=ajm.top_k(k))
+    want = tuple(jax.lax.top_k(dense(sqdist, x, y), k))
+    assert_tree_close((values.T, idx.T), want)
+
+
 def test_a_loop_on_constants_in_the_chunk():
     # evaluated at one pair as one equation, it warned (an error here) that its jaxpr
     # had no debug info; the tiles, which cannot unroll it, then decline

@@ -39,8 +39,8 @@ from jax import lax
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, jaxpr_as_fun
 
 from ._jaxpr_graph import ELEMENTWISE
-from ._monoid import LeafReduction, MonoidReduction
-from ._separable import Tags, _body, _fix, _Refused, _rule, _run, _shape
+from ._monoid import MonoidReduction
+from ._separable import Tags, _body, _fix, _Refused, _rule, _run, _shape, per_x_row
 from ._trace import Traced, sub_jaxprs
 
 __all__ = ["Pairing", "evaluate", "find", "pair", "results", "row_tags"]
@@ -93,25 +93,13 @@ def _try(traced: Traced, reduction: MonoidReduction, xs: Sequence[int]) -> Pairi
             if shapes[s].shape[p] != n:
                 return f"output {s} of shape {shapes[s].shape} has no {n} x rows on axis {p}"
             axes[s] = p
-        why = _stacks(leaf, p, [shapes[s] for s in leaf.sources])
+        if leaf.axis != 0:
+            return f"{leaf.monoid.name} reduces every axis, not only the rows"
+        items = [jax.ShapeDtypeStruct(shapes[s].shape[1:], shapes[s].dtype) for s in leaf.sources]
+        why = per_x_row(leaf.monoid, items, [p - 1] * len(items))
         if why:
             return why
     return Pairing(tuple(xs), n, tuple(axes.get(k, 0) for k in range(len(outs))))
-
-
-def _stacks(leaf: LeafReduction, p: int, items: list[Any]) -> str | None:
-    """Why ``leaf``'s result is not its result per x row stacked on the x rows' axis
-    (``p`` in its sources, rows first)."""
-    if leaf.axis != 0:
-        return f"{leaf.monoid.name} reduces every axis, not only the rows"
-    q, m = p - 1, leaf.monoid  # the axis in one row's items
-    one = [jax.ShapeDtypeStruct(s.shape[1 : q + 1] + s.shape[q + 2 :], s.dtype) for s in items]
-    grown = [jax.ShapeDtypeStruct((*s.shape[:q], 7, *s.shape[q:]), s.dtype) for s in one]
-    result = lambda its: jax.tree.leaves(jax.eval_shape(lambda: m.finalize(m.init(its), its)))
-    for a, b in zip(result(one), result(grown), strict=True):
-        if b.shape != (*a.shape[:q], 7, *a.shape[q:]):
-            return f"{m.name}'s result is not laid out per x row"
-    return None
 
 
 def find(traced: Traced, reduction: MonoidReduction) -> Pairing | str:
