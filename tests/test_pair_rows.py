@@ -180,6 +180,32 @@ def test_a_loop_on_constants_in_the_chunk():
     assert_tree_close(got, dense(sqdist, x, y).sum(1) * 3.5, rtol=2e-5)
 
 
+def _kernel(x, yc):
+    return jnp.exp(-(((yc[:, None] - x[None]) ** 2).sum(-1)))
+
+
+SIZED = {  # a fun that computes with its chunk's size, on 17 rows: 4 chunks of 4, then 1
+    "branch on the size": lambda x, yc: _kernel(x, yc) * (2.0 if yc.shape[0] > 1 else 1.0),
+    "squeeze without an axis": lambda x, yc: jnp.squeeze(_kernel(x, yc)[..., None]),
+    "divides by the size": lambda x, yc: _kernel(x, yc) / yc.shape[0],
+}
+
+
+@pytest.mark.parametrize("name", list(SIZED))
+def test_a_fun_of_its_chunk_size_is_computed_as_written(name):
+    # the pairs would evaluate the chunks' jaxpr on the remainder's rows too
+    x, y = inputs()
+    y = y[:17]
+    fun = lambda yc: SIZED[name](x, yc)
+    plan = ajm.explain(fun, y, 4, reduction=ajm.ADD)
+    assert plan.policy is ajm.Policy.REMAINDER and plan.remainder == 1, str(plan)
+    assert "computes with its chunk's size" in dict(plan.rejected)["pairwise"], str(plan)
+    want = sum(fun(y[i : i + 4]).sum(0) for i in range(0, 17, 4))
+    assert_tree_close(ajm.batch_map(fun, y, 4, reduction=ajm.ADD), want, rtol=2e-5)
+    # without it, the same remainder of one row takes the tiles
+    assert engine(lambda a, b: jnp.exp(-sqdist(a, b)), ajm.ADD, x, y, 4).engine == "pairwise"
+
+
 def test_under_vmap_and_on_meshes():
     f, x, y = CASES["logsumexp"][1], *inputs()
     want = jax.nn.logsumexp(dense(f, x, y), 1)

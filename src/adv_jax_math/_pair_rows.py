@@ -40,7 +40,18 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, jaxpr_as_fun
 
 from ._jaxpr_graph import ELEMENTWISE
 from ._monoid import MonoidReduction
-from ._separable import Tags, _body, _fix, _Refused, _rule, _run, _shape, per_x_row
+from ._separable import (
+    _SHAPING,
+    Tags,
+    _body,
+    _fix,
+    _Refused,
+    _rule,
+    _run,
+    _shape,
+    _signature,
+    per_x_row,
+)
 from ._trace import Traced, sub_jaxprs
 
 __all__ = ["Pairing", "evaluate", "find", "pair", "results", "row_tags"]
@@ -102,12 +113,40 @@ def _try(traced: Traced, reduction: MonoidReduction, xs: Sequence[int]) -> Pairi
     return Pairing(tuple(xs), n, tuple(axes.get(k, 0) for k in range(len(outs))))
 
 
-def find(traced: Traced, reduction: MonoidReduction) -> Pairing | str:
+def _rows(traced: Traced) -> int:
+    return min((_shape(v)[:1] or (0,))[0] for v in traced.jaxpr.jaxpr.invars)
+
+
+def _one_program(traced: Traced, tail: Traced | None) -> str | None:
+    """Why the remainder's jaxpr ``tail`` is not the chunks' at its number of rows (the
+    pairs evaluate the chunks' at one row, for every row): ``fun`` computes with its
+    chunk's size. Shape-only primitives are not compared at one row, where ``jnp``
+    leaves out broadcasts; ``jnp.squeeze`` without an axis shows in the shapes."""
+    if tail is None:
+        return None
+    r = _rows(tail)
+    skip = _SHAPING if r == 1 else frozenset()
+    shapes = zip(*(jax.tree.leaves(t.out_shape) for t in (traced, tail)), strict=True)
+    if _signature(traced.jaxpr.jaxpr, skip) != _signature(tail.jaxpr.jaxpr, skip) or any(
+        tuple(b.shape) != (r, *a.shape[1:]) for a, b in shapes
+    ):
+        return (
+            f"fun computes with its chunk's size: its primitives, constants or output "
+            f"shapes differ between the chunks ({_rows(traced)} rows) and the remainder ({r})"
+        )
+    return None
+
+
+def find(traced: Traced, reduction: MonoidReduction, tail: Traced | None = None) -> Pairing | str:
     """The constants of the prepared chunk jaxpr ``traced`` that pair with its rows
     (see the module docstring), or why none do. Candidates: the constants with at least
-    two rows, those with the same number of rows together, then each alone."""
-    if min((_shape(v)[:1] or (0,))[0] for v in traced.jaxpr.jaxpr.invars) < 2:
+    two rows, those with the same number of rows together, then each alone. ``tail``:
+    the remainder's jaxpr, which must be the same program (:func:`_one_program`)."""
+    if _rows(traced) < 2:
         return "the chunk has fewer than 2 rows: its rows cannot be told from broadcasts"
+    why = _one_program(traced, tail)
+    if why:
+        return why
     rows: dict[int, list[int]] = {}
     for k, c in enumerate(traced.consts):
         if np.ndim(c) and np.shape(c)[0] >= 2:
