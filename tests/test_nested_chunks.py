@@ -189,7 +189,8 @@ def _top_k(k):
     return reduce
 
 
-AS_WRITTEN = {  # name: (reduction, g, x rows (chunks of 8), plain-JAX reduction over y rows, read)
+AS_WRITTEN = {  # name: (reduction, g, x rows (chunks of 8), plain-JAX reduction over y rows
+    # (None: a sum, of g on y chunks of 16), read as pairwise)
     "top_k, k == bi": (ajm.top_k(8, smallest=True), sqdist_blocks, 16, _top_k(8), False),
     "top_k, k < bi": (ajm.top_k(4, smallest=True), sqdist_blocks, 8, _top_k(4), False),
     "softmax, values per pair": (
@@ -213,6 +214,14 @@ AS_WRITTEN = {  # name: (reduction, g, x rows (chunks of 8), plain-JAX reduction
         24,
         None,
         False,
+    ),
+    # the program as written calls it on 16 y rows (read there), not on all 53
+    "branch above the batch size": (
+        ajm.ADD,
+        lambda yc, xc: _kernel1(yc, xc)[..., 0] * (2.0 if yc.shape[0] > 20 else 1.0),
+        24,
+        None,
+        True,
     ),
     "branch on the block size": (
         ajm.ADD,
@@ -238,7 +247,10 @@ def test_readings_compute_the_program_as_written(name):
     else:
         assert not isinstance(plan, ajm.PairwisePlan), str(plan)
         assert any("not a pairwise reduction" in note for note in plan.notes), str(plan)
-    reduce = reduce or (lambda d: d.sum(0))
-    chunks = [reduce(g(y, x[i : i + 8])) for i in range(0, n, 8)]
+    if reduce is None:  # a sum over y chunks of 16 rows, g on each (it computes with sizes)
+        reduce = lambda xc: sum(g(y[j : j + 16], xc).sum(0) for j in range(0, y.shape[0], 16))
+    else:
+        reduce = lambda xc, r=reduce: r(g(y, xc))
+    chunks = [reduce(x[i : i + 8]) for i in range(0, n, 8)]
     want = jax.tree.map(lambda *c: jnp.concatenate(c), *chunks)
     assert_tree_close(ajm.batch_map(outer, x, 8), want, rtol=2e-5, atol=2e-5)

@@ -228,10 +228,10 @@ def test_functions_of_the_block_sizes_are_refused(g):
 @pytest.mark.parametrize(
     "g, why",
     [
-        (lambda yc, xc: jnp.squeeze(sqdist(yc, xc)[..., None]), "is () on blocks of one row"),
+        (lambda yc, xc: jnp.squeeze(sqdist(yc, xc)[..., None]), "are [()] on blocks of 1 x 1 rows"),
         (
             lambda yc, xc: jnp.squeeze(sqdist(yc, xc)[..., None])[:, :],
-            "fails on blocks of one row each: IndexError",
+            "fails on blocks of 1 x 1 rows: IndexError",
         ),
     ],
     ids=["squeeze without an axis", "then indexed"],

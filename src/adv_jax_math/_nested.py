@@ -43,9 +43,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from . import _config
 from ._monoid import identity, is_monoid_tree
 from ._pair_rows import evaluate, row_tags
 from ._plan import target_platform
+from ._planner import split_rows
 from ._recognize import recognize
 from ._separable import Blocks, _Refused, per_x_row, read_blocks
 
@@ -149,12 +151,16 @@ def as_inner(inner: Inner, run: Callable[[], Any]) -> Any:
 
 
 def find(
-    listener: _Listen, one: Callable[..., Any], rows: list, chunked: bool = False
+    listener: _Listen,
+    one: Callable[..., Any],
+    rows: list,
+    chunked: bool = False,
+    chunk_rows: int | None = None,
 ) -> Nested | str:
     """The pairwise form of ``one`` (the outer function on one row, or with
     ``chunked`` on a chunk of rows: its mapped leaves as positional arguments,
-    ``rows`` their avals) after ``listener`` heard its planning trace, or why it has
-    none."""
+    ``rows`` their avals, ``chunk_rows`` the rows of the chunks it is planned on)
+    after ``listener`` heard its planning trace, or why it has none."""
     kind, other = ("batch_map", "batch_vmap") if chunked else ("batch_vmap", "batch_map")
     if not listener.seen:
         return "its function was not traced"
@@ -199,18 +205,35 @@ def find(
             return one(*x_row)
 
     if chunked:
-        return _blocks(lambda yc, xc: pair(xc, yc), rows, y, inner)
+        x_rows = [chunk_rows] if chunk_rows else _block_rows(rows[0].shape[0], None)
+        return _blocks(lambda yc, xc: pair(xc, yc), rows, x_rows, y, inner)
     return Nested(pair, y, inner.reduction, inner.batch_size)
 
 
-def _blocks(g: Callable[[list, list], Any], x: list, y: list, inner: Inner) -> Nested | str:
+def _block_rows(n: int, batch_size: Any) -> list[int]:
+    """The rows of the chunks a call over ``n`` rows in chunks of ``batch_size``
+    evaluates its function on, as the scan engine plans them (the first: the most
+    chunks; "auto" or None: all rows)."""
+    if not isinstance(batch_size, int) or n <= batch_size:
+        return [n]
+    rows, split = split_rows(n, batch_size, _config.current().remainder)
+    return [rows, n % rows] if split == "separate" and n % rows else [rows]
+
+
+def _blocks(
+    g: Callable[[list, list], Any], x: list, x_rows: list[int], y: list, inner: Inner
+) -> Nested | str:
     """The pairwise form of nested per-chunk calls whose inner call reduces the blocks
-    ``g(yc, xc)`` over y rows (``x``: the outer call's rows, avals), or why the program
-    as written computes something else. ``_separable`` reads the blocks as pairs and
-    proves each term's result laid out per x row on axis 0 (where the outer call stacks
-    the inner results); ``f(xi, yj)`` is ``g``'s jaxpr evaluated at one row each."""
-    avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in y]
-    found = read_blocks(g, avals, x)
+    ``g(yc, xc)`` over y rows (``x``: the outer call's rows, avals, in chunks of
+    ``x_rows``), or why the program as written computes something else.
+    ``_separable`` reads the blocks as pairs, at the sizes the program evaluates them
+    on, and proves each term's result laid out per x row on axis 0 (where the outer
+    call stacks the inner results); ``f(xi, yj)`` is ``g``'s jaxpr evaluated at one
+    row each."""
+    y_rows = _block_rows(y[0].shape[0], inner.batch_size)
+    at = lambda leaves, r: [jax.ShapeDtypeStruct((r, *a.shape[1:]), a.dtype) for a in leaves]
+    also = [(a, b) for a in y_rows for b in x_rows]
+    found = read_blocks(g, at(y, y_rows[0]), at(x, x_rows[0]), also)
     if isinstance(found, str):
         return f"the inner call's blocks are not shown to be pairs: {found}"
     shapes = jax.tree.leaves(found.shapes)

@@ -279,12 +279,9 @@ class Blocks:
     n_y: int
 
 
-def _x_axis(
-    shape: tuple, tags: Tags, grown_y: tuple, grown_x: tuple, single: tuple
-) -> int | str | None:
+def _x_axis(shape: tuple, tags: Tags, grown_y: tuple, grown_x: tuple) -> int | str | None:
     """The axis of x rows of an output leaf (None: it has none) from its tags and its
-    shapes at blocks one row larger (y, then x) and at blocks of one row each; or why
-    it is no block of pairs."""
+    shapes at blocks one row larger (y, then x); or why it is no block of pairs."""
     if not len(shape) == len(grown_y) == len(grown_x) >= 1:
         return "changes its rank with the blocks' sizes"
     moved = lambda other: [d for d, (a, b) in enumerate(zip(shape, other, strict=True)) if a != b]
@@ -297,20 +294,19 @@ def _x_axis(
         p = None
     else:
         return f"has axes {tags}: x rows must be axis 1 (or absent), and no other axis"
-    one = tuple(1 if d in (0, p) else n for d, n in enumerate(shape))
-    if single != one:
-        return f"is {single} on blocks of one row each, not {one}"
     return p
 
 
-def read_blocks(g: Callable, y: Any, x: Any) -> Blocks | str:
+def read_blocks(g: Callable, y: Any, x: Any, also: Sequence[tuple[int, int]] = ()) -> Blocks | str:
     """``g``'s blocks as pairs (:class:`Blocks`) when the jaxpr of ``g(y, x)`` shows
     that each output leaf is ``(bj, bi, *rest)`` (or ``(bj, *rest)``: no x rows) with
     element ``[b, a, ...]`` a function of y row ``b`` and x row ``a`` alone (and of
     values ``g`` closes over), and that ``g`` does not compute with its blocks' sizes:
     its primitives and constants are the same at blocks one row larger, and at blocks
-    of one row (shape-only primitives aside) its outputs are those shapes with one
-    row each. Else why not, naming the first primitive (or output) that breaks it.
+    of one row each and the sizes ``also`` (``(bj, bi)`` pairs: other blocks the
+    program as written evaluates) the same but for shape-only primitives, with outputs
+    of those numbers of rows. Else why not, naming the first primitive (or output) that
+    breaks it.
     ``y``, ``x``: pytrees of arrays or ``jax.ShapeDtypeStruct`` with ``bj`` and ``bi``
     rows first (errors tracing ``g`` at these sizes propagate).
 
@@ -341,22 +337,28 @@ def read_blocks(g: Callable, y: Any, x: Any) -> Blocks | str:
             other_rows = f"{_rows(yy, 'y')} x {_rows(xx, 'x')}"
             return f"{sizes} blocks of {bj} x {bi} rows and of {other_rows})"
         grown.append(jax.tree.leaves(out))
-    try:
-        single, ones = fresh_jaxpr(g, _at(y, 1), _at(x, 1), return_shape=True)
-    except Exception as e:  # a block function that fails on one row is not one of pairs
-        return f"g fails on blocks of one row each: {type(e).__name__}: {str(e)[:200]}"
-    if _signature(single.jaxpr, _SHAPING) != _signature(closed.jaxpr, _SHAPING):
-        return f"{sizes} blocks of {bj} x {bi} rows and of 1 x 1)"
     flat = jax.tree_util.tree_flatten_with_path(shapes)[0]
-    if len(jax.tree.leaves(ones)) != len(flat):
-        return "g returns another structure on blocks of one row each"
-    parts = zip(flat, outs, *grown, jax.tree.leaves(ones), strict=True)
+    parts = zip(flat, outs, *grown, strict=True)
     axes = []
-    for k, ((path, leaf), tags, sy, sx, s1) in enumerate(parts):
-        p = _x_axis(tuple(leaf.shape), tags, tuple(sy.shape), tuple(sx.shape), tuple(s1.shape))
+    for k, ((path, leaf), tags, sy, sx) in enumerate(parts):
+        p = _x_axis(tuple(leaf.shape), tags, tuple(sy.shape), tuple(sx.shape))
         if isinstance(p, str):
             return f"output {jax.tree_util.keystr(path) or k} of shape {leaf.shape} {p}"
         axes.append(p)
+    for rows_y, rows_x in sorted({(1, 1), *also} - {(bj, bi)}):
+        try:
+            other, out = fresh_jaxpr(g, _at(y, rows_y), _at(x, rows_x), return_shape=True)
+        except Exception as e:  # a block function that fails at a size the program uses
+            return f"g fails on blocks of {rows_y} x {rows_x} rows: {type(e).__name__}: {e}"[:300]
+        if _signature(other.jaxpr, _SHAPING) != _signature(closed.jaxpr, _SHAPING):
+            return f"{sizes} blocks of {bj} x {bi} rows and of {rows_y} x {rows_x})"
+        want = [
+            (rows_y, *(rows_x if d == p else n for d, n in enumerate(s.shape[1:], 1)))
+            for s, p in zip(jax.tree.leaves(shapes), axes, strict=True)
+        ]
+        got = [tuple(s.shape) for s in jax.tree.leaves(out)]
+        if got != want:
+            return f"g's outputs are {got} on blocks of {rows_y} x {rows_x} rows, not {want}"
     return Blocks(closed, shapes, tuple(axes), len(jax.tree.leaves(y)))
 
 
