@@ -14,17 +14,29 @@ import jax
 import jax.numpy as jnp
 import pytest
 from helpers import assert_tree_close
-from test_pairwise import CASES, ENGINES, TILES, dense, inputs, sqdist
+from jax import lax
+from test_pairwise import CASES, ENGINES, TILES, _flat, dense, inputs, sqdist
 
 import adv_jax_math as ajm
 
-# (a top-k is not: its result puts the k slots first, which the outer call cannot stack)
+# (a top-k is not: its result puts the k slots first, where the outer call stacks)
 NAMES = ["logsumexp", "min_argmin", "argmin", "weighted_logsumexp", "var", "pytree"]
+NAMES += ["softmax_weighted"]
 
 
 def blocks(f):
     """``f`` written for one pair, as a user writes it for blocks: ``(bj, bi, ...)``."""
     return lambda yc, xc: jax.vmap(lambda yj: jax.vmap(lambda xi: f(xi, yj))(xc))(yc)
+
+
+def softmax_blocks(yc, xc):
+    """``CASES["softmax_weighted"]`` written for blocks: scores ``(bj, bi)``, values
+    ``(bj, 2)``, the same for every x row (with ``(bj, bi, 2)`` each x row's scores would
+    weigh every x row's values)."""
+    return -sqdist_blocks(yc, xc), jnp.stack([yc[:, 0], jnp.sin(yc[:, 1])], -1)
+
+
+BLOCKS = {"softmax_weighted": softmax_blocks}
 
 
 def per_chunk(g, reduction, y, tiles=TILES):
@@ -38,7 +50,7 @@ def per_chunk(g, reduction, y, tiles=TILES):
 def test_per_chunk_calls_take_the_pairwise_engine(name, backend):
     reduction, f, want = CASES[name]
     x, y = inputs()
-    outer, bi = per_chunk(blocks(f), reduction, y)
+    outer, bi = per_chunk(BLOCKS.get(name, blocks(f)), reduction, y)
     with ajm.config(backend=backend):
         plan = ajm.explain(outer, x, bi)
         got = jax.jit(lambda x: ajm.batch_map(outer, x, bi))(x)
@@ -129,3 +141,116 @@ def test_plain_stacking_calls_are_unchanged():
     plan = ajm.explain(lambda c: c**2, x, 4)
     assert not any("pairwise" in note for note in plan.notes), str(plan)
     assert_tree_close(ajm.batch_map(lambda c: c**2, x, 4), x**2)
+
+
+@pytest.mark.parametrize("name", ["logsumexp", "softmax_weighted"])
+def test_per_chunk_value_and_grad_is_kernels_only(name):
+    # the kernels of the batch_vmap form (test_nested), and no chunk loop outside them
+    reduction, f, _ = CASES[name]
+    x, y = inputs()
+    outer, bi = per_chunk(BLOCKS.get(name, blocks(f)), reduction, y)
+    inner = lambda xi: ajm.batch_vmap(lambda yj: f(xi, yj), batch_size=16, reduction=reduction)(y)
+    forms = {
+        "batch_map": lambda x: ajm.batch_map(outer, x, bi),
+        "batch_vmap": lambda x: ajm.batch_vmap(inner, batch_size=bi)(x),
+    }
+    kernels = {}
+    for form, run in forms.items():
+        loss = lambda x, run=run: jnp.sum(run(x))
+        with ajm.config(backend="interpret"):
+            for mode, traced in (("forward", loss), ("both", jax.value_and_grad(loss))):
+                outside = [e.primitive.name for e in _flat(jax.make_jaxpr(traced)(x).jaxpr)]
+                assert not {"scan", "while"} & set(outside), (form, mode, outside)
+                kernels[form, mode] = outside.count("pallas_call")
+    assert kernels["batch_map", "forward"] == kernels["batch_vmap", "forward"] == 1, kernels
+    assert kernels["batch_map", "both"] == kernels["batch_vmap", "both"], kernels
+
+
+def _kernel1(yc, xc):
+    return jnp.exp(-jnp.sum((yc[:, None] - xc[None]) ** 2, -1, keepdims=True))  # (bj, bi, 1)
+
+
+def _per_pair_values(yc, xc):  # scores (bj, bi), values (bj, bi, 2): one value per pair
+    v = jnp.broadcast_to(yc[:, None, :2], (yc.shape[0], xc.shape[0], 2)) * xc[None, :, :1]
+    return -sqdist_blocks(yc, xc), v
+
+
+def _vectors(yc, xc):  # a vector per pair: (bj, bi, 2)
+    return jnp.stack([sqdist_blocks(yc, xc), jnp.abs(yc[:, None] - xc[None]).sum(-1)], -1)
+
+
+def _top_k(k):
+    """``top_k(k, smallest=True)`` over axis 0 with plain JAX: the k slots first."""
+
+    def reduce(d):
+        v, i = lax.top_k(-d.T, k)
+        return -v.T, i.T
+
+    return reduce
+
+
+AS_WRITTEN = {  # name: (reduction, g, x rows (chunks of 8), plain-JAX reduction over y rows
+    # (None: a sum, of g on y chunks of 16), read as pairwise)
+    "top_k, k == bi": (ajm.top_k(8, smallest=True), sqdist_blocks, 16, _top_k(8), False),
+    "top_k, k < bi": (ajm.top_k(4, smallest=True), sqdist_blocks, 8, _top_k(4), False),
+    "softmax, values per pair": (
+        ajm.SOFTMAX_WEIGHTED,
+        _per_pair_values,
+        16,
+        lambda sv: jnp.tensordot(jax.nn.softmax(sv[0], 0), sv[1], ([0], [0])),
+        False,
+    ),
+    "min_argmin of vectors": (
+        ajm.MIN_ARGMIN,
+        _vectors,
+        16,
+        lambda d: (d.min(0), d.argmin(0)),
+        True,
+    ),
+    "mean_var of vectors": (ajm.MEAN_VAR, _vectors, 16, lambda d: (d.mean(0), d.var(0)), True),
+    "squeeze without an axis": (
+        ajm.ADD,
+        lambda yc, xc: jnp.squeeze(_kernel1(yc, xc)),
+        24,
+        None,
+        False,
+    ),
+    # the program as written calls it on 16 y rows (read there), not on all 53
+    "branch above the batch size": (
+        ajm.ADD,
+        lambda yc, xc: _kernel1(yc, xc)[..., 0] * (2.0 if yc.shape[0] > 20 else 1.0),
+        24,
+        None,
+        True,
+    ),
+    "branch on the block size": (
+        ajm.ADD,
+        lambda yc, xc: _kernel1(yc, xc)[..., 0] * (2.0 if xc.shape[0] > 1 else 1.0),
+        24,
+        None,
+        False,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(AS_WRITTEN))
+def test_readings_compute_the_program_as_written(name):
+    # the outer call stacks each x chunk's inner result: a reading that replaces the
+    # blocks by pairs must give exactly that (values, layout, shapes), or decline
+    reduction, g, n, reduce, read = AS_WRITTEN[name]
+    x, y = inputs()
+    x = x[:n]
+    outer = lambda xc: ajm.batch_map(lambda yc: g(yc, xc), y, 16, reduction=reduction)
+    plan = ajm.explain(outer, x, 8)
+    if read:
+        assert isinstance(plan, ajm.PairwisePlan), str(plan)
+    else:
+        assert not isinstance(plan, ajm.PairwisePlan), str(plan)
+        assert any("not a pairwise reduction" in note for note in plan.notes), str(plan)
+    if reduce is None:  # a sum over y chunks of 16 rows, g on each (it computes with sizes)
+        reduce = lambda xc: sum(g(y[j : j + 16], xc).sum(0) for j in range(0, y.shape[0], 16))
+    else:
+        reduce = lambda xc, r=reduce: r(g(y, xc))
+    chunks = [reduce(x[i : i + 8]) for i in range(0, n, 8)]
+    want = jax.tree.map(lambda *c: jnp.concatenate(c), *chunks)
+    assert_tree_close(ajm.batch_map(outer, x, 8), want, rtol=2e-5, atol=2e-5)

@@ -153,6 +153,59 @@ def test_results_not_laid_out_per_x_row_and_whole_sums_stay_chunked():
     assert "softmax_weighted's result is not laid out" in dict(heads.rejected)["pairwise"]
 
 
+@pytest.mark.parametrize("k", [5, 7])
+def test_a_top_k_with_as_many_slots_as_x_rows_stays_chunked(k):
+    # (k, T) with k == T has the shape of a result per x row, its values are not (a
+    # check by shapes alone, growing the x rows to 7, took k = T = 7 for one)
+    x, y = inputs()
+    x = x[:k]
+    fun = blocks(sqdist, x)
+    plan = ajm.explain(fun, y, B, reduction=ajm.top_k(k))
+    assert plan.engine == "scan", str(plan)
+    assert "not laid out per x row" in dict(plan.rejected)["pairwise"], str(plan)
+    values, idx = ajm.batch_map(fun, y, B, reduction=ajm.top_k(k))
+    want = tuple(jax.lax.top_k(dense(sqdist, x, y), k))
+    assert_tree_close((values.T, idx.T), want)
+
+
+def test_a_loop_on_constants_in_the_chunk():
+    # evaluated at one pair as one equation, it warned (an error here) that its jaxpr
+    # had no debug info; the tiles, which cannot unroll it, then decline
+    x, y = inputs()
+    scale = lambda: jax.lax.fori_loop(0, 3, lambda k, c: c + k, 0.5)
+    fun = lambda yc: blocks(sqdist, x)(yc) * scale()
+    plan = ajm.explain(fun, y, B, reduction=ajm.ADD)
+    assert "scan is not unrolled" in dict(plan.rejected)["pairwise"], str(plan)
+    got = ajm.batch_map(fun, y, B, reduction=ajm.ADD)
+    assert_tree_close(got, dense(sqdist, x, y).sum(1) * 3.5, rtol=2e-5)
+
+
+def _kernel(x, yc):
+    return jnp.exp(-(((yc[:, None] - x[None]) ** 2).sum(-1)))
+
+
+SIZED = {  # a fun that computes with its chunk's size, on 17 rows: 4 chunks of 4, then 1
+    "branch on the size": lambda x, yc: _kernel(x, yc) * (2.0 if yc.shape[0] > 1 else 1.0),
+    "squeeze without an axis": lambda x, yc: jnp.squeeze(_kernel(x, yc)[..., None]),
+    "divides by the size": lambda x, yc: _kernel(x, yc) / yc.shape[0],
+}
+
+
+@pytest.mark.parametrize("name", list(SIZED))
+def test_a_fun_of_its_chunk_size_is_computed_as_written(name):
+    # the pairs would evaluate the chunks' jaxpr on the remainder's rows too
+    x, y = inputs()
+    y = y[:17]
+    fun = lambda yc: SIZED[name](x, yc)
+    plan = ajm.explain(fun, y, 4, reduction=ajm.ADD)
+    assert plan.policy is ajm.Policy.REMAINDER and plan.remainder == 1, str(plan)
+    assert "computes with its chunk's size" in dict(plan.rejected)["pairwise"], str(plan)
+    want = sum(fun(y[i : i + 4]).sum(0) for i in range(0, 17, 4))
+    assert_tree_close(ajm.batch_map(fun, y, 4, reduction=ajm.ADD), want, rtol=2e-5)
+    # without it, the same remainder of one row takes the tiles
+    assert engine(lambda a, b: jnp.exp(-sqdist(a, b)), ajm.ADD, x, y, 4).engine == "pairwise"
+
+
 def test_under_vmap_and_on_meshes():
     f, x, y = CASES["logsumexp"][1], *inputs()
     want = jax.nn.logsumexp(dense(f, x, y), 1)

@@ -1,4 +1,5 @@
-"""Proving a blockwise ``g(yc, xc)`` pairwise from its jaxpr (``_separable.separable``)."""
+"""Proving a blockwise ``g(yc, xc)`` pairwise from its jaxpr (``_separable.read_blocks``),
+and a monoid's result laid out per x row (``_separable.per_x_row``)."""
 
 import jax
 import jax.numpy as jnp
@@ -7,7 +8,9 @@ import pytest
 from helpers import assert_tree_close, normal
 from jax import lax
 
-from adv_jax_math._separable import separable
+import adv_jax_math as ajm
+from adv_jax_math._nested import pairs
+from adv_jax_math._separable import Blocks, per_x_row, read_blocks
 
 BJ, BI, D = 5, 3, 3
 W = np.linspace(-1.0, 1.0, D * D, dtype=np.float32).reshape(D, D)
@@ -35,11 +38,31 @@ def doubled(a):
 doubled.defvjp(lambda a: (2 * a, None), lambda _, g: (2 * g,))
 
 
+def separable(g, y, x):
+    """None when ``read_blocks`` reads ``g``'s blocks as pairs, else why not."""
+    found = read_blocks(g, y, x)
+    return None if isinstance(found, Blocks) else found
+
+
 def pairwise(g, yc, xc):
-    """``g`` evaluated on every pair of rows, one row each: what a pairwise engine runs."""
-    one = lambda tree: jax.tree.map(lambda a: a[None], tree)
-    f = lambda yj, xi: jax.tree.map(lambda out: out[0, 0], g(one(yj), one(xi)))
-    return jax.vmap(jax.vmap(f, (None, 0)), (0, None))(yc, xc)
+    """``g``'s pairs as the reading evaluates them (``_nested.pairs``), on every pair of
+    rows; leaves without x rows broadcast along them, as ``g``'s blocks are read."""
+    ty, tx = jax.tree.structure(yc), jax.tree.structure(xc)
+    flat = lambda ys, xs: g(jax.tree.unflatten(ty, ys), jax.tree.unflatten(tx, xs))
+    f = pairs(read_blocks(g, yc, xc), flat)
+    one = lambda yj, xi: f(jax.tree.leaves(xi), jax.tree.leaves(yj))
+    return jax.vmap(jax.vmap(one, (None, 0)), (0, None))(yc, xc)
+
+
+def blocks_as_pairs(g, yc, xc):
+    """``g(yc, xc)`` with its leaves that have no x rows broadcast along them."""
+    found = read_blocks(g, yc, xc)
+    spread = lambda a, p: a if p else jnp.broadcast_to(a[:, None], (a.shape[0], BI, *a.shape[1:]))
+    out = jax.tree.leaves(g(yc, xc))
+    return jax.tree.unflatten(
+        jax.tree.structure(found.shapes),
+        [spread(a, p) for a, p in zip(out, found.x_axes, strict=True)],
+    )
 
 
 def points(rows, key):
@@ -84,6 +107,9 @@ ACCEPTED = {
         [sqdist(yc, xc), *jnp.unstack(yc[:, None] * xc[None], axis=-1)], -1
     ),
     "iota_features": lambda yc, xc: (yc[:, None] - xc[None]) @ jnp.arange(D, dtype=jnp.float32),
+    # leaves the same for every x row: (bj, ...), a softmax's values
+    "values_without_x": lambda yc, xc: (-sqdist(yc, xc), yc[:, :2], yc.sum(1)),
+    "squeeze_with_axis": lambda yc, xc: jnp.squeeze(sqdist(yc, xc)[..., None], -1),
 }
 
 
@@ -93,7 +119,7 @@ def test_accepted_and_pairwise(name):
     y = points(BJ, 0)
     x = points(BI, 10)
     assert separable(g, jax.eval_shape(lambda: y), jax.eval_shape(lambda: x)) is None
-    assert_tree_close(g(y, x), pairwise(g, y, x))
+    assert_tree_close(blocks_as_pairs(g, y, x), pairwise(g, y, x))
 
 
 def test_accepted_weighted_y():
@@ -154,7 +180,7 @@ REFUSED = {
     "x_summed_in": (lambda yc, xc: yc[:, None] * xc.sum(0), "reduce_sum reduces over x rows"),
     "contracts_y": (lambda yc, xc: kernel(yc.T @ yc, xc), "dot_general contracts y rows"),
     "reshape_rows": (lambda yc, xc: kernel(yc, xc).reshape(BI, BJ).T, "reshape merges or splits"),
-    "no_pair_axes": (lambda yc, xc: yc.sum(1), "output 0 of shape (5,)"),
+    "y_rows_second": (lambda yc, xc: yc.T, "output 0 of shape (3, 5) has axes (None, 'j')"),
     "x_on_axis_2": (lambda yc, xc: yc[:, None, None, 0] * xc[None, None, :, 0], "has axes"),
     "bad_leaf": (lambda yc, xc: {"a": kernel(yc, xc), "b": kernel(xc, yc)}, "output ['b']"),
 }
@@ -189,10 +215,49 @@ def test_refused_rows():
         lambda yc, xc: -jnp.sum((yc[:, None] - xc[None]) ** 2, -1) / xc.shape[0],
         lambda yc, xc: jnp.full((yc.shape[0], xc.shape[0]), yc.shape[0] * 1.0),
         lambda yc, xc: yc[:, :1] * xc[:, 0] if xc.shape[0] > 3 else yc[:, :1] + xc[:, 0],
+        lambda yc, xc: sqdist(yc, xc) * (2.0 if xc.shape[0] > 1 else 1.0),
     ],
-    ids=["divides by bi", "fills with bj", "branches on bi"],
+    ids=["divides by bi", "fills with bj", "branches on bi", "branches on one row"],
 )
 def test_functions_of_the_block_sizes_are_refused(g):
-    # their pairs, traced on blocks of one row, would compute something else
+    # the program as written may call them on blocks of other sizes than those traced
     y, x = jax.ShapeDtypeStruct((4, 3), jnp.float32), jax.ShapeDtypeStruct((3, 3), jnp.float32)
     assert "computes with its blocks' sizes" in separable(g, y, x)
+
+
+@pytest.mark.parametrize(
+    "g, why",
+    [
+        (lambda yc, xc: jnp.squeeze(sqdist(yc, xc)[..., None]), "are [()] on blocks of 1 x 1 rows"),
+        (
+            lambda yc, xc: jnp.squeeze(sqdist(yc, xc)[..., None])[:, :],
+            "fails on blocks of 1 x 1 rows: IndexError",
+        ),
+    ],
+    ids=["squeeze without an axis", "then indexed"],
+)
+def test_block_functions_that_change_at_one_row_are_refused(g, why):
+    y, x = jax.ShapeDtypeStruct((4, 3), jnp.float32), jax.ShapeDtypeStruct((3, 3), jnp.float32)
+    assert why in separable(g, y, x)
+
+
+S = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+LAYOUTS = {  # name: (monoid, its leaves' items, their x axes, laid out per x row)
+    "add": (ajm.ADD, [S(4)], [0], True),
+    "min_argmin of vectors": (ajm.MIN_ARGMIN, [S(4, 2)], [0], True),
+    "mean_var of vectors": (ajm.MEAN_VAR, [S(4, 2)], [0], True),
+    "x rows on axis 1": (ajm.LOGSUMEXP, [S(2, 4)], [1], True),
+    "top_k, k slots first": (ajm.top_k(3), [S(4)], [0], False),
+    "top_k, k == x rows": (ajm.top_k(4), [S(4)], [0], False),
+    "softmax, values without x": (ajm.SOFTMAX_WEIGHTED, [S(4), S(2)], [0, None], True),
+    "softmax, values with x": (ajm.SOFTMAX_WEIGHTED, [S(4), S(4, 2)], [0, 0], False),
+    "softmax, values (x, 4)": (ajm.SOFTMAX_WEIGHTED, [S(4), S(4, 4)], [0, 0], False),
+    "weights on a feature axis": (ajm.WEIGHTED_LOGSUMEXP, [S(4), S(4)], [0, None], False),
+}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_per_x_row(name):
+    monoid, items, x_axes, laid_out = LAYOUTS[name]
+    why = per_x_row(monoid, items, x_axes)
+    assert (why is None) == laid_out, why

@@ -207,7 +207,7 @@ def _stacking(
     if not any(listener.seen[:1]):  # no nested call: an ordinary stacking call
         return call, plan, None
     rows = [jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)) for a in leaves]
-    return call, plan, _nested.find(listener, one, rows, chunked=True)
+    return call, plan, _nested.find(listener, one, rows, True, plan.rows_per_chunk)
 
 
 def _pairwise_of_chunks(call: Call, form: _nested.Nested, mesh: Any, explain: bool = False) -> Any:

@@ -20,10 +20,15 @@ The per-chunk form is heard the same way::
     out = batch_map(lambda xc: batch_map(lambda yc: g(yc, xc), y, bj, reduction=M), x, bi)
 
 where the outer ``batch_map`` stacks its results and the inner one reduces ``g``'s
-blocks ``(bj, bi, ...)`` over the y rows. Blocks are not pairs: the jaxpr of
-``g(yc, xc)`` must show (``_separable.separable``) that block element ``[b, a]``
-depends on y row ``b`` and x row ``a`` alone; then ``f(xi, yj)`` is ``g`` on a
-block of one row each.
+blocks ``(bj, bi, ...)`` (or ``(bj, ...)``: the same for every x row, a softmax's
+values) over the y rows. Blocks are not pairs, and the reading must compute what
+the program as written computes: ``_separable.read_blocks`` shows from ``g``'s
+jaxpr that block element ``[b, a]`` depends on y row ``b`` and x row ``a`` alone
+(and that ``g`` does not compute with its blocks' sizes), and ``per_x_row`` that each
+monoid's result over such blocks is its result per x row stacked on axis 0, where
+the outer call stacks the inner results (a top-k puts its k slots there; a
+softmax-weighted sum of values with x rows weighs every x row's values). Then
+``f(xi, yj)`` is ``g``'s jaxpr evaluated at one row each (:func:`pairs`).
 """
 
 from __future__ import annotations
@@ -36,10 +41,15 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
-from ._monoid import is_monoid_tree
+from . import _config
+from ._monoid import identity, is_monoid_tree
+from ._pair_rows import evaluate, row_tags
 from ._plan import target_platform
-from ._separable import separable
+from ._planner import split_rows
+from ._recognize import recognize
+from ._separable import Blocks, _Refused, per_x_row, read_blocks
 
 __all__ = ["Inner", "Nested", "as_inner", "find", "heard", "listen", "tiles"]
 
@@ -141,12 +151,16 @@ def as_inner(inner: Inner, run: Callable[[], Any]) -> Any:
 
 
 def find(
-    listener: _Listen, one: Callable[..., Any], rows: list, chunked: bool = False
+    listener: _Listen,
+    one: Callable[..., Any],
+    rows: list,
+    chunked: bool = False,
+    chunk_rows: int | None = None,
 ) -> Nested | str:
     """The pairwise form of ``one`` (the outer function on one row, or with
     ``chunked`` on a chunk of rows: its mapped leaves as positional arguments,
-    ``rows`` their avals) after ``listener`` heard its planning trace, or why it has
-    none."""
+    ``rows`` their avals, ``chunk_rows`` the rows of the chunks it is planned on)
+    after ``listener`` heard its planning trace, or why it has none."""
     kind, other = ("batch_map", "batch_vmap") if chunked else ("batch_vmap", "batch_map")
     if not listener.seen:
         return "its function was not traced"
@@ -190,17 +204,80 @@ def find(
         with _mode(_Pair(y_row)):
             return one(*x_row)
 
-    if chunked:  # blocks of one row each: first show that g's blocks are pairwise
-        block = lambda yc, xc: pair(xc, yc)
-        why = separable(block, [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in y], rows)
-        if why is not None:
-            return f"the inner call's blocks are not shown to be pairs: {why}"
-        one_row = lambda rows: [r[None] for r in rows]
-        corner = lambda x_row, y_row: jax.tree.map(
-            lambda o: o[0, 0], pair(one_row(x_row), one_row(y_row))
-        )
-        return Nested(corner, y, inner.reduction, inner.batch_size)
+    if chunked:
+        x_rows = [chunk_rows] if chunk_rows else _block_rows(rows[0].shape[0], None)
+        return _blocks(lambda yc, xc: pair(xc, yc), rows, x_rows, y, inner)
     return Nested(pair, y, inner.reduction, inner.batch_size)
+
+
+def _block_rows(n: int, batch_size: Any) -> list[int]:
+    """The rows of the chunks a call over ``n`` rows in chunks of ``batch_size``
+    evaluates its function on, as the scan engine plans them (the first: the most
+    chunks; "auto" or None: all rows)."""
+    if not isinstance(batch_size, int) or n <= batch_size:
+        return [n]
+    rows, split = split_rows(n, batch_size, _config.current().remainder)
+    return [rows, n % rows] if split == "separate" and n % rows else [rows]
+
+
+def _blocks(
+    g: Callable[[list, list], Any], x: list, x_rows: list[int], y: list, inner: Inner
+) -> Nested | str:
+    """The pairwise form of nested per-chunk calls whose inner call reduces the blocks
+    ``g(yc, xc)`` over y rows (``x``: the outer call's rows, avals, in chunks of
+    ``x_rows``), or why the program as written computes something else.
+    ``_separable`` reads the blocks as pairs, at the sizes the program evaluates them
+    on, and proves each term's result laid out per x row on axis 0 (where the outer
+    call stacks the inner results); ``f(xi, yj)`` is ``g``'s jaxpr evaluated at one
+    row each."""
+    y_rows = _block_rows(y[0].shape[0], inner.batch_size)
+    at = lambda leaves, r: [jax.ShapeDtypeStruct((r, *a.shape[1:]), a.dtype) for a in leaves]
+    also = [(a, b) for a in y_rows for b in x_rows]
+    found = read_blocks(g, at(y, y_rows[0]), at(x, x_rows[0]), also)
+    if isinstance(found, str):
+        return f"the inner call's blocks are not shown to be pairs: {found}"
+    shapes = jax.tree.leaves(found.shapes)
+    try:
+        rec = recognize(inner.reduction, identity, found.shapes)
+    except ValueError as e:
+        return str(e)
+    for term in rec.leaves or ():
+        items = [jax.ShapeDtypeStruct(shapes[s].shape[1:], shapes[s].dtype) for s in term.sources]
+        x_axes = [None if found.x_axes[s] is None else 0 for s in term.sources]
+        why = per_x_row(term.monoid, items, x_axes)
+        if why:
+            return f"as written, the outer call stacks the inner results: {why}"
+    return Nested(pairs(found, g), y, inner.reduction, inner.batch_size)
+
+
+def pairs(found: Blocks, g: Callable[[Any, Any], Any]) -> Callable[[list, list], Any]:
+    """``f(x_row, y_row)`` (lists of leaves) of the blocks ``g(yc, xc)`` that
+    ``found`` reads as pairs: ``g``'s jaxpr evaluated at one row each (its pair's
+    element of each output leaf), or, where a custom derivative rule on the rows
+    cannot be evaluated at other sizes, ``g`` traced again at one row each (which
+    ``read_blocks`` compared with the blocks)."""
+    jaxpr, consts = found.closed.jaxpr, list(found.closed.consts)
+    tags = [row_tags(v, "j" if k < found.n_y else "i") for k, v in enumerate(jaxpr.invars)]
+    tree = jax.tree.structure(found.shapes)
+    at = lambda o, p: o[0] if p is None else lax.index_in_dim(o[0], 0, p - 1, keepdims=False)
+    take = lambda outs: jax.tree.unflatten(
+        tree, [at(o, p) for o, p in zip(jax.tree.leaves(outs), found.x_axes, strict=True)]
+    )
+
+    def f(x_row: list, y_row: list) -> Any:
+        outs, _ = evaluate(jaxpr, consts, [r[None] for r in (*y_row, *x_row)], None, tags)
+        return take(outs)
+
+    def again(x_row: list, y_row: list) -> Any:
+        return take(g([r[None] for r in y_row], [r[None] for r in x_row]))
+
+    one = lambda v: jax.ShapeDtypeStruct(v.aval.shape[1:], v.aval.dtype)
+    rows = [one(v) for v in jaxpr.invars]
+    try:
+        jax.eval_shape(f, rows[found.n_y :], rows[: found.n_y])
+    except _Refused:
+        return again
+    return f
 
 
 def tiles(bi: Any, bj: Any, x: list, y: list) -> tuple[int, int] | str:

@@ -83,7 +83,7 @@ class PairEngine:
         if plan.platform != "cpu":
             return Rejection(f"on CPU only (the fused kernel runs chunks on {plan.platform})")
         assert plan.reduction is not None
-        found = find(plan.traced, plan.reduction)
+        found = find(plan.traced, plan.reduction, plan.tail)
         if isinstance(found, str):
             return Rejection(f"not shown to be a pairwise reduction: {found}")
         try:

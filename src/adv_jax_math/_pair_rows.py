@@ -39,8 +39,19 @@ from jax import lax
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, jaxpr_as_fun
 
 from ._jaxpr_graph import ELEMENTWISE
-from ._monoid import LeafReduction, MonoidReduction
-from ._separable import Tags, _body, _fix, _Refused, _rule, _run, _shape
+from ._monoid import MonoidReduction
+from ._separable import (
+    _SHAPING,
+    Tags,
+    _body,
+    _fix,
+    _Refused,
+    _rule,
+    _run,
+    _shape,
+    _signature,
+    per_x_row,
+)
 from ._trace import Traced, sub_jaxprs
 
 __all__ = ["Pairing", "evaluate", "find", "pair", "results", "row_tags"]
@@ -93,33 +104,49 @@ def _try(traced: Traced, reduction: MonoidReduction, xs: Sequence[int]) -> Pairi
             if shapes[s].shape[p] != n:
                 return f"output {s} of shape {shapes[s].shape} has no {n} x rows on axis {p}"
             axes[s] = p
-        why = _stacks(leaf, p, [shapes[s] for s in leaf.sources])
+        if leaf.axis != 0:
+            return f"{leaf.monoid.name} reduces every axis, not only the rows"
+        items = [jax.ShapeDtypeStruct(shapes[s].shape[1:], shapes[s].dtype) for s in leaf.sources]
+        why = per_x_row(leaf.monoid, items, [p - 1] * len(items))
         if why:
             return why
     return Pairing(tuple(xs), n, tuple(axes.get(k, 0) for k in range(len(outs))))
 
 
-def _stacks(leaf: LeafReduction, p: int, items: list[Any]) -> str | None:
-    """Why ``leaf``'s result is not its result per x row stacked on the x rows' axis
-    (``p`` in its sources, rows first)."""
-    if leaf.axis != 0:
-        return f"{leaf.monoid.name} reduces every axis, not only the rows"
-    q, m = p - 1, leaf.monoid  # the axis in one row's items
-    one = [jax.ShapeDtypeStruct(s.shape[1 : q + 1] + s.shape[q + 2 :], s.dtype) for s in items]
-    grown = [jax.ShapeDtypeStruct((*s.shape[:q], 7, *s.shape[q:]), s.dtype) for s in one]
-    result = lambda its: jax.tree.leaves(jax.eval_shape(lambda: m.finalize(m.init(its), its)))
-    for a, b in zip(result(one), result(grown), strict=True):
-        if b.shape != (*a.shape[:q], 7, *a.shape[q:]):
-            return f"{m.name}'s result is not laid out per x row"
+def _rows(traced: Traced) -> int:
+    return min((_shape(v)[:1] or (0,))[0] for v in traced.jaxpr.jaxpr.invars)
+
+
+def _one_program(traced: Traced, tail: Traced | None) -> str | None:
+    """Why the remainder's jaxpr ``tail`` is not the chunks' at its number of rows (the
+    pairs evaluate the chunks' at one row, for every row): ``fun`` computes with its
+    chunk's size. Shape-only primitives are not compared at one row, where ``jnp``
+    leaves out broadcasts; ``jnp.squeeze`` without an axis shows in the shapes."""
+    if tail is None:
+        return None
+    r = _rows(tail)
+    skip = _SHAPING if r == 1 else frozenset()
+    shapes = zip(*(jax.tree.leaves(t.out_shape) for t in (traced, tail)), strict=True)
+    if _signature(traced.jaxpr.jaxpr, skip) != _signature(tail.jaxpr.jaxpr, skip) or any(
+        tuple(b.shape) != (r, *a.shape[1:]) for a, b in shapes
+    ):
+        return (
+            f"fun computes with its chunk's size: its primitives, constants or output "
+            f"shapes differ between the chunks ({_rows(traced)} rows) and the remainder ({r})"
+        )
     return None
 
 
-def find(traced: Traced, reduction: MonoidReduction) -> Pairing | str:
+def find(traced: Traced, reduction: MonoidReduction, tail: Traced | None = None) -> Pairing | str:
     """The constants of the prepared chunk jaxpr ``traced`` that pair with its rows
     (see the module docstring), or why none do. Candidates: the constants with at least
-    two rows, those with the same number of rows together, then each alone."""
-    if min((_shape(v)[:1] or (0,))[0] for v in traced.jaxpr.jaxpr.invars) < 2:
+    two rows, those with the same number of rows together, then each alone. ``tail``:
+    the remainder's jaxpr, which must be the same program (:func:`_one_program`)."""
+    if _rows(traced) < 2:
         return "the chunk has fewer than 2 rows: its rows cannot be told from broadcasts"
+    why = _one_program(traced, tail)
+    if why:
+        return why
     rows: dict[int, list[int]] = {}
     for k, c in enumerate(traced.consts):
         if np.ndim(c) and np.shape(c)[0] >= 2:
@@ -196,12 +223,16 @@ def _resized(
     return vals, params
 
 
-def _bind(eqn: Any, vals: list, params: dict) -> list:
+def _bind(eqn: Any, vals: list, params: dict, debug: Any) -> list:
     """``eqn``'s primitive on ``vals``; one with a jaxpr inside (a call, a loop, untouched
-    by the rows) as a jaxpr of that one equation."""
+    by the rows) as a jaxpr of that one equation (``debug``: the debug info of the
+    jaxpr it is in, renamed to its inputs and outputs)."""
     if any(True for _ in sub_jaxprs(params)):
         ins = [v for v in eqn.invars if not isinstance(v, Literal)]
-        one = Jaxpr([], ins, eqn.outvars, [eqn], eqn.effects)
+        if debug is not None:
+            names = dict(arg_names=("",) * len(ins), result_paths=("",) * len(eqn.outvars))
+            debug = debug._replace(**names)
+        one = Jaxpr([], ins, eqn.outvars, [eqn], eqn.effects, debug_info=debug)
         args = [a for v, a in zip(eqn.invars, vals, strict=True) if not isinstance(v, Literal)]
         return list(jaxpr_as_fun(ClosedJaxpr(one, []))(*args))
     out = eqn.primitive.bind(*vals, **params)
@@ -243,7 +274,7 @@ def evaluate(
                 vals, params = _resized(eqn, vals, ins, want, sizes)
             else:
                 params = eqn.params
-            outs = _bind(eqn, vals, params)
+            outs = _bind(eqn, vals, params, getattr(jaxpr, "debug_info", None))
             for o, w in zip(outs, want, strict=True):
                 if tuple(np.shape(o)) != w:
                     raise _Refused(f"{eqn.primitive.name} makes {np.shape(o)}, not {w}")

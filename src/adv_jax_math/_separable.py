@@ -1,13 +1,13 @@
 """Whether a blockwise function is a pairwise one, read from its jaxpr.
 
 Users write a pairwise reduction per chunk: ``g(yc, xc)`` takes ``bj`` rows of ``y``
-and ``bi`` rows of ``x`` (pytrees, rows on axis 0) and returns leaves ``(bj, bi, *rest)``.
-A pairwise engine runs ``f(xi, yj) = g(yj[None], xi[None])`` (leaves ``[0, 0]``)
-instead, which is only right when element ``[b, a, ...]`` of every output is a
-function of y row ``b`` and x row ``a`` alone (and of constants): not of other rows,
-nor of the positions ``a`` and ``b`` themselves. :func:`separable` proves it by an
-abstract interpretation of ``jax.make_jaxpr(g)(y, x)`` that tags every axis of every
-value:
+and ``bi`` rows of ``x`` (pytrees, rows on axis 0) and returns leaves ``(bj, bi, *rest)``
+(or ``(bj, *rest)``, the same for every x row: a softmax's values). A pairwise engine
+evaluates one pair at a time instead, which is only right when element ``[b, a, ...]``
+of every output is a function of y row ``b`` and x row ``a`` alone (and of
+constants): not of other rows, nor of the positions ``a`` and ``b`` themselves.
+:func:`read_blocks` proves it by an abstract interpretation of
+``jax.make_jaxpr(g)(y, x)`` that tags every axis of every value:
 
 * ``"i"``: the axis runs over x rows: the elements at index ``a`` along it depend on
   x row ``a`` and on no other x row;
@@ -23,27 +23,40 @@ maps its operands' tags to its results' or refuses, naming itself: a reduction, 
 sort, reversal or slice along x or y rows, x rows meeting a position-dependent axis
 (``kernel + arange``) or y rows on one axis (a diagonal), a loop, a gather or any
 primitive without a rule that reads rows (one that reads none makes constants). The
-outputs must end ``("j", "i", ...)`` (``"b"`` in place of either: constant along those
-rows) with no other ``"i"`` or ``"j"``.
+outputs must have y rows on axis 0 and x rows on axis 1 or nowhere (``"b"`` in place
+of either: constant along those rows), with no other ``"i"`` or ``"j"``.
 
-The proof holds at the shapes traced (at least 2 rows of each); ``f`` traces ``g``
-again at one row each. A ``g`` that computes with its blocks' sizes is refused: its
-primitives or literals differ between two block sizes (a Python branch on the sizes
-that both sizes take alike is not seen).
+The proof holds for the jaxpr traced (at least 2 rows of each); the pairs are that
+jaxpr evaluated at one row each (``_pair_rows.evaluate``), not ``g`` traced again. A
+``g`` that computes with its blocks' sizes is refused, as the program as written may
+call it on other sizes than the ones traced: its primitives or literals differ
+between blocks one row larger, or at one row each (where ``jnp`` leaves out
+broadcasts, so shape-only primitives are not compared, and ``jnp.squeeze`` without an
+axis shows in the outputs' shapes). A Python branch on the sizes that every size
+traced takes alike is not seen.
+
+The same tags prove a monoid's result laid out per x row (:func:`per_x_row`): a
+reading that replaces blocks by pairs stacks each x row's result on the x rows' axis,
+which a top-k (its k slots first) or a softmax-weighted sum of values with x rows (each
+x row's scores weigh every x row's values) do not.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 
 from ._jaxpr_graph import ELEMENTWISE, IDENTITY, subjaxpr
+from ._monoid import Monoid, index_dtype
+from ._trace import fresh_jaxpr
 
-__all__ = ["separable"]
+__all__ = ["Blocks", "per_x_row", "read_blocks"]
 
 Tags = tuple[str | None, ...]
 _ROWS = {"i": "x rows", "j": "y rows"}
@@ -229,42 +242,84 @@ def _rows(tree: Any, what: str) -> int:
     return counts.pop()
 
 
-def _grown(tree: Any) -> Any:
-    """``tree``'s avals with one row more."""
-    grow = lambda a: jax.ShapeDtypeStruct((a.shape[0] + 1, *a.shape[1:]), a.dtype)
-    return jax.tree.map(grow, tree)
+def _at(tree: Any, rows: int) -> Any:
+    """``tree``'s avals with ``rows`` rows."""
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct((rows, *a.shape[1:]), a.dtype), tree)
 
 
-def _signature(jaxpr: Jaxpr) -> list:
-    """The primitives of ``jaxpr`` (calls entered) and its literals' values: the same
-    for two block sizes unless ``g`` computes with its sizes (``x / xc.shape[0]``; a
-    Python branch on them), which its pairs, traced on blocks of one row, would not."""
+def _signature(jaxpr: Jaxpr, skip: frozenset = frozenset()) -> list:
+    """The primitives of ``jaxpr`` (calls entered; those in ``skip`` left out) and its
+    literals' values: the same for two block sizes unless ``g`` computes with its
+    sizes (``x / xc.shape[0]``; a Python branch on them)."""
     out: list = []
     for eqn in jaxpr.eqns:
         body = _body(eqn)
-        out.append(eqn.primitive.name)
-        out += [repr(v.val) for v in eqn.invars if isinstance(v, Literal)]
-        out += _signature(body.jaxpr) if body is not None else []
+        if eqn.primitive.name not in skip:
+            out.append(eqn.primitive.name)
+            out += [repr(v.val) for v in eqn.invars if isinstance(v, Literal)]
+        out += _signature(body.jaxpr, skip) if body is not None else []
     return out
 
 
-def separable(g: Callable, y: Any, x: Any) -> str | None:
-    """None when the jaxpr of ``g(y, x)`` shows that each output leaf is ``(bj, bi, *rest)``
-    with element ``[b, a, ...]`` a function of y row ``b`` and x row ``a`` alone (and of
-    values ``g`` closes over); else why not, naming the first primitive (or output) that
-    breaks it. ``y``, ``x``: pytrees of arrays or ``jax.ShapeDtypeStruct`` with ``bj``
-    and ``bi`` rows first (errors tracing ``g`` propagate).
+# what jnp adds or leaves out at one row (a broadcast of (1, 1, d) to itself), and
+# ``jnp.squeeze`` without an axis: compared by the output shapes instead
+_SHAPING = frozenset({"broadcast_in_dim", "reshape", "squeeze", "expand_dims"})
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """``g(yc, xc)`` read as blocks of pairs: its jaxpr at ``bj`` x ``bi`` rows (inputs:
+    the ``n_y`` leaves of ``y``, then those of ``x``), its output avals (a pytree) and,
+    per output leaf, the axis of its x rows: 1, or None where the leaf does not vary
+    with them (its y rows are axis 0)."""
+
+    closed: ClosedJaxpr
+    shapes: Any
+    x_axes: tuple[int | None, ...]
+    n_y: int
+
+
+def _x_axis(shape: tuple, tags: Tags, grown_y: tuple, grown_x: tuple) -> int | str | None:
+    """The axis of x rows of an output leaf (None: it has none) from its tags and its
+    shapes at blocks one row larger (y, then x); or why it is no block of pairs."""
+    if not len(shape) == len(grown_y) == len(grown_x) >= 1:
+        return "changes its rank with the blocks' sizes"
+    moved = lambda other: [d for d, (a, b) in enumerate(zip(shape, other, strict=True)) if a != b]
+    on_y, on_x = moved(grown_y), moved(grown_x)
+    if on_y != [0] or tags[0] not in ("j", "b") or "j" in tags[1:]:
+        return f"has axes {tags}: y rows must be axis 0, and no other axis"
+    if on_x == [1] and tags[1] in ("i", "b") and "i" not in tags[2:]:
+        p: int | None = 1
+    elif not on_x and "i" not in tags:
+        p = None
+    else:
+        return f"has axes {tags}: x rows must be axis 1 (or absent), and no other axis"
+    return p
+
+
+def read_blocks(g: Callable, y: Any, x: Any, also: Sequence[tuple[int, int]] = ()) -> Blocks | str:
+    """``g``'s blocks as pairs (:class:`Blocks`) when the jaxpr of ``g(y, x)`` shows
+    that each output leaf is ``(bj, bi, *rest)`` (or ``(bj, *rest)``: no x rows) with
+    element ``[b, a, ...]`` a function of y row ``b`` and x row ``a`` alone (and of
+    values ``g`` closes over), and that ``g`` does not compute with its blocks' sizes:
+    its primitives and constants are the same at blocks one row larger, and at blocks
+    of one row each and the sizes ``also`` (``(bj, bi)`` pairs: other blocks the
+    program as written evaluates) the same but for shape-only primitives, with outputs
+    of those numbers of rows. Else why not, naming the first primitive (or output) that
+    breaks it.
+    ``y``, ``x``: pytrees of arrays or ``jax.ShapeDtypeStruct`` with ``bj`` and ``bi``
+    rows first (errors tracing ``g`` at these sizes propagate).
 
     >>> import jax.numpy as jnp
     >>> y, x = jnp.zeros((4, 3)), jnp.zeros((2, 3))
-    >>> separable(lambda yc, xc: yc @ xc.T, y, x) is None
-    True
-    >>> separable(lambda yc, xc: yc @ (xc - xc.mean(0)).T, y, x)
+    >>> read_blocks(lambda yc, xc: (yc @ xc.T, yc), y, x).x_axes
+    (1, None)
+    >>> read_blocks(lambda yc, xc: yc @ (xc - xc.mean(0)).T, y, x)
     'reduce_sum reduces over x rows (axis 0)'
     """
     try:
         bj, bi = _rows(y, "y"), _rows(x, "x")
-        closed, shapes = jax.make_jaxpr(g, return_shape=True)(y, x)
+        closed, shapes = fresh_jaxpr(g, y, x, return_shape=True)
         args = [
             (row, *[None] * (len(leaf.shape) - 1))
             for row, tree in (("j", y), ("i", x))
@@ -274,22 +329,84 @@ def separable(g: Callable, y: Any, x: Any) -> str | None:
         outs = _run(closed.jaxpr, ins)
     except _Refused as e:
         return str(e)
-    if _signature(closed.jaxpr) != _signature(jax.make_jaxpr(g)(_grown(y), _grown(x)).jaxpr):
-        return (
-            "g computes with its blocks' sizes (its primitives or constants differ between "
-            f"blocks of {bj} x {bi} rows and of {bj + 1} x {bi + 1})"
-        )
-    leaves = jax.tree_util.tree_flatten_with_path(shapes)[0]
-    for k, ((path, leaf), tags) in enumerate(zip(leaves, outs, strict=True)):
-        if (
-            tuple(leaf.shape[:2]) != (bj, bi)
-            or tags[0] not in ("j", "b")
-            or tags[1] not in ("i", "b")
-            or set(tags[2:]) & set(_ROWS)
-        ):
-            where = jax.tree_util.keystr(path) or k
+    sizes = "g computes with its blocks' sizes (its primitives or constants differ between"
+    grown = []
+    for yy, xx in ((_at(y, bj + 1), x), (y, _at(x, bi + 1))):
+        other, out = fresh_jaxpr(g, yy, xx, return_shape=True)
+        if _signature(other.jaxpr) != _signature(closed.jaxpr):
+            other_rows = f"{_rows(yy, 'y')} x {_rows(xx, 'x')}"
+            return f"{sizes} blocks of {bj} x {bi} rows and of {other_rows})"
+        grown.append(jax.tree.leaves(out))
+    flat = jax.tree_util.tree_flatten_with_path(shapes)[0]
+    parts = zip(flat, outs, *grown, strict=True)
+    axes = []
+    for k, ((path, leaf), tags, sy, sx) in enumerate(parts):
+        p = _x_axis(tuple(leaf.shape), tags, tuple(sy.shape), tuple(sx.shape))
+        if isinstance(p, str):
+            return f"output {jax.tree_util.keystr(path) or k} of shape {leaf.shape} {p}"
+        axes.append(p)
+    for rows_y, rows_x in sorted({(1, 1), *also} - {(bj, bi)}):
+        try:
+            other, out = fresh_jaxpr(g, _at(y, rows_y), _at(x, rows_x), return_shape=True)
+        except Exception as e:  # a block function that fails at a size the program uses
+            return f"g fails on blocks of {rows_y} x {rows_x} rows: {type(e).__name__}: {e}"[:300]
+        if _signature(other.jaxpr, _SHAPING) != _signature(closed.jaxpr, _SHAPING):
+            return f"{sizes} blocks of {bj} x {bi} rows and of {rows_y} x {rows_x})"
+        want = [
+            (rows_y, *(rows_x if d == p else n for d, n in enumerate(s.shape[1:], 1)))
+            for s, p in zip(jax.tree.leaves(shapes), axes, strict=True)
+        ]
+        got = [tuple(s.shape) for s in jax.tree.leaves(out)]
+        if got != want:
+            return f"g's outputs are {got} on blocks of {rows_y} x {rows_x} rows, not {want}"
+    return Blocks(closed, shapes, tuple(axes), len(jax.tree.leaves(y)))
+
+
+def per_x_row(monoid: Monoid, items: Sequence[Any], x_axes: Sequence[int | None]) -> str | None:
+    """Why ``monoid``'s result over rows whose items (one aval per leaf it reads, the
+    rows left out) hold x rows on axis ``x_axes[k]`` (None: that leaf is the same for
+    every x row) is not, on that same axis, its result for each x row alone, stacked;
+    None when it is. Shown by the shapes (each result leaf that of one x row with the x
+    rows inserted), then by the tags of the jaxpr of ``fold``, ``merge`` and
+    ``finalize``: result element ``a`` along that axis reads x row ``a`` alone (a
+    top-k puts its k slots first; a softmax-weighted sum whose values have x rows
+    weighs every x row's values by each x row's scores)."""
+    name = f"{monoid.name}'s result is not laid out per x row"
+    qs = {q for q in x_axes if q is not None}
+    if len(qs) != 1:
+        return f"{name}: it reads x rows on axes {sorted(qs)} of its leaves' rows, not one"
+    q = qs.pop()
+    n = next(it.shape[q] for it, a in zip(items, x_axes, strict=True) if a is not None)
+    cut = lambda s: jax.ShapeDtypeStruct((*s.shape[:q], *s.shape[q + 1 :]), s.dtype)
+    one = [it if a is None else cut(it) for it, a in zip(items, x_axes, strict=True)]
+    result = lambda its: jax.tree.leaves(
+        jax.eval_shape(lambda: monoid.finalize(monoid.init(its), its))
+    )
+    try:
+        shapes = list(zip(result(one), result(items), strict=True))
+    except (TypeError, ValueError) as e:  # the monoid refuses one x row's items
+        return f"{name}: {e}"
+    for a, b in shapes:
+        want = (*a.shape[:q], n, *a.shape[q:])
+        if tuple(b.shape) != want:
             return (
-                f"output {where} of shape {leaf.shape} has axes {tags}: y rows must be"
-                f" axis 0 ({bj}), x rows axis 1 ({bi}), or broadcasts, and no other axis"
+                f"{name}: its result {tuple(b.shape)} is not {want}, one x row's {a.shape} stacked"
             )
+    rows = [jax.ShapeDtypeStruct((2, *it.shape), it.dtype) for it in items]
+
+    def folded(*ys: Any) -> Any:
+        state = monoid.fold(list(ys), jnp.arange(2, dtype=index_dtype()), None)
+        return monoid.finalize(monoid.merge(state, state), items)
+
+    closed = fresh_jaxpr(folded, *rows)
+    tag = lambda r, a: _fix(
+        tuple("i" if a is not None and d == a + 1 else None for d in range(len(r.shape))), r.shape
+    )
+    try:
+        outs = _run(closed.jaxpr, [tag(r, a) for r, a in zip(rows, x_axes, strict=True)])
+    except _Refused as e:
+        return f"{name}: {e}"
+    for tags in outs:
+        if tags[q] not in ("i", "b") or "i" in tags[:q] + tags[q + 1 :]:
+            return f"{name}: its result's axes are {tags}, x rows must be axis {q}"
     return None
