@@ -68,7 +68,8 @@ def _shifted(v: jax.Array, top: jax.Array) -> jax.Array:
 def _at_most_0(exponent: jax.Array) -> jax.Array:
     """An exponent shifted by the maximum, at most 0 even for a row computed again a
     few ulps above it; its derivative whole at 0 (``jnp.minimum``'s is halved)."""
-    return jnp.where(exponent > 0, jnp.zeros_like(exponent), exponent)
+    # (lax.select: jnp.where failed to linearize on rows without elements under vmap)
+    return lax.select(exponent > 0, jnp.zeros_like(exponent), exponent)
 
 
 def _at_least_one(s: jax.Array, top: jax.Array) -> jax.Array:
@@ -76,7 +77,7 @@ def _at_least_one(s: jax.Array, top: jax.Array) -> jax.Array:
     when that row was computed again, rounded a few ulps below ``top`` (two fusions
     of a cheap ``fun``): at values of 1e9 an ulp (128) is beyond exp's range and
     every row's term was 0 (a logsumexp of -inf)."""
-    return jnp.where(jnp.isfinite(top) & (s < 1), jnp.ones_like(s), s)
+    return lax.select(jnp.isfinite(top) & (s < 1), jnp.ones_like(s), s)
 
 
 @jax.custom_jvp
