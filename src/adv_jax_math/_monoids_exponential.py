@@ -5,7 +5,6 @@ itself, with the derivative ``jax.grad(jax.nn.logsumexp)`` gives."""
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -16,6 +15,21 @@ from jax import lax
 
 from ._monoid import Monoid, _col
 from ._monoids_numerics import Items, _float, _full, _inexact, _spread, _two_sum, _weigh, _wide
+from ._monoids_shifted import (
+    _at_least_one,
+    _at_most_0,
+    _bound,
+    _drop,
+    _finite_or_zero,
+    _log_shifted,
+    _own_init,
+    _own_merge,
+    _own_softmax,
+    _rescale,
+    _shifted,
+    _softmax,
+    _two_passes,
+)
 
 __all__ = [
     "LOGSUMEXP",
@@ -27,105 +41,6 @@ __all__ = [
     "softmax_weighted",
     "weighted_logsumexp",
 ]
-
-
-# -- shifted exponentials ---------------------------------------------------------------
-@jax.custom_jvp
-def _bound(y: jax.Array, high: jax.Array) -> jax.Array:
-    """``min(y, high)``, where ``high`` passes a row (inf) or drops it (-inf)."""
-    return jnp.minimum(y, high)
-
-
-@_bound.defjvp
-def _bound_jvp(primals: tuple, tangents: tuple) -> tuple:
-    # A row passes with its derivative or is dropped: one multiply (the JVP of
-    # min would add comparisons and selects to every chunk's gradient).
-    y, high = primals
-    return _bound(y, high), tangents[0] * (high == np.inf).astype(y.dtype)
-
-
-def _finite_or_zero(top: jax.Array) -> jax.Array:
-    # Shift for a stable exponential: all -inf (or +inf) rows shift by 0, not NaN.
-    return jnp.where(jnp.abs(top) < jnp.inf, top, jnp.zeros_like(top))
-
-
-def _shifted(v: jax.Array, top: jax.Array) -> jax.Array:
-    """``v - top``, the exponent of a shifted exponential, where ``top`` is the
-    maximum of the ``v``. Where ``top`` is infinite (every value -inf, or some +inf) it
-    is 0 for the values equal to ``top`` and -inf for the others: no ``inf - inf`` and
-    no overflow, so that ``exp`` of it and its derivative are finite (a state of
-    non-finite top finalizes as the top itself). A NaN top stays NaN, and so do the
-    derivatives of its rows."""
-    fallback = jnp.where(v == top, jnp.zeros_like(v), jnp.full_like(v, -np.inf))
-    return jnp.where(jnp.isinf(top), fallback, v - top)
-
-
-@jax.custom_jvp
-def _two_passes(y: jax.Array, again: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """``(top, sum(exp(again - top)))`` over axis 0, ``top`` the maximum of ``y``, where
-    ``again`` is ``y`` computed a second time: two reductions with no select per
-    element, each of which XLA:CPU fuses with the ``fun`` that makes its operand. A
-    non-finite top shifts by 0 (the sum is then a placeholder: such a state
-    finalizes as its top).
-
-    Derivatives come from ``again`` only (``y``'s are never computed): ``top + log
-    sum`` does not change with a finite top, so its tangent is 0 and the sum's is
-    ``sum(exp(again - top) * dagain)``; a non-finite top takes the tangent of the
-    rows equal to it (every row for NaN), which finalize turns into NaN, as
-    ``jax.grad(jax.nn.logsumexp)`` gives."""
-    top = jnp.max(y, axis=0)
-    return top, jnp.sum(jnp.exp(again - _finite_or_zero(top)[None]), axis=0)
-
-
-@_two_passes.defjvp
-def _two_passes_jvp(primals: tuple, tangents: tuple) -> tuple:
-    (y, again), (_, dagain) = primals, tangents
-    top, s = _two_passes(y, again)
-    finite = jnp.isfinite(top)
-    # exp(again - top) <= 1 (a recomputed row may exceed top by an ulp); never inf
-    # where the top is not finite, so that a zero cotangent stays zero
-    e = jnp.exp(jnp.minimum(again - _finite_or_zero(top)[None], 0))
-    ds = jnp.where(finite, jnp.sum(e * dagain, axis=0), 0)
-    # only ever multiplied by NaN (finalize), so a sum of the tied rows' tangents serves
-    tied = (again == top[None]) | jnp.isnan(top)[None]
-    dtop = jnp.where(finite, 0, jnp.sum(jnp.where(tied, dagain, 0), axis=0))
-    return (top, s), (dtop.astype(top.dtype), ds.astype(s.dtype))
-
-
-def _rescale(tops: Sequence[jax.Array]) -> tuple[jax.Array, list[jax.Array]]:
-    """The running maximum of several shifted states and each one's factor
-    ``exp(top_i - max)`` onto it: 0 for the identity's -inf (never ``exp(0 - max)``,
-    which overflows once every value seen is below about -88.7 in float32)."""
-    top = functools.reduce(jnp.maximum, tops)
-    return top, [jnp.exp(_shifted(t, top)) for t in tops]
-
-
-@jax.custom_jvp
-def _undefined_derivative(top: jax.Array) -> jax.Array:
-    """``top``, whose derivative is NaN where it is not finite (0 elsewhere: the
-    branch of :func:`_log_shifted` it serves is not taken there)."""
-    return top
-
-
-@_undefined_derivative.defjvp
-def _undefined_derivative_jvp(primals: tuple, tangents: tuple) -> tuple:
-    (top,), (dt,) = primals, tangents
-    return top, dt * jnp.where(jnp.isfinite(top), 0, jnp.nan).astype(dt.dtype)
-
-
-def _log_shifted(total: jax.Array, top: jax.Array) -> jax.Array:
-    """``log(total) + top``, or ``top`` itself where it is not finite; there the
-    derivative is NaN, as ``jax.grad(jax.nn.logsumexp)`` (``exp(inf - inf)``), never
-    a share that depends on how rows were chunked. ``total`` is read as 1 there, so
-    that the branch not taken has a finite derivative."""
-    finite = jnp.isfinite(top)
-    shifted = jnp.log(jnp.where(finite, total, 1)) + _finite_or_zero(top)
-    return jnp.where(finite, shifted, _undefined_derivative(top))
-
-
-def _drop(keep: Any, dtype: Any, xp: Any) -> Any:
-    """Weights as bounds: ``inf`` keeps a row, ``-inf`` drops it (any weight > 0 keeps)."""
-    return xp.where(xp.asarray(keep) > 0, np.inf, -np.inf).astype(dtype)
 
 
 # -- logsumexp --------------------------------------------------------------------------
@@ -171,8 +86,8 @@ class LogSumExp(Monoid):
     def fold(self, ys, idx, w) -> Any:
         y = self._rows(ys, w)
         top = jnp.max(y, axis=0)
-        s = jnp.sum(jnp.exp(_shifted(y, top[None])), axis=0)
-        return top, s, jnp.zeros_like(s)
+        s = jnp.sum(jnp.exp(_at_most_0(_shifted(y, top[None]))), axis=0)
+        return top, _at_least_one(s, top), jnp.zeros_like(s)
 
     def merge(self, a: Any, b: Any) -> Any:
         top, (ea, eb) = _rescale([a[0], b[0]])
@@ -188,17 +103,20 @@ class LogSumExp(Monoid):
         y = ys[0]
         if ct is None or not _inexact(y.dtype):
             return (None,)
-        total = LogSumExp.finalize(self, state, [jax.ShapeDtypeStruct((), state[0].dtype)])
-        weight = jnp.exp(y.astype(total.dtype) - _spread(total, y))
+        weight = _softmax(y.astype(state[0].dtype), state[0], state[1] + state[2])
         return (_weigh(_spread(ct, y) * weight, keep).astype(y.dtype),)
 
     def tangent(self, ys, dys, idx, keep, state, items) -> Any:
-        total = LogSumExp.finalize(self, state, [jax.ShapeDtypeStruct((), state[0].dtype)])
-        y, dy = ys[0].astype(total.dtype), dys[0].astype(total.dtype)
-        weight = jnp.exp(y - total[None])
-        if keep is not None:
-            weight = weight * _col(keep, weight).astype(weight.dtype)
-        return jnp.sum(weight * dy, axis=0)
+        y, dy = ys[0].astype(state[0].dtype), dys[0].astype(state[0].dtype)
+        return _own_softmax(y, jnp.ones_like(y), dy, keep)
+
+    tangent_init = staticmethod(lambda raw: _own_init(raw))
+    tangent_merge = staticmethod(lambda a, b: _own_merge(a, b))
+
+    def tangent_finish(self, raw: Any, state: Any, items: Items) -> Any:
+        _, norm, d = raw
+        ok = jnp.isfinite(state[0]) & (norm > 0)  # else no derivative, as jax's
+        return d * jnp.where(ok, 1 / jnp.where(ok, norm, 1), jnp.nan).astype(d.dtype)
 
 
 # -- softmax-weighted sums --------------------------------------------------------------
@@ -249,11 +167,20 @@ class SoftmaxWeighted(_ExponentAndCompanion):
         s, v = (y.astype(acc) for y in ys)
         if w is not None:
             s = _bound(s, _col(w, s))
+            if w.ndim == 1 or w.shape == v.shape:  # a dropped row's inf value: 0, not NaN
+                v = jnp.where(_col(w, v) == np.inf, v, jnp.zeros_like(v))
         top = jnp.max(s, axis=0)
         # an infinite top is not shifted away: exp(inf - inf) is NaN, as jax.nn.softmax
         e = jnp.exp(s - _finite_or_zero(top)[None])
         weighted = self._weigh(e, v)
         return top, jnp.sum(e, axis=0), jnp.zeros_like(top), weighted, jnp.zeros_like(weighted)
+
+    def fold_fast(self, ys, idx, w, again=None) -> Any:
+        # The scores computed once: XLA fuses a cheap fun into both passes (the
+        # maximum, the exponentials), where it may round differently (contracted
+        # multiply-adds); at scores of 1e9 an ulp (128) is beyond exp's range, and
+        # every row's weight came out 0 (0 / 0) or inf (inf / inf).
+        return self.fold([lax.optimization_barrier(ys[0]), ys[1]], idx, w)
 
     @staticmethod
     def _weigh(e: jax.Array, v: jax.Array) -> jax.Array:
@@ -298,10 +225,10 @@ class SoftmaxWeighted(_ExponentAndCompanion):
         return (out, jnp.full(items[0].shape, -jnp.inf, dtype)) if self.return_lse else out
 
     def cotangent(self, ct, ys, idx, keep, state, items, tally=None) -> tuple:
-        out, lse = self._parts(state)
+        out, _ = self._parts(state)
         s, v = (y.astype(out.dtype) for y in ys)
         ct_out, ct_lse = ct if self.return_lse else (ct, None)
-        p = jnp.exp(s - lse[None])
+        p = _softmax(s, state[0], state[1] + state[2])
         if keep is not None:
             p = p * _col(keep, p).astype(p.dtype)
         ns, nv = s.ndim - 1, v.ndim - 1
@@ -319,20 +246,23 @@ class SoftmaxWeighted(_ExponentAndCompanion):
         return cast(ct_s, ys[0]), cast(ct_v, ys[1])
 
     def tangent(self, ys, dys, idx, keep, state, items) -> Any:
-        out, lse = self._parts(state)
+        out, _ = self._parts(state)
         s, v = (y.astype(out.dtype) for y in ys)
         ds, dv = (d.astype(out.dtype) for d in dys)
-        p = jnp.exp(s - lse[None])
+        p = _softmax(s, state[0], state[1] + state[2])
         if keep is not None:
             p = p * _col(keep, p).astype(p.dtype)
         pds = p * ds
-        dot = lambda a, b: jnp.tensordot(a, b, axes=([0], [0]))
-        return dot(p, dv), dot(pds, v), jnp.sum(pds, axis=0)
+        # d out = sum_i p_i (dv_i + ds_i (v_i - out)), each row's value centered
+        # first: sum_i p_i ds_i v_i - d_lse * out cancels (a peaked softmax at scores
+        # of 1e4: an error of 1e-3 where the derivative is 0)
+        ns, nv = s.ndim - 1, v.ndim - 1
+        centered = v.reshape(v.shape[:1] + (1,) * ns + v.shape[1:]) - out[None]
+        via_s = jnp.sum(pds.reshape(pds.shape + (1,) * nv) * centered, axis=0)
+        return jnp.tensordot(p, dv, axes=([0], [0])) + via_s, jnp.sum(pds, axis=0)
 
     def tangent_finish(self, raw: Any, state: Any, items: Items) -> Any:
-        out, _ = self._parts(state)
-        via_v, via_s, d_lse = raw
-        d_out = via_v + via_s - d_lse.reshape(d_lse.shape + (1,) * (out.ndim - d_lse.ndim)) * out
+        d_out, d_lse = raw
         return (d_out, d_lse) if self.return_lse else d_out
 
 
@@ -391,6 +321,10 @@ class WeightedLogSumExp(_ExponentAndCompanion):
         s = jnp.sum(b * jnp.exp(a - _finite_or_zero(top)[None]), axis=0)
         return top, s, jnp.zeros_like(s)
 
+    def fold_fast(self, ys, idx, w, again=None) -> Any:
+        # the exponents computed once, as SoftmaxWeighted.fold_fast's scores
+        return self.fold([lax.optimization_barrier(ys[0]), ys[1]], idx, w)
+
     def merge(self, a: Any, b: Any) -> Any:
         # (a state of non-finite top summed with a shift of 0, as jax does: _rescale
         # keeps it whole, factor 1, and drops the others)
@@ -411,19 +345,31 @@ class WeightedLogSumExp(_ExponentAndCompanion):
         return jnp.where(sign < 0, jnp.full_like(out, np.nan), out).astype(dtype)
 
     def _weights(self, ys, keep, state) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """``sign * exp(a_i - total)`` per row (0 for rows of weight 0), ``b``, and
+        """``exp(a_i - top) / total`` per row (the derivative of the result by ``b_i``:
+        0 for rows of weight 0 unless the total is 0, then NaN, as jax's), ``b``, and
         where the result has no derivative (a NaN for a negative sum: jax's where)."""
-        out, sign = self._parts(state)
-        a, b = self._kept(ys, out.dtype)
-        p = _spread(sign, a) * jnp.exp(a - _spread(out, a))
+        top, s, c = state
+        a, b = self._kept(ys, s.dtype)
+        exponent = a - _spread(_finite_or_zero(top), a)  # at most 0 if top is finite
+        exponent = jnp.where(_spread(jnp.isfinite(top), a), _at_most_0(exponent), exponent)
+        p = jnp.exp(exponent) / _spread(s + c, a)
         if keep is not None:
             p = p * _col(keep, p).astype(p.dtype)
-        return p, b, (sign < 0) & (not self.return_sign)
+        return p, b, (jnp.sign(s + c) < 0) & (not self.return_sign)
 
     def tangent(self, ys, dys, idx, keep, state, items) -> Any:
-        p, b, none = self._weights(ys, keep, state)
-        da, db = (d.astype(p.dtype) for d in dys)
-        d = jnp.where(none, 0, jnp.sum(p * (b * da + db), axis=0))
+        a, b = self._kept(ys, state[1].dtype)
+        da, db = (d.astype(a.dtype) for d in dys)
+        # a row of weight 0 takes no derivative by its a (jax's where), even a NaN one
+        return _own_softmax(a, b, jnp.where(b != 0, b * da, 0) + db, keep)
+
+    tangent_init = staticmethod(lambda raw: _own_init(raw))
+    tangent_merge = staticmethod(lambda a, b: _own_merge(a, b))
+
+    def tangent_finish(self, raw: Any, state: Any, items: Items) -> Any:
+        _, total, d = raw  # (a total of 0: 0 / 0, NaN, as jax's)
+        none = (jnp.sign(state[1] + state[2]) < 0) & (not self.return_sign)
+        d = d * jnp.where(none, 0, 1 / jnp.where(none, 1, total)).astype(d.dtype)
         return (d, jnp.zeros_like(d)) if self.return_sign else d
 
     def cotangent(self, ct, ys, idx, keep, state, items, tally=None) -> tuple:
@@ -431,7 +377,7 @@ class WeightedLogSumExp(_ExponentAndCompanion):
         ct = jnp.where(none, 0, ct[0] if self.return_sign else ct)
         g = _spread(ct, p) * p
         cast = lambda c, y: c.astype(y.dtype) if _inexact(y.dtype) else None
-        return cast(g * b, ys[0]), cast(g, ys[1])
+        return cast(jnp.where(b != 0, g * b, 0), ys[0]), cast(g, ys[1])
 
 
 LOGSUMEXP = LogSumExp()

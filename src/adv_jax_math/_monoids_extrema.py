@@ -128,13 +128,22 @@ class Extremum(Monoid):
 def _tie_shares(pick: Any, y: jax.Array, dy: jax.Array, keep: Any, total: jax.Array) -> tuple:
     """``(top, sum of dy over the rows equal to top, their count)`` of one block (a
     repeated row's copy, keep 0, counts 0); every row is NaN when the forward result
-    is NaN (then no row ties and the derivative is NaN everywhere, 0/0)."""
+    is NaN (then no row ties and the derivative is NaN everywhere, 0/0). The rows are
+    stored once: XLA fused a cheap ``fun`` into each reduction reading them, rounded
+    differently in each, and a row tied in the count was not in the sum (0)."""
+    y = lax.optimization_barrier(y)
     top = pick(y, axis=0)
     hit = (y == top[None]).astype(dy.dtype)
     if keep is not None:
         hit = hit * _col(keep, hit).astype(dy.dtype)
     weights = nan_weights(hit, jnp.broadcast_to(total[None], hit.shape))
-    return top, jnp.sum(dy * weights, axis=0), jnp.sum(hit, axis=0)
+    return top, jnp.sum(_times(dy, weights), axis=0), jnp.sum(hit, axis=0)
+
+
+def _times(t: jax.Array, weight: jax.Array) -> jax.Array:
+    """``t * weight`` where a weight 0 drops ``t`` even when it is infinite or NaN (the
+    tangent ``t * log(0)`` of a row not selected), as ``jax.jvp(jnp.max)``."""
+    return jnp.where(weight == 0, jnp.zeros_like(t), t * weight)
 
 
 def _tie_init(fill: Any, raw: Any) -> Any:
@@ -147,7 +156,7 @@ def _merge_ties(join: Any, a: Any, b: Any) -> tuple:
     top = join(ta, tb)
     in_a = (ta == top).astype(sa.dtype)  # both when tied across blocks
     in_b = (tb == top).astype(sb.dtype)
-    return top, sa * in_a + sb * in_b, na * in_a + nb * in_b
+    return top, _times(sa, in_a) + _times(sb, in_b), na * in_a + nb * in_b
 
 
 class Tally(Monoid):

@@ -106,6 +106,8 @@ def device_states(
             w = None
             if m % bj or whole:
                 src, w = leaf.monoid.without(src, kept, keep)
+            if layout.interpret:  # once, as in a kernel (see fused_reduce.kernel._term_state)
+                src = list(lax.optimization_barrier(src))
             return leaf.fold(src, j.astype(index_dtype()), w, fast=fast)
 
         # per term: one state per element of its values per pair (2-D tiles)

@@ -136,6 +136,12 @@ def _term_state(k: Kernel, term: Term, ys: Sequence[Any], first_row: Any, offset
     w = None
     if k.n % k.tile:
         src, w = term.leaf.monoid.without(src, lambda y: row(y) < k.n, rows < k.n)
+    if k.interpret:
+        # A kernel computes each value once; XLA running it in interpret mode fuses
+        # a cheap fun into each pass of a fold that reads it twice (a maximum, then
+        # exponentials), rounded differently in each: at scores of 1e9 an ulp is
+        # beyond exp's range (softmax weights 0 / 0).
+        src = list(lax.optimization_barrier(src))
     return term.rows_leaf.fold(src, (offset + rows).astype(index_dtype()), w)
 
 
