@@ -116,7 +116,8 @@ class Moments(Monoid):
         safe = jnp.where(count > 0, count, 1)
         mean = total / safe
         d = y - mean[None]
-        m2 = jnp.sum(d * d if w is None else d * d * w, axis=0)
+        # d * (d * w): a padded row (w = 0) far from the mean adds 0, not inf * 0
+        m2 = jnp.sum(d * d if w is None else d * (d * w), axis=0)
         return halves, mean, jnp.zeros_like(mean), m2, jnp.zeros_like(m2)
 
     def merge(self, a: Any, b: Any) -> Any:
@@ -167,6 +168,8 @@ class Moments(Monoid):
             out = out + _spread(parts.pop(0) / n, y)
         if self.variance:
             scale = 2 * parts.pop(0) / self._dof(n)
+            # an infinite mean: NaN, as the variance's (not inf from y - mean)
+            scale = scale * jnp.where(jnp.isfinite(mean), 1, jnp.nan).astype(scale.dtype)
             out = out + _spread(scale, y) * (y.astype(mean.dtype) - _spread(mean, y))
         return (_weigh(out, keep).astype(y.dtype),)
 

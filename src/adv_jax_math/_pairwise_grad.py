@@ -94,9 +94,13 @@ def fused(p: Pairs, consts: list, x: Any, y: Any) -> Any:
         per_term, items = kernel_states(p.conv, c, p.red, x, y, p.tiles, layout=p.layout)
         out = p.results(per_term, items)
         # The nonzero float tangents, per argument (c, x, y): what the reverse pass
-        # computes cotangents for.
+        # computes cotangents for (none for an empty leaf: rows of no features).
         pos = [
-            [k for k, t in enumerate(jax.tree.leaves(ts, is_leaf=_zero)) if nonzero(t)]
+            [
+                k
+                for k, t in enumerate(jax.tree.leaves(ts, is_leaf=_zero))
+                if nonzero(t) and np.prod(jnp.shape(t), dtype=np.int64) > 0
+            ]
             for ts in tangents
         ]
         lin = tuple(

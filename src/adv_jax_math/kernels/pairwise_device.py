@@ -162,7 +162,7 @@ def device_states(
             o[...] = s.reshape(1, bi).astype(o.dtype)
 
     if fast:
-        flat = _xla(tile, merge, flat_consts, x_rows, y_cols, layout.tiles)
+        flat = _xla(tile, merge, flat_consts, x_rows, y_cols, layout.tiles, (xt, yt))
         return joined(jax.tree.unflatten(treedef, [o[:n] for o in flat]))
     if layout.kind == "gpu":
 
@@ -230,16 +230,22 @@ def device_states(
 
 
 def _xla(
-    tile: Any, merge: Any, consts: list, x_rows: list, y_cols: list, tiles: tuple[int, int]
+    tile: Any,
+    merge: Any,
+    consts: list,
+    x_rows: list,
+    y_cols: list,
+    tiles: tuple[int, int],
+    counts: tuple[int, int],
 ) -> list:
     """The GPU kernel's loops in plain XLA (CPU): a loop over the x tiles, each a loop
     over the y tiles merging the tile states; every value a ``bj x bi`` tile, x rows
     on the minor axis, reduced over the major one (XLA:CPU vectorizes both)."""
-    bi, bj = tiles
+    (bi, bj), (xt, yt) = tiles, counts
     c_vals = [c[k] for c in consts for k in range(c.shape[0])]
-    ys = [c.reshape(-1, bj, 1) for c in y_cols]
+    ys = [c.reshape(yt, bj, 1) for c in y_cols]
     rest = [c[1:] for c in ys]
-    starts = bj * jnp.arange(1, ys[0].shape[0], dtype=jnp.int32)
+    starts = bj * jnp.arange(1, yt, dtype=jnp.int32)  # (x or y may have no features)
 
     def per_x(x_vals: list) -> list:
         first = tile(c_vals, x_vals, [c[0] for c in ys], 0)
@@ -249,7 +255,8 @@ def _xla(
         step = lambda s, t: (merge(s, tile(c_vals, x_vals, t[1], t[0])), None)
         return lax.scan(step, first, (after, rest))[0]
 
-    states = lax.map(per_x, [r.reshape(-1, 1, bi) for r in x_rows])
+    rows = [r.reshape(xt, 1, bi) for r in x_rows]
+    states = lax.map(lambda a: per_x(a[1]), (jnp.arange(xt), rows))
     return [s.reshape(-1, *s.shape[2:]) for s in jax.tree.leaves(states)]
 
 

@@ -82,13 +82,38 @@ def _elementwise(eqn: Any, args: list[np.ndarray]) -> list[np.ndarray]:
     return [out]
 
 
-def _reduce(combine: Callable, a: np.ndarray, axes: Sequence[int]) -> np.ndarray:
+def _reduce(name: str, a: np.ndarray, axes: Sequence[int], dtype: Any) -> np.ndarray:
+    """A reduction of the elements along ``axes``; over none (a zero-size axis: ``f``
+    on rows of no features) its identity, as ``jnp.sum`` of an empty array gives."""
     keep = [d for d in range(a.ndim) if d not in axes]
-    moved = np.transpose(a, (*keep, *axes)).reshape(*(a.shape[d] for d in keep), -1)
-    out = np.empty(moved.shape[:-1], dtype=object)
-    for idx in np.ndindex(*out.shape):
-        out[idx] = functools.reduce(lambda u, v: combine(*_common([u, v])), moved[idx])
+    shape = tuple(a.shape[d] for d in keep)
+    width = int(np.prod([a.shape[d] for d in axes], dtype=np.int64))
+    moved = np.transpose(a, (*keep, *axes)).reshape(*shape, width)
+    out = np.empty(shape, dtype=object)
+    combine = _REDUCE[name]
+    for idx in np.ndindex(*shape):
+        elems = list(moved[idx])
+        out[idx] = (
+            functools.reduce(lambda u, v: combine(*_common([u, v])), elems)
+            if elems
+            else _identity(name, dtype)
+        )
     return out
+
+
+def _identity(name: str, dtype: Any) -> np.ndarray:
+    """The identity of reduction ``name`` in ``dtype`` (a 0-d constant)."""
+    dtype = np.dtype(dtype)
+    inexact = jnp.issubdtype(dtype, jnp.inexact)
+    if name == "reduce_max":
+        low = -np.inf if inexact else False if dtype == np.bool_ else np.iinfo(dtype).min
+        return np.asarray(low, dtype)
+    if name == "reduce_min":
+        high = np.inf if inexact else True if dtype == np.bool_ else np.iinfo(dtype).max
+        return np.asarray(high, dtype)
+    if name == "reduce_and":
+        return np.asarray(True if dtype == np.bool_ else -1, dtype)
+    return np.asarray(1 if name == "reduce_prod" else 0, dtype)
 
 
 def _dot(eqn: Any, lhs: np.ndarray, rhs: np.ndarray) -> np.ndarray:
@@ -195,8 +220,9 @@ def evaluate(jaxpr: Any, consts: Sequence[np.ndarray], args: Sequence[np.ndarray
     env: dict[Any, np.ndarray] = {}
 
     def read(v: Any) -> np.ndarray:
-        if isinstance(v, Literal):
-            return np.asarray(np.asarray(v.val), dtype=object)
+        if isinstance(v, Literal):  # in its own dtype (a bfloat16 literal stays one)
+            value = np.asarray(v.val, dtype=getattr(v.aval, "dtype", None))
+            return unstack(value, value.shape)
         return env[v]
 
     env.update(zip(jaxpr.constvars, consts, strict=True))
@@ -216,7 +242,8 @@ def evaluate(jaxpr: Any, consts: Sequence[np.ndarray], args: Sequence[np.ndarray
         elif name in ELEMENTWISE or name == "add_any":  # add_any: sums of cotangents
             outs = _elementwise(eqn, invals)
         elif name in _REDUCE:
-            outs = [_reduce(_REDUCE[name], invals[0], eqn.params["axes"])]
+            dtype = eqn.outvars[0].aval.dtype
+            outs = [_reduce(name, invals[0], eqn.params["axes"], dtype)]
         elif name == "dot_general":
             outs = [_dot(eqn, *invals)]
         elif name == "unstack":  # (of a cotangent's rows: softmax-weighted sums)

@@ -1,0 +1,262 @@
+"""Pairwise reductions at special values, against the dense oracle: values, ``jvp``
+and ``grad`` with respect to x and y on every engine (small tiles: ragged, two y
+tiles), as ``test_special_values.py`` does for the 1-D engines; rows of no features;
+bfloat16 and mixed dtypes.
+
+Every pattern is a column of ``y`` (a few special rows, or all of them); each x row
+reads one column (its code, ``x[:, 0]``), so one compilation covers every pattern:
+``f(xi, yj) = yj[2 + code_i] + sin(xi[1] yj[0]) + xi[2] yj[1]``. The oracle is
+``vmap(vmap(f))`` then the reduction in plain JAX, differentiated eagerly (as
+``jax.grad(jnp.max)`` of a NaN, NaN everywhere; jitted, XLA turns the 0/0 into 0).
+NaN must stay NaN and nothing else may become NaN: NaN positions compared exactly.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import assert_tree_close, normal
+from jax import lax
+
+import adv_jax_math as ajm
+
+INF, NAN = np.inf, np.nan
+M, TILES = 21, (8, 16)
+_j = np.arange(M, dtype=np.float32)
+
+
+def _rows(values: dict) -> np.ndarray:
+    out = np.linspace(-1.0, 1.0, M, dtype=np.float32)
+    for j, v in values.items():
+        out[j] = v
+    return out
+
+
+# one column of y per pattern (M rows)
+PATTERNS = {
+    "finite": _rows({}),
+    "-inf some": _rows({2: -INF, 9: -INF, 17: -INF}),
+    "-inf all": np.full(M, -INF, np.float32),
+    "+inf some": _rows({3: INF, 16: INF}),
+    "+inf and -inf": _rows({2: INF, 7: -INF}),
+    "near -1e30": (-1e30 * (1 + 0.1 * (_j % 3))).astype(np.float32),
+    "1e30": (1e30 * (1 + 0.1 * (_j % 3))).astype(np.float32),
+    "NaN row": _rows({5: NAN}),
+}
+P = len(PATTERNS)
+CODES = [*range(P), *range(P), 0]  # every pattern twice; the last x row is NaN
+N = len(CODES)
+
+
+def inputs() -> tuple[jax.Array, jax.Array]:
+    x = np.array(normal(0, (N, 3)))
+    x[:, 0] = CODES
+    x[-1, 1:] = NAN
+    y = np.concatenate([np.asarray(normal(1, (M, 2))), np.stack(list(PATTERNS.values()), 1)], 1)
+    return jnp.asarray(x), jnp.asarray(y)
+
+
+def special(xi, yj):
+    code = lax.stop_gradient(xi[0])
+    v = yj[2]
+    for k in range(1, P):
+        v = jnp.where(code == k, yj[2 + k], v)
+    return v + jnp.sin(xi[1] * yj[0]) + xi[2] * yj[1]
+
+
+def _top_k(d, k, smallest):
+    v, i = lax.top_k(-d if smallest else d, k)
+    return (-v if smallest else v), i
+
+
+def _values(xi, yj):  # the special column as the values a softmax weighs
+    return -((xi[1] - yj[0]) ** 2), jnp.stack([special(xi, yj), yj[1]])
+
+
+def _scores(xi, yj):  # ... and as its scores
+    return special(xi, yj), jnp.stack([yj[0], jnp.cos(xi[2] * yj[1])])
+
+
+def _softmax(d):
+    return jnp.einsum("nm,nmk->nk", jax.nn.softmax(d[0], 1), d[1])
+
+
+def _log_zero(xi, yj):  # -inf where yj[1] <= 0, its tangent t * log(0) (r11 of issue 44)
+    return special(xi, yj) + (xi[2] ** 2 + 0.1) * jnp.log(jnp.abs(yj[0]) * (yj[1] > 0))
+
+
+CASES = {  # name: (reduction, f, oracle on the dense (N, M, ...) outputs)
+    "ADD": (ajm.ADD, special, lambda d: d.sum(1)),
+    "MAX": (ajm.MAX, special, lambda d: d.max(1)),
+    "MAX(t log 0)": (ajm.MAX, _log_zero, lambda d: d.max(1)),
+    "MIN": (ajm.MIN, special, lambda d: d.min(1)),
+    "LOGSUMEXP": (ajm.LOGSUMEXP, special, lambda d: jax.nn.logsumexp(d, 1)),
+    "MIN_ARGMIN": (ajm.MIN_ARGMIN, special, lambda d: (d.min(1), d.argmin(1))),
+    "MAX_ARGMAX": (ajm.MAX_ARGMAX, special, lambda d: (d.max(1), d.argmax(1))),
+    "ARGMIN": (ajm.ARGMIN, special, lambda d: d.argmin(1)),
+    "MEAN": (ajm.MEAN, special, lambda d: d.mean(1)),
+    "VAR": (ajm.VAR, special, lambda d: d.var(1)),
+    "top_k(3, smallest)": (ajm.top_k(3, smallest=True), special, lambda d: _top_k(d, 3, True)),
+    "SOFTMAX_WEIGHTED(scores)": (ajm.SOFTMAX_WEIGHTED, _scores, _softmax),
+    "SOFTMAX_WEIGHTED(values)": (ajm.SOFTMAX_WEIGHTED, _values, _softmax),
+    "WEIGHTED_LOGSUMEXP": (
+        ajm.WEIGHTED_LOGSUMEXP,
+        lambda a, b: (special(a, b), b[1] ** 2 + 0.1),
+        lambda d: jax.nn.logsumexp(d[0], 1, b=d[1]),
+    ),
+}
+ENGINES = {
+    "scan": "pairwise scan",
+    "auto": "pairwise tiles (xla)",
+    "interpret": "pairwise kernel (interpret)",
+}
+
+
+def dense(f, x, y):
+    return jax.vmap(jax.vmap(f, (None, 0)), (0, None))(x, y)
+
+
+def _floats(tree):
+    return [o for o in jax.tree.leaves(tree) if jnp.issubdtype(o.dtype, jnp.floating)]
+
+
+def transforms(run, x, y):
+    """Values, jvp w.r.t. x and y, grad w.r.t. x and y (of a fixed random linear
+    functional of the float results) of ``run(x, y)``."""
+    weights = [normal(2, o.shape) for o in _floats(jax.eval_shape(run, x, y))]
+    if not weights:  # ARGMIN: no derivatives
+        return {"value": run(x, y)}
+    dot = lambda out: sum(jnp.sum(o * w) for o, w in zip(_floats(out), weights, strict=True))
+    tx, ty = normal(3, x.shape), normal(4, y.shape)
+    return {
+        "value": run(x, y),
+        "jvp x": _floats(jax.jvp(lambda x: run(x, y), (x,), (tx,))[1]),
+        "jvp y": _floats(jax.jvp(lambda y: run(x, y), (y,), (ty,))[1]),
+        "grad": jax.grad(lambda x, y: dot(run(x, y)), (0, 1))(x, y),
+    }
+
+
+def _close(got, want, what):
+    assert jax.tree.structure(got) == jax.tree.structure(want), what
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        g, w = np.asarray(g), np.asarray(w)
+        assert g.shape == w.shape and g.dtype == w.dtype, (what, g.dtype, w.dtype)
+        if not np.issubdtype(w.dtype, np.inexact):
+            np.testing.assert_array_equal(g, w, err_msg=what)
+            continue
+        np.testing.assert_array_equal(np.isnan(g), np.isnan(w), err_msg=f"{what}: NaNs")
+        np.testing.assert_array_equal(np.isinf(g) * np.sign(g), np.isinf(w) * np.sign(w), what)
+        finite = np.isfinite(w)
+        # near 1e30 a last bit of a mean is 1e23: a column's derivative y - mean is
+        # good to its largest entry's precision, not its own
+        scale = np.nanmax(np.where(finite, np.abs(w), np.nan), 0, keepdims=True, initial=0)
+        atol = np.broadcast_to(2e-4 + 1e-6 * scale, w.shape)[finite]
+        assert np.all(np.abs(g[finite] - w[finite]) <= atol + 2e-4 * np.abs(w[finite])), (
+            what,
+            g,
+            w,
+        )
+
+
+# What the monoids' own code gets wrong here (helper lse's files; measured at bc74f05):
+# logsumexp's weights exp(y - lse) sum to 7 at seven tied rows near 1e30 (lse rounds
+# log 7 away: the CPU tiles and kernel derivatives 7x), and its scan gradient is NaN on
+# rows beside an infinite one (0 in plain JAX); a softmax's weights likewise (scores),
+# and NaN for an infinite value (values; -inf in plain JAX); a max's tangent t * log(0)
+# of a row not selected NaN (r11). Strict: once fixed, they fail: drop the mark.
+PENDING = {
+    "LOGSUMEXP": ENGINES,
+    "WEIGHTED_LOGSUMEXP": ("auto", "interpret"),
+    "SOFTMAX_WEIGHTED(scores)": ("auto", "interpret"),
+    "SOFTMAX_WEIGHTED(values)": ENGINES,
+    "MAX(t log 0)": ENGINES,
+}
+
+
+QUICK = {("MAX_ARGMAX", "auto"), ("VAR", "auto"), ("VAR", "interpret"), ("MIN", "interpret")}
+
+
+def _cases():
+    for name in CASES:
+        for backend in ENGINES:
+            pending = backend in PENDING.get(name, ())
+            why = "the monoid's derivative at special values (helper lse)"
+            marks = [pytest.mark.xfail(strict=True, reason=why)] if pending else []
+            if (name, backend) not in QUICK:  # 3-7 s each here
+                marks.append(pytest.mark.slow)
+            yield pytest.param(name, backend, marks=marks, id=f"{name}-{backend}")
+
+
+@pytest.mark.parametrize(("name", "backend"), list(_cases()))
+def test_special_values_match_dense_oracle(name, backend):
+    reduction, f, want = CASES[name]
+    x, y = inputs()
+    expect = transforms(lambda x, y: want(dense(f, x, y)), x, y)
+    with ajm.config(backend=backend):
+        plan = ajm.explain_pairwise(f, x, y, reduction, tiles=TILES)
+        ours = lambda x, y: ajm.pairwise(f, x, y, reduction, tiles=TILES)
+        got = jax.jit(lambda x, y: transforms(ours, x, y))(x, y)
+    assert plan.engine == ENGINES[backend], str(plan)
+    for what in expect:
+        _close(got[what], expect[what], f"{name} {backend} {what}")
+
+
+@pytest.mark.parametrize("backend", list(ENGINES))
+def test_rows_of_no_features(backend):
+    # x or y (or both) of shape (n, 0): f sees empty rows (a sum over none is 0)
+    fs = {
+        "both": lambda a, b: jnp.exp(-jnp.sum((a - b) ** 2)) + jnp.max(b, initial=1.0),
+        "x": lambda a, b: jnp.exp(-jnp.sum(a**2)) * (1 + jnp.sum(b)),
+        "y": lambda a, b: jnp.exp(-jnp.sum(a**2)) * (1 + jnp.sum(b)),
+    }
+    sides = {"both": ((5, 0), (7, 0)), "x": ((5, 0), (7, 2)), "y": ((5, 2), (7, 0))}
+    loss = lambda run: lambda x, y: jnp.sum(jnp.sin(run(x, y)))
+    for side, (xs, ys) in sides.items():
+        f, x, y = fs[side], normal(0, xs), normal(1, ys)
+        for reduction, want in [(ajm.ADD, lambda d: d.sum(1)), (ajm.MAX, lambda d: d.max(1))]:
+            oracle = lambda x, y, f=f, want=want: want(dense(f, x, y))
+            with ajm.config(backend=backend):
+                plan = ajm.explain_pairwise(f, x, y, reduction, tiles=(2, 4))
+                ours = lambda x, y, f=f, r=reduction: ajm.pairwise(f, x, y, r, tiles=(2, 4))
+                got = ours(x, y), jax.grad(loss(ours), (0, 1))(x, y)
+            assert plan.engine == ENGINES[backend], str(plan)
+            expect = oracle(x, y), jax.grad(loss(oracle), (0, 1))(x, y)
+            assert_tree_close(got, expect)
+
+
+BF16 = [(jnp.bfloat16, jnp.bfloat16), (jnp.bfloat16, jnp.float32), (jnp.float32, jnp.bfloat16)]
+
+
+@pytest.mark.parametrize("backend", list(ENGINES))
+@pytest.mark.parametrize(
+    "dtypes", [BF16[0], *(pytest.param(d, marks=pytest.mark.slow) for d in BF16[1:])]
+)
+def test_bfloat16_and_mixed_dtypes(backend, dtypes):
+    # values, jvp and grad in bfloat16 (x, y or both), dtypes as plain JAX's; the data
+    # has no near ties (bfloat16 rounding would decide a max's tied rows)
+    f = lambda a, b: jnp.exp(-jnp.sum((a - b) ** 2))
+    g = lambda a, b: -jnp.sum((a - b) ** 2) + b[0]
+    cases = [
+        (ajm.ADD, f, lambda d: d.sum(1)),
+        (ajm.LOGSUMEXP, g, lambda d: jax.nn.logsumexp(d, 1)),
+        (ajm.MEAN, g, lambda d: d.mean(1)),
+        (ajm.MIN_ARGMIN, g, lambda d: (d.min(1), d.argmin(1))),
+    ]
+    x0, y0 = normal(5, (6, 3)), normal(6, (9, 3))
+    x, y = x0.astype(dtypes[0]), y0.astype(dtypes[1])
+    for reduction, h, want in cases:
+        oracle = lambda x, y, h=h, want=want: want(dense(h, x, y))
+        ours = lambda x, y, h=h, r=reduction: ajm.pairwise(h, x, y, r, tiles=(4, 4))
+        with ajm.config(backend=backend):
+            got = jax.jit(lambda x, y, ours=ours: _derivatives(ours, x, y))(x, y)
+        # (bfloat16: 8 bits; the gradients sum 9 rounded terms)
+        assert_tree_close(got, _derivatives(oracle, x, y), rtol=5e-2, atol=5e-2)
+
+
+def _derivatives(run, x, y):
+    """``run(x, y)``, its jvp w.r.t. x and its gradient (of a sum of sines)."""
+    loss = lambda x, y: sum(jnp.sum(jnp.sin(v.astype(jnp.float32))) for v in _floats(run(x, y)))
+    jvp = jax.jvp(lambda x: _floats(run(x, y)), (x,), (jnp.ones_like(x),))[1]
+    return run(x, y), jvp, jax.grad(loss, (0, 1))(x, y)
