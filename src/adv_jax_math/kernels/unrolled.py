@@ -195,8 +195,9 @@ def evaluate(jaxpr: Any, consts: Sequence[np.ndarray], args: Sequence[np.ndarray
     env: dict[Any, np.ndarray] = {}
 
     def read(v: Any) -> np.ndarray:
-        if isinstance(v, Literal):
-            return np.asarray(np.asarray(v.val), dtype=object)
+        if isinstance(v, Literal):  # in its own dtype: a Python int is int64 under x64
+            val = np.asarray(v.val, dtype=getattr(v.aval, "dtype", None))
+            return unstack(val, val.shape)
         return env[v]
 
     env.update(zip(jaxpr.constvars, consts, strict=True))
