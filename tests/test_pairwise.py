@@ -161,14 +161,18 @@ def test_kernel_holds_the_whole_forward():
     assert DEVICE_KERNEL_NAME in text.as_text()  # the tile kernel GPUs run, interpreted
 
 
-@pytest.mark.parametrize("name", ["logsumexp", "max"])
-def test_second_order_through_the_kernels(name):
+@pytest.mark.parametrize(
+    "name, backend",
+    [("logsumexp", "interpret"), ("max", "interpret"), ("top_k", "interpret"), ("top_k", "auto")],
+)
+def test_second_order_through_the_kernels(name, backend):
     # the reverse pass's own derivative: the kernel's states differentiated in plain JAX
+    # (top_k: its values were constants there, so a loss nonlinear in them was wrong)
     reduction, f, want = CASES[name]
     x, y = points(9, 0), points(11, 1)
-    loss = lambda run: lambda x: jnp.sum(jnp.sin(run(x)))
+    loss = lambda run: lambda x: jnp.sum(jnp.sin(jax.tree.leaves(run(x))[0]))
     ours = loss(lambda x: ajm.pairwise(f, x, y, reduction, tiles=(4, 4)))
-    with ajm.config(backend="interpret"):
+    with ajm.config(backend=backend):
         got = jax.hessian(ours)(x), jax.jvp(jax.grad(ours), (x,), (x,))
     oracle = loss(lambda x: want(dense(f, x, y)))
     expect = jax.hessian(oracle)(x), jax.jvp(jax.grad(oracle), (x,), (x,))
@@ -374,6 +378,35 @@ def test_nan_in_y_as_plain_jax(backend):
                 np.isnan(np.asarray(jax.tree.leaves(want(dense(f, x, y)))[0])),
             )
             assert_tree_close(got, want(dense(f, x, y)), rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("backend", list(ENGINES))
+def test_k_nearest_with_a_nan_row_sorted_as_plain_jax(backend):
+    """A NaN distance ranks last for ``top_k(smallest=True)`` on every engine and tile:
+    computed in a tile, ``-(0.7 * s)`` may come out as ``-0.7 * s``, a NaN of the other
+    sign, which ranked first in the tiles' folds and last in their merges (unsorted
+    results, some of the k smallest missing)."""
+    x, y = inputs()
+    y = y.at[20].set(jnp.nan)
+    f = lambda a, b: 0.7 * sqdist(a, b)
+    want = _top_k(dense(f, x, y), 8, True)
+    with ajm.config(backend=backend):
+        got = ajm.pairwise(f, x, y, ajm.top_k(8, smallest=True), tiles=TILES)
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+    assert_tree_close(got[0], want[0], rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("backend", list(ENGINES))
+def test_k_nearest_gradient_with_x64(x64, backend):
+    # the tile kernel read the int32 literals of top_k's reverse pass as Python ints
+    # (int64 under x64): lax.eq of int32 and int64 raised
+    x, y = (jnp.asarray(np.asarray(p), jnp.float64) for p in (points(6, 0), points(9, 1)))
+    loss = lambda run: lambda x: jnp.sum(run(x)[0] ** 2)
+    ours = loss(lambda x: ajm.pairwise(sqdist, x, y, ajm.top_k(3, smallest=True)))
+    with ajm.config(backend=backend):
+        got = jax.grad(ours)(x)
+    want = jax.grad(loss(lambda x: _top_k(dense(sqdist, x, y), 3, True)))(x)
+    assert_tree_close(got, want, rtol=1e-10, atol=1e-10)
 
 
 def test_gradient_memory_is_flat_at_two_to_the_fourteen():

@@ -389,3 +389,47 @@ def test_softmax_weighted_infinite_value_in_a_repeated_row(batch_size):
     with ajm.config(backend="scan", remainder="overlap"):
         got = ajm.batch_map(f, (s, v), batch_size, reduction=ajm.SOFTMAX_WEIGHTED)
     _close(got, _softmax_weighted(f((s, v))), "softmax-weighted sum")
+
+
+_NEG_NAN = -np.float32(np.nan)
+_EDGES = np.array(  # columns: signed zeros; NaN of either sign among infinities and zeros
+    [
+        [0.0, 1.0, -0.0],
+        [-0.0, NAN, 0.0],
+        [0.0, 3.0, -0.0],
+        [-0.0, -INF, 0.0],
+        [0.0, INF, 0.0],
+        [-0.0, _NEG_NAN, -0.0],
+        [0.0, 0.0, 0.0],
+        [-0.0, -0.0, -0.0],
+        [0.0, 2.0, -0.0],
+    ],
+    np.float32,
+)
+
+
+@pytest.mark.parametrize("engine_name", ENGINES)
+@pytest.mark.parametrize("smallest", [False, True], ids=["largest", "smallest"])
+def test_top_k_of_signed_zeros_nan_and_bools(engine_name, smallest):
+    """Against ``lax.top_k``: -0.0 below +0.0 (its order), ties to the lower row, at
+    batch sizes below k (the exact fold) and above; every NaN above +inf whatever its
+    sign bit (XLA does not keep a NaN's sign: the oracle's data has +NaN). Bools: a
+    column holding one True gives it, then False rows (empty slots read as True)."""
+    y = jnp.asarray(_EDGES)
+    plus = jnp.where(jnp.isnan(y), jnp.nan, y)
+    _, want = lax.top_k((-plus if smallest else plus).T, 3)
+    flags = jnp.asarray([[False, True], [False, False], [True, False], [False, True]] * 2)
+    flag_rows = np.argsort(np.asarray(flags) if smallest else ~np.asarray(flags), 0, "stable")
+    with engine(engine_name) as kw:
+        for b in (2, 4):
+            got = ajm.batch_map(lambda r: r, y, b, reduction=ajm.top_k(3, smallest), **kw)
+            what = f"{engine_name} batch_size={b}"
+            np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want).T, what)
+            picked = np.take_along_axis(_EDGES, np.asarray(want).T, 0)
+            sign = lambda v: np.signbit(v) & ~np.isnan(v)  # a NaN's sign is not kept
+            np.testing.assert_array_equal(sign(np.asarray(got[0])), sign(picked), what)
+            np.testing.assert_array_equal(np.isnan(got[0]), np.isnan(picked), what)
+            got = ajm.batch_map(lambda r: r, flags, b, reduction=ajm.top_k(3, smallest), **kw)
+            np.testing.assert_array_equal(np.asarray(got[1]), flag_rows[:3], what)
+            values = np.asarray(flags)[flag_rows[:3], [0, 1]]
+            np.testing.assert_array_equal(np.asarray(got[0]), values, what)

@@ -32,17 +32,27 @@ def _rows_sharded(y: jax.Array) -> bool:
 
 
 # -- top-k ------------------------------------------------------------------------------
+def _empty_row() -> Any:
+    """The row of an empty slot (its value is 0 and never read): ranked below every
+    real row, which no value can be (a NaN, an integer's minimum are real values)."""
+    return np.iinfo(index_dtype()).max
+
+
 def _order_key(y: jax.Array) -> jax.Array:
-    """Integers ordered as XLA's total order of ``y`` (NaN above inf, -NaN below -inf,
-    -0 below +0), the order ``lax.top_k`` selects by."""
+    """Integers ordered as XLA's total order of ``y`` (-inf below -0 below +0), the
+    order ``lax.top_k`` selects by, except that every NaN, whatever its sign bit, is
+    above +inf: XLA does not keep a NaN's sign through arithmetic (``-(0.7 * s)`` may
+    be computed as ``-0.7 * s``), so the sign cannot rank it. Bools as int32."""
     if not _inexact(y.dtype):
         return y.astype(jnp.int32) if y.dtype == np.bool_ else y
     wide, ints = (np.float64, np.int64) if y.dtype == np.float64 else (np.float32, np.int32)
     bits = lax.bitcast_convert_type(y.astype(wide), ints)
-    return jnp.where(bits < 0, bits ^ np.iinfo(ints).max, bits)
+    key = jnp.where(bits < 0, bits ^ np.iinfo(ints).max, bits)
+    return jnp.where(jnp.isnan(y), np.iinfo(ints).max, key)
 
 
 def _from_key(key: jax.Array, dtype: Any) -> jax.Array:
+    """The value of an order key (a NaN's: a NaN)."""
     if not _inexact(dtype):
         return key.astype(dtype)
     ints = key.dtype
@@ -55,10 +65,11 @@ class TopK(Monoid):
     """``lax.top_k`` along the rows: the ``k`` largest rows per trailing element,
     largest first, ties to the lower row (``smallest=True``: the ``k`` smallest,
     smallest first, ties to the lower row; integers and bools compared as they are,
-    never negated, which wraps); ``(values, indices)``, each ``(k, *t)``. The state
-    keeps each slot's value and row (its order key is computed from the value where
-    slots are compared); derivatives of every order go to the selected rows, as
-    ``jax.grad`` of ``lax.top_k``."""
+    never negated, which wraps); ``(values, indices)``, each ``(k, *t)``. Floats in
+    ``lax.top_k``'s order (-0.0 below +0.0), every NaN above +inf whatever its sign
+    bit. The state keeps each slot's value and row (its order key is computed from
+    the value where slots are compared); derivatives of every order go to the
+    selected rows, as ``jax.grad`` of ``lax.top_k``."""
 
     selects = sorts = True
 
@@ -71,15 +82,17 @@ class TopK(Monoid):
     def __repr__(self) -> str:
         return f"adv_jax_math.{self.name}"
 
-    def _flip(self, y: Any) -> Any:
-        """``y`` reversed in order for ``smallest`` (exact and its own inverse: ``-y``
-        for floats, ``~y`` for integers and bools)."""
-        if not self.smallest:
-            return y
-        return -y if _inexact(y.dtype) else ~y
-
     def _key(self, y: jax.Array) -> jax.Array:
-        return _order_key(self._flip(y))
+        """The order key of ``y``, the best highest: :func:`_order_key`, bit-inverted
+        for ``smallest`` (``~key`` reverses the order exactly, where ``-y`` would wrap
+        integers and turn NaN to rank by its sign)."""
+        key = _order_key(y)
+        return ~key if self.smallest else key
+
+    def _value(self, key: jax.Array, dtype: Any) -> jax.Array:
+        """The value of a key of :meth:`_key` (a slot's dtype, :meth:`_value_dtype`)."""
+        value = _from_key(~key if self.smallest else key, dtype)
+        return value.astype(self._value_dtype(dtype))
 
     def _key_min(self, dtype: Any) -> Any:
         return np.iinfo(jax.eval_shape(self._key, jax.ShapeDtypeStruct((1,), dtype)).dtype).min
@@ -92,24 +105,14 @@ class TopK(Monoid):
             return dtype
         return np.dtype(np.float32 if _inexact(dtype) else np.int32)
 
-    def _empty(self, dtype: Any) -> Any:
-        """The value of an empty slot: the one whose key is the lowest (for floats a
-        NaN whose bits are all ones, before :meth:`_flip`)."""
-        vd = self._value_dtype(dtype)
-        if _inexact(vd):
-            low = np.array(-1, np.int64 if vd.itemsize == 8 else np.int32).view(vd)
-        else:
-            low = np.array(np.iinfo(vd).min, vd)
-        return self._flip(low)[()]
-
     def fill(self, dtype: Any) -> Any:
         return np.zeros((), dtype)[()]  # never selected: fold leaves out weight-0 rows
 
     def init(self, items: Items) -> Any:
         dtype = items[0].dtype
         slots = lambda value, dt: tuple(_full(items[0], value, dt) for _ in range(self.k))
-        empty = self._empty(dtype)
-        return slots(empty, empty.dtype), slots(np.iinfo(index_dtype()).max, index_dtype())
+        # an empty slot: row EMPTY (ranked below every row, whatever its value)
+        return slots(0, self._value_dtype(dtype)), slots(_empty_row(), index_dtype())
 
     def fold(self, ys, idx, w) -> Any:
         """k passes of max-and-remove (any engine, kernels included); the values are
@@ -120,8 +123,9 @@ class TopK(Monoid):
         rows = jnp.broadcast_to(_col(idx.astype(index_dtype()), y), y.shape)
         alive = jnp.ones(y.shape, bool) if w is None else jnp.broadcast_to(_col(w > 0, y), y.shape)
         keys, sel = _select(self.k, [(key, rows, alive, 0)], self._key_min(y.dtype))
-        vd = self._value_dtype(y.dtype)
-        return tuple(self._flip(_from_key(kk, y.dtype)).astype(vd) for kk in keys), sel
+        fill = lambda v, r: jnp.where(r == _empty_row(), jnp.zeros_like(v), v)  # as init's
+        values = [self._value(kk, y.dtype) for kk in keys]
+        return tuple(fill(v, r) for v, r in zip(values, sel, strict=True)), sel
 
     def _picked(self, y: jax.Array, idx: jax.Array, state: Any) -> Any:
         """``state`` whose values have the derivatives of their rows of ``y``: each
@@ -136,7 +140,8 @@ class TopK(Monoid):
         v = y.astype(self._value_dtype(y.dtype))
         v = jnp.where(jnp.isfinite(v), v, jnp.zeros_like(v))
         pick = lambda s: jnp.sum(v * (rows == s[None]).astype(v.dtype), axis=0)
-        tie = lambda a, p: jnp.where(jnp.isfinite(a), a + (p - lax.stop_gradient(p)), a)
+        # a - (p - p), not a + (p - p): -0.0 + 0.0 is +0.0, and -0.0 ranks below +0.0
+        tie = lambda a, p: jnp.where(jnp.isfinite(a), a - (lax.stop_gradient(p) - p), a)
         return tuple(tie(a, pick(s)) for a, s in zip(values, sel, strict=True)), sel
 
     def fold_fast(self, ys, idx, w, again=None) -> Any:
@@ -151,10 +156,14 @@ class TopK(Monoid):
         if y.shape[0] < self.k or _rows_sharded(y):  # lax.top_k: unsharded along its axis
             return slow()
         floats = _inexact(y.dtype) and np.dtype(y.dtype).itemsize <= 4
-        rank = self._flip(y).astype(np.float32) if floats else self._key(y)
+        rank = self._key(y)
+        if floats:  # every NaN as +NaN (above +inf), or -NaN (below -inf) for smallest
+            f = y.astype(np.float32)
+            nan = np.float32(-np.nan if self.smallest else np.nan)
+            rank = jnp.where(jnp.isnan(f), nan, -f if self.smallest else f)
         alive = None if w is None else jnp.broadcast_to(_col(w > 0, y), y.shape)
-        if alive is not None:  # below everything: -NaN, or the lowest key
-            low = np.float32(-np.nan) if floats else self._key_min(y.dtype)
+        if alive is not None:  # below everything: a -NaN of all bits set, or the lowest key
+            low = np.array(-1, np.int32).view(np.float32) if floats else self._key_min(y.dtype)
             rank = jnp.where(alive, rank, low)
         rows = jnp.broadcast_to(_col(idx.astype(index_dtype()), y), y.shape)
         _, pos = lax.top_k(jnp.moveaxis(rank, 0, -1), self.k)  # (*t, k)
@@ -167,7 +176,7 @@ class TopK(Monoid):
         return lax.cond(jnp.all(chosen), lambda: fast, slow)
 
     def merge(self, a: Any, b: Any) -> Any:
-        return _merge_sorted(self.k, a, b, self._key, self._empty(a[0][0].dtype))
+        return _merge_sorted(self.k, a, b, self._key)
 
     def finalize(self, state: Any, items: Items) -> Any:
         values, rows = (jnp.stack(part) for part in state)
@@ -238,13 +247,13 @@ def _select(k: int, lists: list, key_min: Any) -> tuple:
     return tuple(keys), tuple(rows)
 
 
-def _merge_sorted(k: int, a: tuple, b: tuple, key: Any, empty: Any) -> tuple:
+def _merge_sorted(k: int, a: tuple, b: tuple, key: Any) -> tuple:
     """The ``k`` best of two states ``(values, rows)``, each sorted best first (the
-    higher ``key(value)``, then the lower row; empty slots ``(empty, big)``, of the
-    lowest key, last): a bitonic merge network. ``a`` and ``b`` reversed form a bitonic
-    sequence; one compare-exchange of ``a[i]`` with ``b[size - 1 - i]`` keeps the
-    ``size`` best (bitonic again), and ``log2(size)`` rounds of compare-exchanges sort
-    them (``size``: k rounded up to a power of two, padded with empty slots). That is
+    higher ``key(value)``, then the lower row; empty slots, of row :func:`_empty_row`,
+    last): a bitonic merge network. ``a`` and ``b`` reversed form a bitonic sequence;
+    one compare-exchange of ``a[i]`` with ``b[size - 1 - i]`` keeps the ``size`` best
+    (bitonic again), and ``log2(size)`` rounds of compare-exchanges sort them
+    (``size``: k rounded up to a power of two, padded with empty slots). That is
     ``k + k/2 log2 k`` compare-exchanges at depth ``1 + log2 k``, elementwise (any
     engine, kernels included); the k passes of max-and-remove (:func:`_select`) over
     the 2k slots made XLA:GPU fuse one ``loop_and_maximum_minimum_fusion`` that took
@@ -252,18 +261,22 @@ def _merge_sorted(k: int, a: tuple, b: tuple, key: Any, empty: Any) -> tuple:
     comparison (a bitcast), not carried: two arrays per slot, as few registers as
     possible on GPU; values move by ``where``, with their derivatives."""
     size = 1 << (k - 1).bit_length()
-    big = np.iinfo(a[1][0].dtype).max
+    empty = _empty_row()
 
     def padded(state: tuple) -> tuple[list, list]:
         values, rows = state
         pad = size - k
         return (
-            list(values) + [jnp.full_like(values[0], empty)] * pad,
-            list(rows) + [jnp.full_like(rows[0], big)] * pad,
+            list(values) + [jnp.zeros_like(values[0])] * pad,
+            list(rows) + [jnp.full_like(rows[0], empty)] * pad,
         )
 
+    def rank(v: jax.Array, r: jax.Array) -> jax.Array:
+        kv = key(v)
+        return jnp.where(r == empty, np.iinfo(kv.dtype).min, kv)
+
     def first(vx: jax.Array, rx: jax.Array, vy: jax.Array, ry: jax.Array) -> jax.Array:
-        kx, ky = key(vx), key(vy)
+        kx, ky = rank(vx, rx), rank(vy, ry)
         return (kx > ky) | ((kx == ky) & (rx < ry))
 
     (va, ra), (vb, rb) = padded(a), padded(b)
@@ -293,7 +306,12 @@ def top_k(k: int, smallest: bool = False) -> TopK:
 
     The result is ``(values, indices)``, each ``(k, *t)`` for ``fun`` rows of shape
     ``t``: largest first (smallest first with ``smallest=True``), ties to the lower row,
-    indices int32. Gradients go to the selected rows, as ``jax.grad`` of ``lax.top_k``.
+    indices int32. Floats rank as in ``lax.top_k`` (-0.0 below +0.0), every NaN above
+    +inf whatever its sign bit (first; last with ``smallest=True``). Integers and bools
+    (False below True) are compared as they are, never negated: ``smallest=True`` on
+    unsigned ints, ``iinfo.min`` or bools is the stable ascending order (where
+    ``lax.top_k(-y)`` wraps, or raises on bools).
+    Gradients go to the selected rows, as ``jax.grad`` of ``lax.top_k``.
     ``batch_map`` raises when there are fewer than ``k`` rows.
 
     Examples

@@ -40,8 +40,9 @@ def _pad_rows(a: jax.Array, rows: int) -> jax.Array:
     return jnp.concatenate([a, jnp.broadcast_to(a[-1:], (extra, *a.shape[1:]))])
 
 
-def _fold(leaf: LeafReduction, src: list, start: Any, bj: int, m: int) -> Any:
-    """Each x row's state of ``leaf`` over one y tile (``src``: ``(bi, bj, ...)``)."""
+def _fold(leaf: LeafReduction, src: list, start: Any, bj: int, m: int, fast: bool) -> Any:
+    """Each x row's state of ``leaf`` over one y tile (``src``: ``(bi, bj, ...)``);
+    ``fast``: the monoid's fast fold (plain JAX, differentiable: top-k's values)."""
     j = start + lax.broadcasted_iota(jnp.int32, (bj,), 0)
     w = None
     if m % bj:
@@ -49,7 +50,7 @@ def _fold(leaf: LeafReduction, src: list, start: Any, bj: int, m: int) -> Any:
         kept = lambda a: keep.reshape((1, bj) + (1,) * (a.ndim - 2))
         src, w = leaf.monoid.without(src, kept, keep)
     idx = j.astype(index_dtype())
-    return jax.vmap(lambda rows: leaf.fold(rows, idx, w))(src)
+    return jax.vmap(lambda rows: leaf.fold(rows, idx, w, fast=fast))(src)
 
 
 def states(
@@ -81,7 +82,8 @@ def states(
 
     def tile(c: list, xv: list, start: Any, yv: list) -> list:
         srcs = evaluate(closed.jaxpr, c[:own], [*c[own:], *xv, *yv], upcast=False)
-        return [_fold(leaf, [srcs[s] for s in leaf.sources], start, bj, m) for leaf in red.leaves]
+        fold = lambda leaf: _fold(leaf, [srcs[s] for s in leaf.sources], start, bj, m, reference)
+        return [fold(leaf) for leaf in red.leaves]
 
     def program(i: Any, c: list, xv: list, y_tile: Any) -> list:
         """The states of x tile ``i`` (``y_tile(start)``: the y rows from ``start``)."""
