@@ -23,6 +23,8 @@ PLATFORM = jax.default_backend()
 W4 = np.array([0.5, -1.0, 2.0, 0.25], np.float32)
 # Compiled kernels reduce in another order than XLA: looser than helpers.TOL.
 DEVICE_TOL = {"float32": 2e-4, "float64": 1e-10, "bfloat16": 3e-2}
+if PLATFORM == "tpu":  # float64 is emulated: 3e-9 relative on a v5e's logsumexp (scan engine)
+    DEVICE_TOL["float64"] = 1e-8
 
 
 def normal(shape, dtype=jnp.float32, seed=0):
@@ -91,10 +93,12 @@ def test_compiled_kernel_many_blocks_grad_and_vmap(monoid):
     kw = reduction_kwargs(monoid, axis)
     xs = normal(((1 << 25) + 5,))
     square = lambda v: v * v
-    plan = ajm.explain(square, xs, 1 << 26, **kw)
+    # the kernel forced: at this size the roofline model may pick the scan engine (v5e)
+    with ajm.config(backend="pallas"):
+        plan = ajm.explain(square, xs, 1 << 26, **kw)
+        got = jax.jit(lambda x: ajm.batch_map(square, x, 1 << 26, **kw))(xs)
     assert plan.engine == "pallas", str(plan)
     assert plan.block_steps > 1 or PLATFORM != "gpu", str(plan)  # Triton loops blocks
-    got = jax.jit(lambda x: ajm.batch_map(square, x, 1 << 26, **kw))(xs)
     assert_device_close(got, oracle(monoid, axis)(square(xs)))
 
     small = normal((3, 4099, 4))
