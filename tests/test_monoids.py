@@ -254,3 +254,56 @@ def test_top_k_fast_fold_never_selects_a_left_out_row():
     fast, exact = monoid.fold_fast([y], idx, w), monoid.fold([y], idx, w)
     assert_tree_close(fast, exact)
     assert 0 not in np.asarray(jnp.stack(fast[1])) and 1 not in np.asarray(jnp.stack(fast[1]))
+
+
+@pytest.mark.parametrize("smallest", [False, True])
+def test_top_k_fast_fold_of_fewer_rows_than_k(smallest):
+    """A block of fewer live rows than k (a left-out row among them): the fast fold
+    selects the live rows as lax.top_k does and leaves the other slots empty (value
+    0, row ``iinfo.max``), as the exact fold and ``init`` do."""
+    monoid = ajm.top_k(5, smallest)
+    y = np.array([[2.0, np.nan], [9.0, 1.0], [-0.0, 0.0]], np.float32)
+    idx, w = jnp.array([10, 11, 12]), jnp.array([1.0, 0.0, 1.0])
+    values, rows = jax.jit(monoid.fold_fast)([jnp.asarray(y)], idx, w)
+    live = y[[0, 2]]
+    _, pos = lax.top_k(jnp.asarray(-live if smallest else live).T, 2)
+    empty = np.iinfo(np.int32).max
+    np.testing.assert_array_equal(np.stack(rows)[:2], np.array([10, 12])[np.asarray(pos).T])
+    np.testing.assert_array_equal(np.stack(rows)[2:], np.full((3, 2), empty))
+    got = np.stack(values)
+    np.testing.assert_array_equal(got[:2], np.take_along_axis(live, np.asarray(pos).T, 0))
+    np.testing.assert_array_equal(got[2:], np.zeros((3, 2), np.float32))
+
+
+def _equations(jaxpr) -> int:
+    """Equations of ``jaxpr`` and of the jaxprs inside it (loop bodies, branches)."""
+    n = 0
+    for eqn in jaxpr.eqns:
+        n += 1
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, tuple | list) else [param]:
+                sub = getattr(sub, "jaxpr", sub)
+                n += _equations(sub) if hasattr(sub, "eqns") else 0
+    return n
+
+
+@pytest.mark.parametrize("route", ["batch_map", "pairwise"])
+def test_top_k_merges_out_of_kernels_stay_small(route):
+    """Outside kernels top-k's states merge by whole-array rounds (``merge_fast``), a
+    few equations per doubling of k: the network unrolled slot by slot (k/2 log2 k
+    compare-exchanges) took XLA 48 s to compile pairwise top_k(32). Tiles of fewer
+    rows than k fold by one lax.top_k too, not k passes of max-and-remove. Counted,
+    not timed: at k = 32 the unrolled merge alone is over 4000 equations."""
+    y = jnp.zeros((90, 3), jnp.float32)  # the last tile part padding (rows left out)
+    sq = lambda a, b: jnp.sum((a - b) ** 2)
+
+    def size(k):
+        red = ajm.top_k(k, smallest=True)
+        if route == "batch_map":
+            fun = lambda y: ajm.batch_map(lambda t: t, y, 64, reduction=red)
+        else:
+            fun = lambda y: ajm.pairwise(sq, y[:5], y, red, tiles=(8, 16))  # rows < k
+        return _equations(jax.make_jaxpr(fun)(y).jaxpr)
+
+    small, large = size(2), size(32)
+    assert large < small + 1000, (small, large)

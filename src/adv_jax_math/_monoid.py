@@ -166,6 +166,11 @@ class Monoid:
         """Two states combined (associative; ``a`` holds the lower row indices)."""
         raise NotImplementedError
 
+    def merge_fast(self, a: State, b: State) -> State:
+        """:meth:`merge` where a faster-compiling implementation may serve (outside
+        kernels: top-k's network on stacked slots)."""
+        return self.merge(a, b)
+
     def finalize(self, state: State, items: Sequence[jax.ShapeDtypeStruct]) -> Any:
         """The result (a pytree of arrays of the result dtypes)."""
         raise NotImplementedError

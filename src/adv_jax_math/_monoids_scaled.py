@@ -57,6 +57,9 @@ class Scaled(Monoid):
     def merge(self, a: State, b: State) -> State:
         return self.base.merge(a, b)
 
+    def merge_fast(self, a: State, b: State) -> State:
+        return self.base.merge_fast(a, b)
+
     def check_rows(self, n: int) -> None:
         self.base.check_rows(n)
 

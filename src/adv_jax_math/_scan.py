@@ -235,7 +235,7 @@ def _typed_like_items(state: Any, reads: list) -> Any:
 
 
 def _merge(leaf: LeafReduction, a: Any, b: Any, lanes: Lanes | None) -> Any:
-    merge = leaf.monoid.merge
+    merge = leaf.monoid.merge_fast
     return merge(a, b) if lanes is None else jax.vmap(merge)(a, b)
 
 
@@ -246,6 +246,6 @@ def merge_all(reduction: MonoidReduction, state: list, lanes: Lanes | None) -> l
     if lanes is None:
         return state
     return [
-        merge_stacked(leaf.monoid.merge, jax.tree.map(lanes.gather, s))
+        merge_stacked(leaf.monoid.merge_fast, jax.tree.map(lanes.gather, s))
         for leaf, s in zip(reduction.leaves, state, strict=True)
     ]

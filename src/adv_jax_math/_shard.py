@@ -134,7 +134,7 @@ class ShardEngine:
                 part
                 if merged is None
                 else [
-                    leaf.monoid.merge(a, b)
+                    leaf.monoid.merge_fast(a, b)
                     for leaf, a, b in zip(reduction.leaves, merged, part, strict=True)
                 ]
             )

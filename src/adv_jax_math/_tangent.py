@@ -105,7 +105,7 @@ def reduce(
                 part
                 if out is None
                 else [
-                    leaf.monoid.merge(a, b)
+                    leaf.monoid.merge_fast(a, b)
                     for leaf, a, b in zip(reduction.leaves, out, part, strict=True)
                 ]
             )

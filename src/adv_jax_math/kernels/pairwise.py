@@ -90,7 +90,8 @@ def states(
 
         def step(j: Any, acc: list) -> list:
             new = tile(c, xv, j * bj, y_tile(j * bj))
-            merge = lambda leaf, a, b: jax.vmap(leaf.monoid.merge)(a, b)
+            join = lambda m: m.merge_fast if reference else m.merge  # plain JAX: fast
+            merge = lambda leaf, a, b: jax.vmap(join(leaf.monoid))(a, b)
             return [merge(leaf, a, b) for leaf, a, b in zip(red.leaves, acc, new, strict=True)]
 
         acc = tile(c, xv, 0, y_tile(0))

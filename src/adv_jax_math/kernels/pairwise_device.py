@@ -123,9 +123,12 @@ def device_states(
             for part, elements in terms
         ]
 
+    # out of a kernel (the CPU loops), the monoids' fast merges
+    join = lambda monoid: monoid.merge_fast if fast else monoid.merge
+
     def merge(a: list, b: list) -> list:
         return [
-            [leaf.monoid.merge(p, q) for p, q in zip(u, v, strict=True)]
+            [join(leaf.monoid)(p, q) for p, q in zip(u, v, strict=True)]
             for leaf, u, v in zip(red.leaves, a, b, strict=True)
         ]
 

@@ -247,10 +247,10 @@ def forward(k: Kernel, consts: Sequence[Any], leaves: Sequence[Any], offset: Any
         avals = jax.tree.leaves(term.state)
         parts = [next(flat).reshape(k.grid, *a.shape) for a in avals]
         state = merge_stacked(
-            term.leaf.monoid.merge, jax.tree.unflatten(jax.tree.structure(term.state), parts)
+            term.leaf.monoid.merge_fast, jax.tree.unflatten(jax.tree.structure(term.state), parts)
         )
         if term.leaf.axis is None:  # every axis: the elements' states merged too
             state = jax.tree.map(lambda a: a.reshape(-1), state)
-            state = merge_stacked(term.leaf.monoid.merge, state)
+            state = merge_stacked(term.leaf.monoid.merge_fast, state)
         out.append(state)
     return out
