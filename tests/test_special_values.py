@@ -291,19 +291,20 @@ SCORED = {
 
 _REVERSE_KERNEL = pytest.mark.xfail(
     reason="the kernel's reverse pass weighs rows recomputed against the forward "
-    "kernel's maximum, an ulp apart (3e-4 off at 1e4): issue 44, not fixed",
+    "kernel's maximum, an ulp apart (3e-4 off at 1e4, relative error 1 at 1e9): issue 44, "
+    "not fixed; a barrier on the reverse kernel's values (the pairwise fix) does not change it",
     strict=False,
 )
 
 
-@pytest.mark.parametrize("scale", [1e4, 1e30])
+@pytest.mark.parametrize("scale", [1e4, 1e9, 1e30])
 @pytest.mark.parametrize("name", list(SCORED))
 @pytest.mark.parametrize(
     "engine_name, kind",
     [("scan", "all"), ("interpret", "values and forward mode"), ("interpret", "reverse mode")],
 )
 def test_scores_computed_in_fun_far_below_zero(engine_name, kind, name, scale, request):
-    if (kind, name, scale) == ("reverse mode", "WEIGHTED_LOGSUMEXP", 1e4):
+    if (kind, name) == ("reverse mode", "WEIGHTED_LOGSUMEXP") and scale < 1e30:
         request.applymarker(_REVERSE_KERNEL)
     monoid, out, oracle = SCORED[name]
     x = jnp.asarray(np.random.default_rng(0).standard_normal((11, 3)), jnp.float32)

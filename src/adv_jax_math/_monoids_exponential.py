@@ -77,8 +77,8 @@ class LogSumExp(Monoid):
         return top, jnp.ones_like(top), jnp.zeros_like(top)
 
     def fold_fast(self, ys, idx, w, again=None) -> Any:
-        if again is None:
-            return self.fold(ys, idx, w)
+        if again is None:  # the rows computed once (SoftmaxWeighted.fold_fast)
+            return self.fold([lax.optimization_barrier(ys[0])], idx, w)
         # two passes, each reading the rows as fun makes them
         top, s = _two_passes(self._rows(ys, w), self._rows(again, w))
         return top, s, jnp.zeros_like(s)

@@ -50,6 +50,9 @@ def _fold(leaf: LeafReduction, src: list, start: Any, bj: int, m: int, fast: boo
         kept = lambda a: keep.reshape((1, bj) + (1,) * (a.ndim - 2))
         src, w = leaf.monoid.without(src, kept, keep)
     idx = j.astype(index_dtype())
+    # once, as a kernel computes them (see fused_reduce.kernel._term_state): the
+    # reverse pass reads them behind a barrier too (_pairwise_grad)
+    src = list(lax.optimization_barrier(list(src)))
     return jax.vmap(lambda rows: leaf.fold(rows, idx, w, fast=fast))(src)
 
 

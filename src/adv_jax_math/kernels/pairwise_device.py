@@ -91,7 +91,8 @@ def device_states(
                 objs.append(_objects(vals[at : at + k], shape))
                 at += k
         own = len(jaxpr.constvars)
-        values = evaluate(jaxpr, objs[:own], objs[own:])  # object arrays of 2-D values
+        # object arrays of 2-D values (barriers held in plain XLA and interpret mode)
+        values = evaluate(jaxpr, objs[:own], objs[own:], fast or layout.interpret)
         if fast:
             j = start + jnp.arange(bj, dtype=jnp.int32)
             keep = j < m

@@ -215,8 +215,28 @@ def size(jaxpr: Any) -> tuple[int, int]:
     return values, widest
 
 
-def evaluate(jaxpr: Any, consts: Sequence[np.ndarray], args: Sequence[np.ndarray]) -> list:
-    """``jaxpr`` on object arrays (see the module docstring); returns object arrays."""
+def _barrier(objs: Sequence[np.ndarray]) -> list:
+    """Object arrays whose elements pass one ``optimization_barrier``: each value
+    computed once, as written (XLA fuses a value into each of its readers, where a
+    multiply may be contracted into an add of the reader's: another rounding)."""
+    flat = [e for o in objs for e in o.reshape(-1)]
+    held = iter(lax.optimization_barrier(flat))
+    out = []
+    for o in objs:
+        new = np.empty(o.size, dtype=object)
+        for k in range(o.size):
+            new[k] = next(held)
+        out.append(new.reshape(o.shape))
+    return out
+
+
+def evaluate(
+    jaxpr: Any, consts: Sequence[np.ndarray], args: Sequence[np.ndarray], barriers: bool = False
+) -> list:
+    """``jaxpr`` on object arrays (see the module docstring); returns object arrays.
+    ``barriers``: an ``optimization_barrier`` holds its elements (plain XLA, interpret
+    mode; a compiled kernel cannot lower one, and computes each value once anyway),
+    else it is dropped."""
     env: dict[Any, np.ndarray] = {}
 
     def read(v: Any) -> np.ndarray:
@@ -236,7 +256,9 @@ def evaluate(jaxpr: Any, consts: Sequence[np.ndarray], args: Sequence[np.ndarray
         body = _body(eqn)
         if name in _CALLS and body is not None:
             const_objs = [unstack(c, np.shape(c)) for c in body.consts]
-            outs = evaluate(body.jaxpr, const_objs, invals[-len(body.jaxpr.invars) :])
+            outs = evaluate(body.jaxpr, const_objs, invals[-len(body.jaxpr.invars) :], barriers)
+        elif name == "optimization_barrier" and barriers:
+            outs = _barrier(invals)
         elif name in IDENTITY:
             outs = invals
         elif name in ELEMENTWISE or name == "add_any":  # add_any: sums of cotangents
