@@ -291,14 +291,7 @@ def _shard_kw(route: Route, column: str, mesh_name: str) -> dict:
     return kw
 
 
-XFAIL: dict[tuple[str, str, str, str], str] = {  # (route, column, mesh, transform): bug
-    ("pairwise_y", "shard", "explicit_P()_set", "hvp"): (
-        "second order of LOGSUMEXP with y over the devices of an Explicit mesh set with "
-        "jax.set_mesh: x row 0's Hessian-vector product is wrong (-0.040 for -0.398), "
-        "since the logsumexp tangent state (tangent_init/tangent_merge, 252e361); the "
-        "same call without a mesh, its gradient and its jvp are right"
-    ),
-}
+XFAIL: dict[tuple[str, str, str, str], str] = {}  # (route, column, mesh, transform): bug
 
 
 def _id(case) -> str:
