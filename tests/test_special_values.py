@@ -14,6 +14,7 @@ inf for ``ddof >= n``; ``top_k(smallest=True)`` on unsigned ints and on
 from __future__ import annotations
 
 import contextlib
+import os
 
 import jax
 import jax.numpy as jnp
@@ -289,10 +290,14 @@ SCORED = {
 }
 
 
+# At the suite's -O0 (conftest.py) the fused backward kernel's WEIGHTED_LOGSUMEXP passes
+# and must; at LLVM's -O2, XLA:CPU compiles the interpret-mode reverse kernel so that its
+# weights come out 3e-4 off at 1e4 (relative error 1 at 1e9), though the kernel's values,
+# weights and cotangents are right each time they are printed (a print changes the fusion).
 _REVERSE_KERNEL = pytest.mark.xfail(
-    reason="the kernel's reverse pass weighs rows recomputed against the forward "
-    "kernel's maximum, an ulp apart (3e-4 off at 1e4, relative error 1 at 1e9): issue 44, "
-    "not fixed; a barrier on the reverse kernel's values (the pairwise fix) does not change it",
+    "--xla_backend_optimization_level=0" not in os.environ.get("XLA_FLAGS", ""),
+    reason="interpret-mode reverse kernel at XLA:CPU -O2: WEIGHTED_LOGSUMEXP weights 3e-4 off "
+    "at scores of 1e4, all wrong at 1e9 (issue 39); right at -O0",
     strict=False,
 )
 
