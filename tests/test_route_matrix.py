@@ -407,21 +407,22 @@ def test_engine_protocol(name, shard):
         assert described.engine == plan.engine and described.n == plan.n
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a crash, not fixed: the second order of a batch_vmap whose fun holds a "
-    "batch_map of jax.vmap(f, (None, 0)) (pairwise scan's form), 7 rows by 5, under "
-    "jax.set_mesh of an Explicit mesh: the outer remainder's slice (_scan_chunks take) is "
-    "transposed into a buffer typed split over the mesh (ShardingTypeError in "
-    "dynamic_update_slice); with 6 y rows it passes",
-)
-def test_second_order_of_nested_scan_under_explicit_mesh():
+@pytest.mark.parametrize("placed, shard", [("mesh", False), ("none", False), ("none", True)])
+def test_second_order_of_nested_scan_under_explicit_mesh(placed, shard):
+    """The second order of a batch_vmap whose fun holds a batch_map of
+    jax.vmap(f, (None, 0)) (pairwise scan's form), with remainders outside and inside
+    (7 rows by 5), under jax.set_mesh of an Explicit mesh: the chunk's cotangent from
+    the inner call's ``jit`` is typed as ``fun`` was traced, and must agree with the
+    buffer the outer slice is transposed into (ShardingTypeError in
+    dynamic_update_slice when ``fun`` was traced on no mesh and the rows were on the
+    mesh). ``none``: rows typed on no mesh inside ``jit``, whose tangents JAX may type on
+    the context mesh; ``shard``: the rows spread over it."""
     x, y = normal(0, (N, 3)), normal(1, (5, 3))
     f = lambda a, b: -jnp.sum((a - b) ** 2)
     per_x = lambda xi, y: ajm.batch_map(
         lambda yc: jax.vmap(f, (None, 0))(xi, yc), y, BY, reduction=ajm.LOGSUMEXP
     )
-    ours = lambda x: ajm.batch_vmap(per_x, (0, None), batch_size=B)(x, y)
+    ours = lambda x: ajm.batch_vmap(per_x, (0, None), batch_size=B, shard=shard)(x, y)
     plain = lambda x: jax.nn.logsumexp(-sqdist(x[:, None], y[None]), 1)
     hvp = lambda g: jax.jit(
         lambda x: jax.jvp(jax.grad(lambda x: jnp.sum(jnp.sin(g(x)))), (x,), (jnp.ones_like(x),))
@@ -429,5 +430,5 @@ def test_second_order_of_nested_scan_under_explicit_mesh():
     mesh = _mesh(AxisType.Explicit)
     want = hvp(plain)(x)
     with jax.set_mesh(mesh), ajm.config(backend="scan"):
-        got = hvp(ours)(jax.device_put(x, NamedSharding(mesh, P())))
+        got = hvp(ours)(jax.device_put(x, NamedSharding(mesh, P())) if placed == "mesh" else x)
     assert_tree_close(got, want, **TOL)

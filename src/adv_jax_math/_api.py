@@ -15,6 +15,7 @@ from . import _engines, _nested
 from ._monoid import identity, is_monoid_tree
 from ._plan import Call, Plan
 from ._shard import as_global
+from ._sharding import on_context_mesh
 from ._validate import (
     axes_per_leaf,
     batch_size_from,
@@ -56,7 +57,11 @@ def _check_callables(fun: Any, reduction: Any, chunk_reduction: Any) -> None:
 
 
 def _as_input(x: Any) -> Any:
-    return x if isinstance(x, jax.ShapeDtypeStruct) else jnp.asarray(x)
+    """``x`` as an array, on the context mesh when it has an Explicit axis and ``x`` is
+    on no mesh (``on_context_mesh``): there JAX may type the tangent of ``x`` on that
+    mesh (linearizing a ``jit``), and the cotangent of a chunk, typed as ``fun`` was
+    traced (``rows_aval``), must agree with the buffer its slice is transposed into."""
+    return x if isinstance(x, jax.ShapeDtypeStruct) else on_context_mesh(jnp.asarray(x))
 
 
 def _prepare(

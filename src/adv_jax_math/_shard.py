@@ -32,7 +32,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from . import _scan
 from . import _tangent as tangent
 from ._plan import Call, Kind, Plan, Policy, Rejection
-from ._sharding import Lanes, explicit, sharding_of
+from ._sharding import Lanes, explicit, on_context_mesh, sharding_of
 
 __all__ = ["PART", "ShardEngine", "as_global"]
 
@@ -44,7 +44,9 @@ def as_global(x: Any, mesh: Any) -> Any:
 
     Arrays (and tracers) on ``mesh`` or on Auto axes pass through. Arrays typed on
     another mesh's Explicit axes, and host values, are put on ``mesh`` replicated,
-    so every process of a multi-host run holds the same global array.
+    so every process of a multi-host run holds the same global array. Arrays on no
+    mesh while ``mesh`` is the context mesh are typed on it (``on_context_mesh``), as
+    ``batch_map`` does without ``shard`` (see ``_api._as_input``).
     """
     if isinstance(x, jax.ShapeDtypeStruct):
         return x
@@ -54,7 +56,10 @@ def as_global(x: Any, mesh: Any) -> Any:
     sharding = sharding_of(x)
     abstract = mesh.abstract_mesh if isinstance(mesh, Mesh) else mesh
     other = explicit(sharding) and sharding.mesh.abstract_mesh != abstract
-    return jax.device_put(x, replicated) if other and replicated is not None else x
+    if other and replicated is not None:
+        return jax.device_put(x, replicated)
+    context = jax.sharding.get_abstract_mesh()
+    return on_context_mesh(x) if context == abstract else x
 
 
 def _other_mesh(plan: Plan, mesh: Any) -> str:

@@ -20,7 +20,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
+import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, jaxpr_as_fun
+
+from ._sharding import explicit
 
 __all__ = ["Traced", "fresh_jaxpr", "rebind", "rows_aval", "size", "sub_jaxprs", "trace"]
 
@@ -68,8 +71,31 @@ def trace(fun: Callable, x_aval: Any) -> Traced:
 
 
 def rows_aval(xs: Any, rows: int) -> Any:
-    """The avals of ``xs`` with the leading (mapped) dimension set to ``rows``."""
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct((rows, *x.shape[1:]), x.dtype), xs)
+    """The avals of ``xs`` with the leading (mapped) dimension set to ``rows``, typed
+    as a slice of its rows is (:func:`_row_slice_sharding`)."""
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(
+            (rows, *x.shape[1:]), x.dtype, sharding=_row_slice_sharding(x)
+        ),
+        xs,
+    )
+
+
+def _row_slice_sharding(x: Any) -> Any:
+    """The type's sharding of ``x``'s rows sliced, when it is on a mesh with an
+    Explicit axis and its rows are whole (the chunks a loop takes have it), else None
+    (no mesh). ``fun`` is traced once and its jaxpr evaluated on the chunks: a ``jit``
+    inside ``fun`` (a nested ``batch_map``) keeps the types it was traced with, and
+    its transpose returns cotangents of those types, which a chunk's slice typed on
+    the mesh refuses to take back (``dynamic_update_slice`` of a cotangent on no mesh
+    into one on the mesh)."""
+    try:
+        sharding = jax.typeof(x).sharding if np.ndim(x) else None
+    except TypeError:  # not an array type
+        return None
+    if not explicit(sharding) or (len(sharding.spec) and sharding.spec[0] is not None):
+        return None  # on no mesh, or rows split over devices (the engine lays them out)
+    return sharding
 
 
 def sub_jaxprs(params: dict[str, Any]) -> Iterator[Jaxpr]:
