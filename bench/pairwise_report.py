@@ -43,10 +43,11 @@ import bench_pairwise as bp
 import jax
 import numpy as np
 from _timing import Timing, staged
-from report import arguments, finish_run, machine, publish, save, table, tree_state
+from publish import markdown_table as table
+from publish import publish, tree_state
+from report import arguments, finish_run, machine, save
 
 HERE = Path(__file__).resolve().parent
-BEGIN, END = "<!-- pairwise-bench:begin -->", "<!-- pairwise-bench:end -->"
 SHUFFLE_SEED = 1
 FMA_UNITS = 2  # 512-bit FMA units per core: an assumption (1 on some Xeon SKUs)
 
@@ -323,15 +324,8 @@ def main() -> None:
     finish_run(data, tree, start)
     text = markdown(data)
     save(out, "pairwise", data, text, default=_json)
-    publish(
-        text.split("\n", 2)[2],  # without its title
-        data,
-        quick=args.quick,
-        allow_dirty=args.allow_dirty,
-        what="pairwise section",
-        begin=BEGIN,
-        end=END,
-    )
+    body = text.split("\n", 2)[2]  # without its title
+    publish("pairwise-bench", body, data, quick=args.quick, allow_dirty=args.allow_dirty)
     failed = [
         f"{r['case']} {r['size']}: {r['contender']}"
         for r in data["records"]
