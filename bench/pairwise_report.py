@@ -297,7 +297,6 @@ def markdown(data: dict) -> str:
 
 def main() -> None:
     args = arguments(__doc__)
-    out = args.out or (HERE / ".cache" / "quick" if args.quick else HERE / "results")
 
     jax.config.update("jax_enable_compilation_cache", False)
     start = time.perf_counter()
@@ -323,7 +322,7 @@ def main() -> None:
             data["descriptions"].append(text)
     finish_run(data, tree, start)
     text = markdown(data)
-    save(out, "pairwise", data, text, default=_json)
+    save(args.out, "pairwise", data, text, default=_json)
     body = text.split("\n", 2)[2]  # without its title
     publish("pairwise-bench", body, data, quick=args.quick, allow_dirty=args.allow_dirty)
     failed = [

@@ -50,7 +50,7 @@ from workloads import CASES, NBODY, NBODY_FORCES, Case, max_rel_error
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from matplotlib.ticker import NullLocator
-from publish import generated_note, publish, tree_state
+from publish import generated_note, provisional, publish, tree_state
 from publish import markdown_table as table
 
 HERE = Path(__file__).resolve().parent
@@ -339,6 +339,20 @@ def goal_table(goals: list[dict]) -> str:
     )
 
 
+def run_warnings(data: dict) -> list[str]:
+    """What a results file says first when its run is no result: quick, or measured at
+    uncommitted changes."""
+    m, out = data["machine"], []
+    if data["quick"]:
+        out.append("**Quick smoke run (`--quick`): small n, few repeats; not results.**")
+    if m["uncommitted"]:
+        out.append(
+            "**Uncommitted changes at the time of the run** (`git status --porcelain`): "
+            + ", ".join(f"`{c}`" for c in m["uncommitted"])
+        )
+    return out
+
+
 def markdown(data: dict) -> str:
     m = data["machine"]
     head = [
@@ -379,18 +393,10 @@ def markdown(data: dict) -> str:
     mm = [
         [str(n), *(mib(v[i]) for v in mem["temp_bytes"].values())] for i, n in enumerate(mem["ns"])
     ]
-    warnings = []
-    if data["quick"]:
-        warnings.append("**Quick smoke run (`--quick`): small n, few repeats; not results.**")
-    if m["uncommitted"]:
-        warnings.append(
-            "**Uncommitted changes at the time of the run** (`git status --porcelain`): "
-            + ", ".join(f"`{c}`" for c in m["uncommitted"])
-        )
     return "\n\n".join(
         [
             "# Benchmarks: adv_jax_math vs adv-jax-math 1.3, jax.lax.map and plain XLA",
-            *warnings,
+            *run_warnings(data),
             f"Machine: {m['nproc']} cores ({m['cpu']}), {m['platform']}; Python {m['python']}, "
             f"jax {m['jax']}, jaxlib {m['jaxlib']}; adv_jax_math at commit {m['commit']}; "
             f"load average {m['load_average_start'][0]:.1f} "
@@ -442,13 +448,7 @@ def readme_section(data: dict) -> str:
         f"({m['cpu']}), jax {m['jax']}, in {data['seconds']:.0f} s; "
         "`bench/results/results.md` has every number, the machine and versions.",
     ]
-    if m["uncommitted"]:
-        lines += [
-            "",
-            f"**Provisional: measured with uncommitted changes on top of `{commit}` "
-            f"({len(m['uncommitted'])} paths in `git status`); regenerate at a clean "
-            "commit.**",
-        ]
+    lines += provisional(m)
     lines += [
         "",
         "Compared with `adv-jax-math` 1.3, `jax.lax.map(f, xs, batch_size=)` and the unchunked "
@@ -610,13 +610,15 @@ def arguments(doc: str) -> argparse.Namespace:
         help="rewrite the README section even with uncommitted changes (marked provisional)",
     )
     parser.add_argument("--out", type=Path, help="results folder (default: bench/results)")
-    return parser.parse_args()
+    args = parser.parse_args()
+    if args.out is None:  # a quick run's results are no results
+        args.out = HERE / ".cache" / "quick" if args.quick else HERE / "results"
+    return args
 
 
 def main() -> None:
     args = arguments(__doc__)
     s = QUICK if args.quick else FULL
-    out = args.out or (HERE / ".cache" / "quick" if args.quick else HERE / "results")
 
     jax.config.update("jax_enable_compilation_cache", False)
     start = time.perf_counter()
@@ -636,10 +638,10 @@ def main() -> None:
     data["grad_memory_vs_n"] = grad_memory_vs_n(s)
     data["goals"] = goals(data["ratios"], data["grad_memory_vs_n"], data["records"])
     finish_run(data, tree, start)
-    save(out, "results", data, markdown(data))
+    save(args.out, "results", data, markdown(data))
     section = readme_section(data)
-    (out / "README_section.md").write_text(section)
-    plots(data, out)
+    (args.out / "README_section.md").write_text(section)
+    plots(data, args.out)
     publish("bench", section, data, quick=s.quick, allow_dirty=args.allow_dirty)
 
 
