@@ -43,10 +43,11 @@ import bench_pairwise as bp
 import jax
 import numpy as np
 from _timing import Timing, staged
-from report import arguments, finish_run, machine, publish, save, table, tree_state
+from publish import markdown_table as table
+from publish import publish, tree_state
+from report import arguments, finish_run, machine, save
 
 HERE = Path(__file__).resolve().parent
-BEGIN, END = "<!-- pairwise-bench:begin -->", "<!-- pairwise-bench:end -->"
 SHUFFLE_SEED = 1
 FMA_UNITS = 2  # 512-bit FMA units per core: an assumption (1 on some Xeon SKUs)
 
@@ -296,7 +297,6 @@ def markdown(data: dict) -> str:
 
 def main() -> None:
     args = arguments(__doc__)
-    out = args.out or (HERE / ".cache" / "quick" if args.quick else HERE / "results")
 
     jax.config.update("jax_enable_compilation_cache", False)
     start = time.perf_counter()
@@ -322,16 +322,9 @@ def main() -> None:
             data["descriptions"].append(text)
     finish_run(data, tree, start)
     text = markdown(data)
-    save(out, "pairwise", data, text, default=_json)
-    publish(
-        text.split("\n", 2)[2],  # without its title
-        data,
-        quick=args.quick,
-        allow_dirty=args.allow_dirty,
-        what="pairwise section",
-        begin=BEGIN,
-        end=END,
-    )
+    save(args.out, "pairwise", data, text, default=_json)
+    body = text.split("\n", 2)[2]  # without its title
+    publish("pairwise-bench", body, data, quick=args.quick, allow_dirty=args.allow_dirty)
     failed = [
         f"{r['case']} {r['size']}: {r['contender']}"
         for r in data["records"]

@@ -4,9 +4,10 @@ and the README's performance section.
 Run with ``.venv/bin/python bench/report.py`` (a few minutes on 2 cores);
 ``--quick`` is a smoke test (small n, few repeats; writes to ``bench/.cache/quick``,
 never to the README). The README section between ``<!-- bench:begin -->`` and
-``<!-- bench:end -->`` is rewritten only when the git tree is clean (``git status
---porcelain`` empty, except for this script's own outputs); ``--allow-dirty``
-writes it anyway, with the numbers marked as measured at uncommitted changes.
+``<!-- bench:end -->`` is rewritten (``publish.py``) only when the git tree is clean
+(``git status --porcelain`` empty, except for the reports' own outputs);
+``--allow-dirty`` writes it anyway, with the numbers marked as measured at uncommitted
+changes.
 
 All engines of a case are measured in one process, interleaved round by round in a
 shuffled order (a call that follows a big one, like the unchunked N-body, runs ~20%
@@ -33,7 +34,6 @@ import os
 import platform
 import random
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -50,14 +50,10 @@ from workloads import CASES, NBODY, NBODY_FORCES, Case, max_rel_error
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from matplotlib.ticker import NullLocator
+from publish import generated_note, provisional, publish, tree_state
+from publish import markdown_table as table
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-README = ROOT / "README.md"
-BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
-# README sections written by generators (this script, monoids_report.py): a change
-# between their markers does not make the tree dirty.
-GENERATED = ((BEGIN, END), ("<!-- monoids:begin -->", "<!-- monoids:end -->"))
 ORIG, OURS, NO_REMAT = "original 1.3", "ours", "ours remat=False"
 
 
@@ -310,38 +306,6 @@ def mib(b: float) -> str:
     return f"{b / 2**20:.2f}"
 
 
-def git(*args: str) -> str:
-    return subprocess.run(
-        ["git", *args], capture_output=True, text=True, cwd=ROOT, check=True
-    ).stdout
-
-
-def without_section(text: str) -> str:
-    """``text`` with the generated sections between the markers (:data:`GENERATED`)
-    emptied."""
-    for begin, end in GENERATED:
-        if begin in text and end in text:
-            head, rest = text.split(begin, 1)
-            text = head + begin + end + rest.split(end, 1)[1]
-    return text
-
-
-def tree_state() -> dict:
-    """The commit and what ``git status --porcelain`` reports, except this script's own
-    outputs: files under bench/results and the generated README sections."""
-    changes = []
-    for line in git("status", "--porcelain").splitlines():
-        path = line[3:].split(" -> ")[-1].strip('"')
-        if path.startswith("bench/results/"):
-            continue
-        if path == "README.md" and "M" in line[:2]:
-            head = git("show", "HEAD:README.md")
-            if without_section(head) == without_section(README.read_text()):
-                continue
-        changes.append(line)
-    return {"commit": git("rev-parse", "--short", "HEAD").strip(), "changes": changes}
-
-
 def machine(tree: dict) -> dict:
     cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
     models = [line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")]
@@ -359,12 +323,6 @@ def machine(tree: dict) -> dict:
     }
 
 
-def table(rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(r) + " |" for r in rows]
-    lines.insert(1, "|" + "---|" * len(rows[0]))
-    return "\n".join(lines)
-
-
 def range_text(a: float, b: float) -> str:
     lo, hi = sorted((a, b))
     return f"{lo:.2f}x" if f"{lo:.2f}" == f"{hi:.2f}" else f"{lo:.2f}-{hi:.2f}x"
@@ -379,6 +337,20 @@ def goal_table(goals: list[dict]) -> str:
     return table(
         [["goal", "met", "worst case"]] + [[g["goal"], bold(g["met"]), g["value"]] for g in goals]
     )
+
+
+def run_warnings(data: dict) -> list[str]:
+    """What a results file says first when its run is no result: quick, or measured at
+    uncommitted changes."""
+    m, out = data["machine"], []
+    if data["quick"]:
+        out.append("**Quick smoke run (`--quick`): small n, few repeats; not results.**")
+    if m["uncommitted"]:
+        out.append(
+            "**Uncommitted changes at the time of the run** (`git status --porcelain`): "
+            + ", ".join(f"`{c}`" for c in m["uncommitted"])
+        )
+    return out
 
 
 def markdown(data: dict) -> str:
@@ -421,18 +393,10 @@ def markdown(data: dict) -> str:
     mm = [
         [str(n), *(mib(v[i]) for v in mem["temp_bytes"].values())] for i, n in enumerate(mem["ns"])
     ]
-    warnings = []
-    if data["quick"]:
-        warnings.append("**Quick smoke run (`--quick`): small n, few repeats; not results.**")
-    if m["uncommitted"]:
-        warnings.append(
-            "**Uncommitted changes at the time of the run** (`git status --porcelain`): "
-            + ", ".join(f"`{c}`" for c in m["uncommitted"])
-        )
     return "\n\n".join(
         [
             "# Benchmarks: adv_jax_math vs adv-jax-math 1.3, jax.lax.map and plain XLA",
-            *warnings,
+            *run_warnings(data),
             f"Machine: {m['nproc']} cores ({m['cpu']}), {m['platform']}; Python {m['python']}, "
             f"jax {m['jax']}, jaxlib {m['jaxlib']}; adv_jax_math at commit {m['commit']}; "
             f"load average {m['load_average_start'][0]:.1f} "
@@ -478,20 +442,13 @@ def readme_section(data: dict) -> str:
 
     commit = m["commit"].removesuffix("-dirty")
     lines = [
-        "<!-- generated by bench/report.py (bench/results/results.json): edit report.py, "
-        "not this text -->",
+        generated_note("bench/report.py", "bench/results/results.json", "report.py"),
         "",
         f"Measured by `bench/report.py` at commit `{commit}` on {m['nproc']} CPU cores "
         f"({m['cpu']}), jax {m['jax']}, in {data['seconds']:.0f} s; "
         "`bench/results/results.md` has every number, the machine and versions.",
     ]
-    if m["uncommitted"]:
-        lines += [
-            "",
-            f"**Provisional: measured with uncommitted changes on top of `{commit}` "
-            f"({len(m['uncommitted'])} paths in `git status`); regenerate at a clean "
-            "commit.**",
-        ]
+    lines += provisional(m)
     lines += [
         "",
         "Compared with `adv-jax-math` 1.3, `jax.lax.map(f, xs, batch_size=)` and the unchunked "
@@ -588,15 +545,6 @@ def nbody_trade(recs: list[dict]) -> str:
     )
 
 
-def write_readme(section: str, begin: str = BEGIN, end: str = END) -> None:
-    """Replace the README text between ``begin`` and ``end`` with ``section``."""
-    text = README.read_text()
-    if text.count(begin) != 1 or text.count(end) != 1:
-        raise SystemExit(f"README.md needs exactly one {begin} and one {end}")
-    head, rest = text.split(begin)
-    README.write_text(head + begin + "\n" + section + end + rest.split(end)[1])
-
-
 def finish_run(data: dict, tree: dict, start: float) -> None:
     """Record the end of a measuring run in ``data``: the load, the seconds it took
     since ``start``, and the tree marked dirty if it changed during the run (``tree``:
@@ -615,34 +563,6 @@ def save(out: Path, name: str, data: dict, text: str, default: Any = None) -> No
     (out / f"{name}.json").write_text(json.dumps(data, indent=1, default=default) + "\n")
     (out / f"{name}.md").write_text(text.rstrip("\n") + "\n")
     print(text)
-
-
-def publish(
-    section: str,
-    data: dict,
-    *,
-    quick: bool,
-    allow_dirty: bool,
-    what: str,
-    begin: str = BEGIN,
-    end: str = END,
-) -> None:
-    """Rewrite the README section ``what`` with ``section``, unless the run was quick,
-    or the tree had uncommitted changes and ``allow_dirty`` was not given (exit 1)."""
-    uncommitted = data["machine"]["uncommitted"]
-    if quick:
-        print("\nquick run: README.md not touched", file=sys.stderr)
-    elif uncommitted and not allow_dirty:
-        print(
-            "\nREADME.md not updated: the tree has uncommitted changes:\n  "
-            + "\n  ".join(uncommitted)
-            + "\ncommit them and rerun, or pass --allow-dirty (numbers marked provisional)",
-            file=sys.stderr,
-        )
-        sys.exit(1)
-    else:
-        write_readme(section, begin, end)
-        print(f"\nREADME.md {what} rewritten (commit {data['machine']['commit']})", file=sys.stderr)
 
 
 def log_log_plot(path: Path, xs: list, series: dict, *, title: str, **labels) -> None:
@@ -690,13 +610,15 @@ def arguments(doc: str) -> argparse.Namespace:
         help="rewrite the README section even with uncommitted changes (marked provisional)",
     )
     parser.add_argument("--out", type=Path, help="results folder (default: bench/results)")
-    return parser.parse_args()
+    args = parser.parse_args()
+    if args.out is None:  # a quick run's results are no results
+        args.out = HERE / ".cache" / "quick" if args.quick else HERE / "results"
+    return args
 
 
 def main() -> None:
     args = arguments(__doc__)
     s = QUICK if args.quick else FULL
-    out = args.out or (HERE / ".cache" / "quick" if args.quick else HERE / "results")
 
     jax.config.update("jax_enable_compilation_cache", False)
     start = time.perf_counter()
@@ -716,11 +638,11 @@ def main() -> None:
     data["grad_memory_vs_n"] = grad_memory_vs_n(s)
     data["goals"] = goals(data["ratios"], data["grad_memory_vs_n"], data["records"])
     finish_run(data, tree, start)
-    save(out, "results", data, markdown(data))
+    save(args.out, "results", data, markdown(data))
     section = readme_section(data)
-    (out / "README_section.md").write_text(section)
-    plots(data, out)
-    publish(section, data, quick=s.quick, allow_dirty=args.allow_dirty, what="performance section")
+    (args.out / "README_section.md").write_text(section)
+    plots(data, args.out)
+    publish("bench", section, data, quick=s.quick, allow_dirty=args.allow_dirty)
 
 
 if __name__ == "__main__":

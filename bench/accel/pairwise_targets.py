@@ -28,11 +28,12 @@ import pathlib
 import sys
 import time
 
-sys.path.insert(0, str(pathlib.Path(__file__).parent))
+sys.path.insert(0, str(pathlib.Path(__file__).parent))  # compile_targets
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+from publish import markdown_table, write_section
 
 SIZES = [(2000, 1500, 3), (200_003, 199_999, 3), (200_003, 199_999, 16)]
 QUICK_SIZES = [(2000, 1500, 3)]
-BEGIN, END = "<!-- pairwise-accel:begin -->", "<!-- pairwise-accel:end -->"
 
 
 def cases():  # name: (monoid, f)
@@ -109,14 +110,12 @@ def table(directory: pathlib.Path) -> str:
                     "K" if fused else f"K + {rec['while_loops']} loops"
                 ) + f" {rec['seconds']:.0f} s"
             rows.setdefault(key, {})[target] = cell
-    lines = [
-        "| case | pass | N x M, D | " + " | ".join(targets) + " |",
-        "|---|---|---|" + "---|" * len(targets),
-    ]
-    for (case, mode, size), cells in rows.items():
-        line = " | ".join(cells.get(t, "") for t in targets)
-        lines.append(f"| {case} | {mode} | {size} | {line} |")
-    return "\n".join(lines)
+    return markdown_table(
+        [
+            ["case", "pass", "N x M, D", *targets],
+            *([*key, *(cells.get(t, "") for t in targets)] for key, cells in rows.items()),
+        ]
+    )
 
 
 def main() -> None:
@@ -131,11 +130,7 @@ def main() -> None:
         text = table(pathlib.Path(args.table))
         print(text)
         if args.readme:
-            path = pathlib.Path(args.readme)
-            readme = path.read_text()
-            head, rest = readme.split(BEGIN)
-            _, tail = rest.split(END)
-            path.write_text(f"{head}{BEGIN}\n{text}\n{END}{tail}")
+            write_section("pairwise-accel", text, pathlib.Path(args.readme))
         return
     from compile_targets import make_mesh
 

@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import argparse
 import pathlib
+import sys
 
-from table import TARGETS, commit, load, write_section
-
-BEGIN, END = "<!-- roofline:begin -->", "<!-- roofline:end -->"
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+from publish import commit, markdown_table, write_section
+from table import TARGETS, load
 
 
 def us(cost: dict) -> float:
@@ -83,22 +84,17 @@ def table(records: dict[str, list[dict]]) -> str:
             r["case"] for t in targets for r in records[t] if r["case"].startswith("roofline_")
         )
     )
-    lines = [
-        "| case | target | fwd kernel | fwd scan | scan HLO launches | bwd kernel | bwd scan "
-        "| scan HLO launches (value_and_grad) | cost_analysis |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---|",
-    ]
+    head = ["case", "target", "fwd kernel", "fwd scan", "scan HLO launches", "bwd kernel"]
+    rows = [[*head, "bwd scan", "scan HLO launches (value_and_grad)", "cost_analysis"]]
     notes = []
     for case in cases:
         recs = {t: by[t, case] for t in targets if (t, case) in by}
         for t, rec in recs.items():
             models = {m["name"]: m for m in rec.get("explain", {}).get("roofline", [])}
             f, b = models.get("forward"), models.get("backward")
-            lines.append(
-                f"| {case} | {t} | {fmt(f and f['kernel'])} | {fmt(f and f['scan'])} | "
-                f"{hlo(rec, 'forward')} | {fmt(b and b['kernel'])} | {fmt(b and b['scan'])} | "
-                f"{hlo(rec, 'value_and_grad')} | {analysis(rec)} |"
-            )
+            fwd = [fmt(f and f["kernel"]), fmt(f and f["scan"]), hlo(rec, "forward")]
+            bwd = [fmt(b and b["kernel"]), fmt(b and b["scan"]), hlo(rec, "value_and_grad")]
+            rows.append([case, t, *fwd, *bwd, analysis(rec)])
         notes.append(where_time_goes(case, recs))
     legend = (
         "Modelled microseconds (a roofline model: `src/adv_jax_math/_roofline.py`; no GPU or "
@@ -106,7 +102,7 @@ def table(records: dict[str, list[dict]]) -> str:
         "engine; the scan engine's compiled programs counted from their HLO (launches in "
         "total, and trips x launches of the main loop)."
     )
-    return "\n".join([legend, "", *lines, "", *notes])
+    return "\n".join([legend, "", markdown_table(rows, align="llrrrrrrl"), "", *notes])
 
 
 def main() -> None:
@@ -118,7 +114,7 @@ def main() -> None:
     (args.results / "roofline.md").write_text(text + "\n")  # the docs include it
     print(text)
     if args.readme:
-        write_section(args.readme, BEGIN, END, text)
+        write_section("roofline", text, args.readme)
 
 
 if __name__ == "__main__":

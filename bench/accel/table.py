@@ -17,10 +17,12 @@ import argparse
 import json
 import pathlib
 import re
-import subprocess
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+from publish import commit, markdown_table, write_section
 
 TARGETS = ("h100", "h200", "a100", "v5e", "v6e", "v5p", "v4")
-BEGIN, END = "<!-- accel:begin -->", "<!-- accel:end -->"
 
 
 def cell(rec: dict) -> str:
@@ -52,13 +54,10 @@ def table(records: dict[str, list[dict]]) -> str:
     targets = [t for t in TARGETS if t in records]
     cases = list(dict.fromkeys(r["case"] for t in targets for r in records[t]))
     by = {(t, r["case"]): r for t in targets for r in records[t]}
-    lines = [
-        "| case | " + " | ".join(targets) + " |",
-        "|---" * (len(targets) + 1) + "|",
+    rows = [
+        [case, *(cell(by[t, case]) if (t, case) in by else "" for t in targets)] for case in cases
     ]
-    for case in cases:
-        row = [cell(by[t, case]) if (t, case) in by else "" for t in targets]
-        lines.append(f"| {case} | " + " | ".join(row) + " |")
+    lines = [markdown_table([["case", *targets], *rows])]
     fallbacks = sorted(
         {
             f"- {case} on {t}: {by[t, case]['explain'].get('reason', '')[:240]}"
@@ -84,22 +83,6 @@ def load(results: pathlib.Path) -> dict[str, list[dict]]:
     }
 
 
-def commit() -> str:
-    out = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
-    )
-    return out.stdout.strip() or "?"
-
-
-def write_section(readme: pathlib.Path, begin: str, end: str, text: str) -> None:
-    """Replace the README text between ``begin`` and ``end`` (one each) with ``text``."""
-    body = readme.read_text()
-    if body.count(begin) != 1 or body.count(end) != 1:
-        raise SystemExit(f"{readme} needs exactly one {begin} and one {end}")
-    head, rest = body.split(begin)
-    readme.write_text(f"{head}{begin}\n{text}\n{end}{rest.split(end)[1]}")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("results", type=pathlib.Path)
@@ -115,7 +98,7 @@ def main() -> None:
     (args.results / "accel.md").write_text(text + "\n")
     print(text)
     if args.readme:
-        write_section(args.readme, BEGIN, END, text)
+        write_section("accel", text, args.readme)
 
 
 if __name__ == "__main__":
