@@ -35,27 +35,19 @@ import numpy as np
 from _timing import measure
 
 import adv_jax_math as ajm
+from adv_jax_math._devices import DEVICES
 
 from workloads import ADD_ONE, ADD_ONE_LOGSUMEXP, Workload, max_rel_error, nbody
 
-# bytes/s, datasheets (device_kind substrings)
-PEAK_BANDWIDTH = {
-    "H200": 4.8e12,
-    "H100": 3.35e12,
-    "A100": 2.0e12,
-    "TPU v5 lite": 8.19e11,
-    "TPU v6": 1.64e12,
-    "TPU v5p": 2.765e12,
-    "TPU v4": 1.2e12,
-}
-
 
 def peak_bandwidth(default: float) -> tuple[float, str]:
+    """The HBM bandwidth of the device table (``_devices``, the roofline models' own) for
+    this device's kind, or of the GPU whose short name it holds ("NVIDIA H100 PCIe")."""
     kind = jax.devices()[0].device_kind
-    for name, peak in PEAK_BANDWIDTH.items():
-        if name in kind:
-            return peak, kind
-    return default, kind
+    d = DEVICES.get(kind) or next(
+        (d for d in DEVICES.values() if d.platform == "cuda" and d.name in kind), None
+    )
+    return (default, kind) if d is None else (d.bandwidth, kind)
 
 
 def engines(w: Workload, params, x, interpret: bool) -> dict[str, Callable]:
@@ -201,7 +193,8 @@ def pairwise_sums(*, interpret: bool, reps: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--interpret", action="store_true", help="tiny sizes, interpret mode")
-    parser.add_argument("--peak", type=float, default=4.8e12, help="peak bytes/s if unknown")
+    h200 = DEVICES["NVIDIA H200"].bandwidth
+    parser.add_argument("--peak", type=float, default=h200, help="peak bytes/s if unknown")
     parser.add_argument("--reps", type=int, default=10)
     args = parser.parse_args()
     if not args.interpret and jax.default_backend() not in ("gpu", "tpu"):

@@ -1,12 +1,7 @@
 """The targets of the deviceless compiles and of the models: short name -> the
-``device_kind`` JAX reports (imported by scripts that must not set up devices)."""
+``device_kind`` JAX reports, in the device table's order (``adv_jax_math._devices``).
+Importing it sets up no devices."""
 
-KINDS = {
-    "h100": "NVIDIA H100 80GB HBM3",
-    "h200": "NVIDIA H200",
-    "a100": "NVIDIA A100-SXM4-80GB",
-    "v5e": "TPU v5 lite",
-    "v6e": "TPU v6 lite",
-    "v5p": "TPU v5",
-    "v4": "TPU v4",
-}
+from adv_jax_math._devices import DEVICES
+
+KINDS = {d.target: d.kind for d in DEVICES.values()}

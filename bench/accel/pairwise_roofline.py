@@ -34,7 +34,7 @@ from kinds import KINDS
 
 import adv_jax_math as ajm
 from adv_jax_math._roofline import DEVICES
-from adv_jax_math._roofline_pairwise import CHIPS, SPECIAL_FLOPS, PairwiseCost, pairwise_cost
+from adv_jax_math._roofline_pairwise import SPECIAL_FLOPS, PairwiseCost, pairwise_cost
 
 KEOPS_SECONDS, KEOPS_PEAK = 1.38, 13.4e12  # RTX 2080 Ti: KeOps' figure, its f32 peak
 S, F32 = jax.ShapeDtypeStruct, jnp.float32
@@ -75,16 +75,16 @@ def fmt_seconds(s: float) -> str:
     return f"{s:,.3f} s" if s >= 1 else f"{s * 1e3:,.3g} ms" if s >= 1e-3 else f"{s * 1e6:,.3g} us"
 
 
-def row(name: str, sizes: str, grad: bool, c: PairwiseCost, target: str) -> str:
-    d, chip = c.device, CHIPS[c.device.kind]
+def row(name: str, sizes: str, grad: bool, c: PairwiseCost) -> str:
+    d = c.device
     programs = ", ".join(dict.fromkeys(f"{p.programs} at {p.parallel:.0%}" for p in c.passes))
-    if chip.step:  # TPU: the grid steps, from the passes' step overhead
-        steps = sum(round((p.launch - 4 * d.launch) / chip.step) for p in c.passes)
+    if d.step:  # TPU: the grid steps, from the passes' step overhead
+        steps = sum(round((p.launch - 4 * d.launch) / d.step) for p in c.passes)
         programs += f"; {steps:,} grid steps"
     limits = "/".join(dict.fromkeys(p.limit for p in c.passes))
     keops = "-"
-    if name.startswith("Gaussian") and not grad and target in ("h100", "h200", "a100"):
-        keops = fmt_seconds(KEOPS_SECONDS * KEOPS_PEAK / chip.vector)
+    if name.startswith("Gaussian") and not grad and d.platform == "cuda":
+        keops = fmt_seconds(KEOPS_SECONDS * KEOPS_PEAK / d.vector)
     elif name.startswith("Gaussian") and not grad:
         keops = "no KeOps figure (TPU)"
     matmul = "-" if name.startswith("Gaussian") else fmt_seconds(c.flops / d.peak)
@@ -153,7 +153,7 @@ def reading(costs: dict[tuple[str, str, str, bool], PairwiseCost]) -> list[str]:
     """What the tables say, from their numbers (the model's, like them)."""
     gauss = {t: costs[t, "Gaussian sum (KeOps)", "1e6 x 1e6, D=3", False] for t in KINDS}
     h100 = gauss["h100"]
-    keops = KEOPS_SECONDS * KEOPS_PEAK / CHIPS[h100.device.kind].vector
+    keops = KEOPS_SECONDS * KEOPS_PEAK / h100.device.vector
     dots = [c.seconds / (c.flops / c.device.peak) for (_, w, _, _), c in costs.items()
             if not w.startswith("Gaussian")]  # fmt: skip
     steps = [t for t, c in gauss.items() if c.bound == "launch"]
@@ -183,7 +183,7 @@ def main() -> None:
             c = costs[target, name, sizes, grad] = pairwise_cost(
                 f, x, y, red, device=kind, grad=grad
             )
-            parts.append(row(name, sizes, grad, c, target))
+            parts.append(row(name, sizes, grad, c))
     text = "\n".join(parts + reading(costs)) + "\n"
     print(text)
     if args.out:

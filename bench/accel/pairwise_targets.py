@@ -94,7 +94,9 @@ def compile_case(platform, mesh, name, monoid, f, n, m, d, mode) -> dict:
 
 def table(directory: pathlib.Path) -> str:
     records = {p.stem: json.loads(p.read_text()) for p in sorted(directory.glob("*.json"))}
-    targets = [t for t in ("h100", "h200", "a100", "v5e", "v6e", "v5p", "v4") if t in records]
+    from kinds import KINDS
+
+    targets = [t for t in KINDS if t in records]
     rows = {}
     for target in targets:
         for rec in records[target]:

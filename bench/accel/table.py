@@ -20,9 +20,10 @@ import re
 import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+from kinds import KINDS
 from publish import commit, markdown_table, write_section
 
-TARGETS = ("h100", "h200", "a100", "v5e", "v6e", "v5p", "v4")
+TARGETS = tuple(KINDS)  # the device table's order
 
 
 def cell(rec: dict) -> str:

@@ -20,6 +20,9 @@ table); nothing here is measured. A pass costs
   the loop counter), at a stated cost per launch
   (:attr:`Device.launch`: an assumption, until ``bench/device_check.sh`` runs on
   the hardware).
+
+The devices' figures are the device table's (``_devices``: :class:`Device`,
+:data:`DEVICES`, :func:`device`), re-exported here.
 * **parallel**: the share of the device a pass keeps busy. A kernel has one
   program per block of rows: a grid of ``g`` programs fills ``min(1, g / cores)``
   of a GPU's SMs or a TPU's TensorCores. A scan chunk's fusions fill
@@ -39,6 +42,7 @@ from typing import Any
 
 import jax
 
+from ._devices import DEVICES, Device, device
 from ._trace import sub_jaxprs
 
 __all__ = [
@@ -52,38 +56,6 @@ __all__ = [
     "nbytes",
     "scan_pass",
 ]
-
-
-@dataclasses.dataclass(frozen=True)
-class Device:
-    """The figures the model needs of one device kind."""
-
-    kind: str  # jax's device_kind
-    name: str
-    bandwidth: float  # HBM bytes per second
-    peak: float  # dense matmul FLOP/s at XLA's default float32 precision
-    cores: int  # GPU SMs; TPU TensorCores per chip
-    launch: float  # seconds per kernel launch (assumed)
-
-
-# Vendor figures: HBM bandwidth, dense TF32 (GPU) or bfloat16 (TPU) matmul peak.
-DEVICES = {
-    d.kind: d
-    for d in (
-        Device("NVIDIA H100 80GB HBM3", "H100", 3.35e12, 495e12, 132, 4e-6),
-        Device("NVIDIA H200", "H200", 4.8e12, 495e12, 132, 4e-6),
-        Device("NVIDIA A100-SXM4-80GB", "A100", 2.0e12, 156e12, 108, 4e-6),
-        Device("TPU v5 lite", "TPU v5e", 0.82e12, 197e12, 1, 2e-6),
-        Device("TPU v6 lite", "TPU v6e", 1.64e12, 918e12, 1, 2e-6),
-        Device("TPU v5", "TPU v5p", 2.76e12, 459e12, 2, 2e-6),
-        Device("TPU v4", "TPU v4", 1.2e12, 275e12, 2, 2e-6),
-    )
-}
-
-
-def device(kind: str) -> Device | None:
-    """The model's figures for ``kind`` (None: a device the model does not know)."""
-    return DEVICES.get(kind)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,6 +196,6 @@ def scan_pass(
             if hasattr(v.aval, "shape")
         ]
     )
-    gpu = d.kind.startswith("NVIDIA")
+    gpu = d.platform == "cuda"
     parallel = min(1.0, elems / (d.cores * 1024)) if gpu else 1.0
     return Cost(chunks * per_chunk, chunks * flops, chunks * count, parallel)

@@ -14,8 +14,9 @@ steps (TPU) + XLA's copies / HBM bandwidth``, with
   ``tanh``, ``pow`` it leaves at 0), the monoid's fold and merges, on the padded pairs;
   transcendentals also on the GPU's SFUs / TPU's EUP, with :data:`SPECIAL_FLOPS` ALU
   flops each. ``f``'s features are unrolled (no dot reaches tensor cores or the MXU):
-  the elementwise peaks count (:data:`CHIPS`). Programs fill the SMs / TensorCores in
-  whole waves; four launches a pass (the kernel, XLA's copies).
+  the elementwise peaks count (``Device.vector``: the device table, ``_devices``).
+  Programs fill the SMs / TensorCores in whole waves; four launches a pass (the kernel,
+  XLA's copies).
 * **grad** (``value_and_grad`` w.r.t. x and y, as ``_pairwise_grad``): forward, a dx pass
   over x tiles streaming y and j, a dy pass over y tiles streaming x and each x row's
   cotangent and state, each pair recomputing ``f``, its VJP for one side and the monoid's
@@ -38,9 +39,8 @@ from ._monoid import Monoid
 from ._pairwise import DEVICE_TILES
 from ._roofline import DEVICES, Device, flops, nbytes
 from ._trace import sub_jaxprs
-from .kernels.fused_reduce.targets import tpu_vmem_limit
 
-__all__ = ["CHIPS", "SPECIAL_FLOPS", "Chip", "PairwiseCost", "PassCost", "pairwise_cost"]
+__all__ = ["SPECIAL_FLOPS", "PairwiseCost", "PassCost", "pairwise_cost"]
 
 S, I32, FLOAT0, H100 = jax.ShapeDtypeStruct, jnp.int32, jax.dtypes.float0, "NVIDIA H100 80GB HBM3"
 _bytes = lambda tree: nbytes(jax.tree.leaves(tree))
@@ -50,43 +50,6 @@ _SPECIAL = {"exp", "exp2", "expm1", "log", "log1p", "tanh", "logistic", "pow", "
 _REDUCTIONS = {"reduce_max", "reduce_min", "argmax", "argmin"}  # 0 in jax's roofline
 _UNARY = {"tanh", "pow"}  # likewise
 _PARTS = ("compute", "memory", "launch")
-
-
-@dataclasses.dataclass(frozen=True)
-class Chip:
-    """What the pairwise model needs beyond :class:`_roofline.Device`."""
-
-    vector: float  # f32 FLOP/s of the elementwise units (GPU CUDA cores, an FMA 2; TPU VPU)
-    special: float  # transcendentals per second (GPU SFUs; TPU EUP)
-    cache: int  # bytes: GPU L2; TPU VMEM per TensorCore
-    cache_bandwidth: float = 0.0  # bytes/s the SMs read from L2 (0: TPU, not modelled)
-    step: float = 0.0  # seconds per grid step (TPU; assumed)
-
-
-_gpu = lambda peak, sms, hz, l2_mib: Chip(peak, 16 * sms * hz, l2_mib << 20, 5120 * hz)
-_tpu = lambda cores, alus, hz, vmem_mib: Chip(  # VPU: (8, 128) lanes per core
-    cores * 1024 * alus * hz, cores * 1024 * hz, vmem_mib << 20, step=0.35e-6
-)
-# GPUs. f32 (CUDA core) peaks: NVIDIA datasheets (H100 SXM, H200 67 TFLOP/s; A100 19.5),
-# an FMA 2 flops (operations not paired into FMAs run at half of it), at the clock they
-# imply (128 FP32 lanes per SM on Hopper, 64 on Ampere: 1.98, 1.41 GHz). SFUs: 16 per
-# clock per SM (CUDA C++ Programming Guide, arithmetic instruction throughput, compute
-# capability 8.0, 9.0). L2: 50 MB (Hopper whitepaper), 40 MB (A100 whitepaper); read
-# bandwidth 5120 B per clock (A100 whitepaper; assumed the same on Hopper: unpublished).
-# TPUs. VMEM per TensorCore: jax 0.12's ``pltpu.get_tpu_info_for_chip``. VPU: (8, 128)
-# lanes of 2 f32 ALUs on v4, 4 from v5 on ("How to Scale Your Model", TPU chapter,
-# appendix C; 4 on v6e assumed) at the clock the bf16 peak implies for 4 MXUs of 128^2
-# MACs per core (256^2 on v6e): v4 1.05 GHz, v5e 1.5, v5p and v6e 1.75. EUP one (8, 128)
-# vreg per clock per core; 0.35 us per grid step: unpublished, both assumed.
-CHIPS = {
-    "NVIDIA H100 80GB HBM3": _gpu(67e12, 132, 1.98e9, 50),
-    "NVIDIA H200": _gpu(67e12, 132, 1.98e9, 50),
-    "NVIDIA A100-SXM4-80GB": _gpu(19.5e12, 108, 1.41e9, 40),
-    "TPU v5 lite": _tpu(1, 4, 1.5e9, 128),
-    "TPU v6 lite": _tpu(1, 4, 1.75e9, 128),
-    "TPU v5": _tpu(2, 4, 1.75e9, 64),
-    "TPU v4": _tpu(2, 2, 1.05e9, 16),
-}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,22 +184,22 @@ def _pass(name: str, d: Device, own: tuple, other: tuple, tiles: tuple, pair: tu
           merge: float, state: float, out: float) -> PassCost:  # fmt: skip
     """A kernel over the tiles of ``own = (rows, bytes per row)`` streaming ``other``'s;
     ``merge`` flops, ``state`` and ``out`` (result) bytes per own row."""
-    (n, own_b), (m, other_b), (b_own, b_other), chip = own, other, tiles, CHIPS[d.kind]
-    programs, streams, gpu = -(-n // b_own), -(-m // b_other), d.kind.startswith("NVIDIA")
+    (n, own_b), (m, other_b), (b_own, b_other) = own, other, tiles
+    programs, streams, gpu = -(-n // b_own), -(-m // b_other), d.platform == "cuda"
     n_pad, m_pad, once = programs * b_own, streams * b_other, streams * b_other * other_b
-    resident = gpu and once <= chip.cache / 2  # y served from L2 after one read
+    resident = gpu and once <= d.cache / 2  # y served from L2 after one read
     streamed = once if resident else programs * once
     special = n_pad * m_pad * pair[1]
     alu = n_pad * m_pad * pair[0] + SPECIAL_FLOPS * special + n_pad * (streams - 1) * merge
     kernel = n_pad * own_b + streamed + n_pad * state
     xla = (n + n_pad) * own_b + (m + m_pad) * other_b + n_pad * state + n * out
-    limits = {"HBM": kernel / d.bandwidth, "ALU": alu / chip.vector,
-              "SFU" if gpu else "EUP": special / chip.special,
-              "L2": programs * once / chip.cache_bandwidth if gpu else 0.0}  # fmt: skip
+    limits = {"HBM": kernel / d.bandwidth, "ALU": alu / d.vector,
+              "SFU" if gpu else "EUP": special / d.special,
+              "L2": programs * once / d.cache_bandwidth if gpu else 0.0}  # fmt: skip
     limit = max(limits, key=lambda k: limits[k])
     parallel = programs / (d.cores * -(-programs // d.cores))  # whole waves
     time, memory = limits[limit] / parallel, limit in ("HBM", "L2")
-    launch = 4 * d.launch + (0 if gpu else programs * streams * chip.step)
+    launch = 4 * d.launch + (0 if gpu else programs * streams * d.step)
     return PassCost(name, programs, parallel, kernel, streamed, resident, xla, alu,
                     0.0 if memory else time, xla / d.bandwidth + (time if memory else 0.0),
                     launch, limit)  # fmt: skip
@@ -258,7 +221,7 @@ def pairwise_cost(f: Callable, x: Any, y: Any, reduction: Monoid | str | float,
     tiles : (int, int) or None
         ``(bi, bj)``; None: the kernel's on ``device``, as ``_pairwise`` plans them.
     device : Device or str
-        A :class:`_roofline.Device` or its ``device_kind`` (a key of :data:`CHIPS`).
+        A :class:`_roofline.Device` or its ``device_kind`` (a key of ``_roofline.DEVICES``).
     grad : bool
         ``jax.value_and_grad`` w.r.t. ``x`` and ``y``: forward, dx and dy passes.
 
@@ -268,13 +231,13 @@ def pairwise_cost(f: Callable, x: Any, y: Any, reduction: Monoid | str | float,
         Passes, ``bytes``, ``flops``, ``seconds``, ``bound``, ``intensity``; ``str()``.
     """
     d = DEVICES.get(device) if isinstance(device, str) else device
-    if d is None or d.kind not in CHIPS:
-        kind = device if isinstance(device, str) else device.kind
-        raise ValueError(f"pairwise_cost: device {kind!r} is not modelled; known: {list(CHIPS)}")
+    if d is None:
+        known = list(DEVICES)
+        raise ValueError(f"pairwise_cost: device {device!r} is not modelled; known: {known}")
     if tiles is None:  # the kernel's, as _pairwise._device plans them (halved on TPU v4)
-        tpu = d.kind.startswith("TPU")
+        tpu = d.platform == "tpu"
         bi, bj = DEVICE_TILES["tpu" if tpu else "gpu"]
-        tiles = (bi // 2, bj // 2) if tpu and tpu_vmem_limit(d.kind) < 32 << 20 else (bi, bj)
+        tiles = (bi // 2, bj // 2) if tpu and d.vmem_limit < 32 << 20 else (bi, bj)
     ok = isinstance(tiles, tuple | list) and len(tiles) == 2
     if not ok or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 1 for t in tiles):
         raise ValueError(f"pairwise_cost: tiles={tiles!r}; pass (bi, bj), two ints >= 1")

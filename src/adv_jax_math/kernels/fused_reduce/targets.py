@@ -17,6 +17,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from ..._devices import DEVICES, SCOPED_VMEM
+
 __all__ = [
     "KERNEL_NAME",
     "PLATFORMS",
@@ -46,21 +48,19 @@ _TRITON_DEPRECATION = r"The Pallas Triton backend is deprecated"
 PLATFORMS = {"cpu": "cpu", "gpu": "cuda", "cuda": "cuda", "rocm": "rocm", "tpu": "tpu"}
 
 
-# VMEM a Mosaic kernel may use, per TPU generation (device_kind). The default scoped
-# limit is 16 MiB (32 MiB on v6e); v5e/v6e have 128 MiB of VMEM and v5p 64 MiB, so
-# the kernel asks for 3/4 of it (vmem_limit_bytes); v4's 16 MiB is all there is
-# (compiler reports: bench/accel/FINDINGS.md).
-_TPU_VMEM = {"TPU v4": 16 << 20, "TPU v5 lite": 96 << 20, "TPU v5": 48 << 20}
-# Generations without a bfloat16 VPU hold 16-bit intermediates as float32.
-TPU_F32_MATH = ("TPU v4", "TPU v5 lite", "TPU v5e")
+# The TPUs of the device table (``_devices``), by device_kind.
+_TPUS = {kind: d for kind, d in DEVICES.items() if d.platform == "tpu"}
+# Generations without a bfloat16 VPU hold 16-bit intermediates as float32 ("TPU v5e":
+# how some runtimes name the v5 lite).
+TPU_F32_MATH = (*(kind for kind, d in _TPUS.items() if not d.bf16_vpu), "TPU v5e")
 DEFAULT_KIND = {"cuda": "NVIDIA H100 80GB HBM3", "rocm": "AMD MI300X", "tpu": "TPU v5 lite"}
 
 
 def tpu_vmem_limit(kind: str) -> int:
-    """Bytes of VMEM the kernel asks for on a TPU of ``kind``."""
-    if kind.startswith("TPU v6"):
-        return 96 << 20
-    return _TPU_VMEM.get(kind, 16 << 20)
+    """Bytes of VMEM the kernel asks for on a TPU of ``kind`` (``Device.vmem_limit``;
+    any v6 as the v6e; the default scoped limit on a TPU the table does not know)."""
+    d = _TPUS.get("TPU v6 lite" if kind.startswith("TPU v6") else kind)
+    return SCOPED_VMEM if d is None else d.vmem_limit
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,7 +178,8 @@ def device_kind(platform: str) -> str:
 
 # Compile-only devices for a device kind, from JAX's own topology descriptions
 # (jax.experimental.topologies): the GPU entries are GpuTargetConfig protos
-# (DESIGN.md §6), the TPU ones topology names libtpu knows.
+# (DESIGN.md §6) filled from the device table, the TPU ones topology names libtpu knows.
+# The proto's other fields hold for every CUDA GPU since compute capability 7.0.
 _GPU_CONFIG = (
     "gpu_device_info {{ threads_per_block_limit: 1024 threads_per_warp: 32 "
     "shared_memory_per_block: 49152 shared_memory_per_core: {S} threads_per_core_limit: 2048 "
@@ -190,28 +191,21 @@ _GPU_CONFIG = (
     'runtime_version: {{ major: 12 minor: 8 patch: 0 }} platform_name: "CUDA" '
     'dnn_version_info {{ major: 9 minor: 7 }} device_description_str: "{kind}"'
 )
-_H100 = dict(X=9, Y=0, C=132, F=128, S=233472, O=232448, L2=52428800, G=1.98)
-GPU_SPECS = {
-    "NVIDIA H100 80GB HBM3": dict(_H100, BW=3352320000000, M=84929347584),
-    "NVIDIA H200": dict(_H100, BW=4800000000000, M=150000000000),
-    "NVIDIA A100-SXM4-80GB": dict(
-        X=8, Y=0, C=108, F=64, S=167936, O=166912, L2=41943040, G=1.41,
-        BW=2039000000000, M=85095874560,
-    ),
-}  # fmt: skip
-TPU_TOPOLOGIES = {
-    "TPU v4": "v4:2x2x1",
-    "TPU v5 lite": "v5e:1x1",
-    "TPU v5": "v5p:2x2x1",
-    "TPU v6 lite": "v6e:1x1",
-}
+GPU_SPECS = {kind: d for kind, d in DEVICES.items() if d.gpu is not None}
+TPU_TOPOLOGIES = {kind: d.topology for kind, d in _TPUS.items()}
 
 
 def gpu_target_config(kind: str) -> str:
     """The ``GpuTargetConfig`` text proto of an NVIDIA GPU of ``kind`` (one of
     ``GPU_SPECS``), for ``jax.experimental.topologies.get_topology_desc("aot", "cuda",
     target_config=..., topology="1x1x1")``."""
-    return _GPU_CONFIG.format(kind=kind, **GPU_SPECS[kind])
+    d = GPU_SPECS[kind]
+    g = d.gpu
+    assert g is not None
+    (x, y), bw = g.capability, g.memory_bandwidth or int(d.bandwidth)
+    return _GPU_CONFIG.format(kind=kind, X=x, Y=y, C=d.cores, F=g.fpus, S=g.shared,
+                              O=g.shared_optin, BW=bw, L2=d.cache, G=d.clock / 1e9,
+                              M=g.memory)  # fmt: skip
 
 
 def _topology_device(platform: str, kind: str) -> Any:
