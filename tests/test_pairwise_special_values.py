@@ -163,14 +163,17 @@ def _close(got, want, what):
 
 # What is still wrong here (strict: once fixed, they fail: drop the mark). The kernels'
 # logsumexp, weighted logsumexp and softmax (scores) derivatives pass since the
-# monoids' fixes (252e361) and the reverse pass reading f's values as the forward does.
+# monoids' fixes (252e361) and the reverse pass reading f's values as the forward does;
+# the scan's logsumexp gradient beside +inf since the maxima's derivatives are selects
+# (_monoids_shifted._top, _join); MAX(t log 0) since the kernels' forward mode leaves
+# unperturbed arguments symbolic zeros and shared rows halve a max's derivative.
 PENDING = {
-    "LOGSUMEXP": {"scan": "the scan gradient by y is NaN on a row beside +inf (0 in plain JAX)"},
     "SOFTMAX_WEIGHTED(values)": dict.fromkeys(
-        ENGINES, "jvp by x NaN where a weighed value is +inf (finite in plain JAX)"
-    ),
-    "MAX(t log 0)": dict.fromkeys(
-        ENGINES, "jvp by x NaN for a row of all -inf maxima, t * log(0) (r11; plain JAX finite)"
+        ENGINES,
+        "jvp NaN where a weighed value is +inf; plain JAX's is +-inf, or NaN where the inf "
+        "rows' p_i (ds_i - D) differ in sign (D = sum_j p_j ds_j, known after all rows): "
+        "not a sum over rows of one pass, so not a linear state tangent (the scan's "
+        "(dacc - out dtotal) / total is inf - inf); it needs D first (a second pass)",
     ),
 }
 

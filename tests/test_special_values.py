@@ -386,6 +386,74 @@ def test_extremum_tangents_of_rows_not_selected(engine_name):
     _close(got, by_row(lambda h: jnp.min(h(y))), "jvp of MIN under vmap")
 
 
+INFINITE_TANGENTS = {  # name: (reduction, oracle)
+    "MAX": (ajm.MAX, lambda d: jnp.max(d)),
+    "MAX_ARGMAX": (ajm.MAX_ARGMAX, lambda d: (jnp.max(d), jnp.argmax(d))),
+    "top_k(3)": (ajm.top_k(3), lambda d: lax.top_k(d, 3)),
+    "LOGSUMEXP": (ajm.LOGSUMEXP, jax.nn.logsumexp),
+    "MEAN": (ajm.MEAN, jnp.mean),
+    "ADD": (ajm.ADD, jnp.sum),
+}
+
+
+@pytest.mark.parametrize("name", list(INFINITE_TANGENTS))
+def test_infinite_tangents_of_finite_values(name):
+    """Finite rows whose derivative is infinite (``sqrt(t - a)`` at ``t = a``: every
+    fourth row, the largest among them) in chunks that share rows, jvp and grad:
+    logsumexp's top row met its own tangent (inf - inf) and Chan's merged mean
+    ``dma + (dmb - dma) wb`` read inf - inf, both NaN where plain JAX has inf."""
+    monoid, oracle = INFINITE_TANGENTS[name]
+    n = 21
+    rows = jnp.stack(
+        [jnp.where(jnp.arange(n) % 4 == 1, 1.0, 0.5), jnp.linspace(-1.0, 1.0, n).at[9].set(3.0)], 1
+    )
+    fun = lambda t: lambda r: jnp.sqrt(t - r[:, 0]) + r[:, 1]
+    floats = lambda out: [o for o in jax.tree.leaves(out) if jnp.issubdtype(o.dtype, jnp.floating)]
+    derivatives = lambda run: (
+        floats(jax.jvp(run, (1.0,), (1.0,))[1]),
+        jax.grad(lambda t: _dot(run(t), _weights(run(1.0))))(1.0),
+    )
+    want = derivatives(lambda t: oracle(fun(t)(rows)))
+    for b in (8, 16):
+        with ajm.config(backend="scan", remainder="overlap"):
+            got = derivatives(lambda t, b=b: ajm.batch_map(fun(t), rows, b, reduction=monoid))
+        _close(got, want, f"{name} batch_size={b}")
+
+
+@pytest.mark.parametrize("monoid", [ajm.MAX, ajm.MIN], ids=lambda m: m.name)
+def test_tied_rows_with_infinite_tangents_in_shared_rows(monoid):
+    """Every row tied at -inf with the tangent ``t * log(0)``, in chunks that share
+    rows: each copy of a shared row takes half its share of the gradient (a copy of
+    cotangent 0 times the infinite derivative was NaN)."""
+    p = jnp.zeros(21)
+    h = lambda t: lambda pc: t * jnp.log(pc) + pc
+    want = jax.grad(lambda t: monoid.reduce(h(t)(p)))(1.0)
+    for b in (8, 16):
+        with ajm.config(backend="scan", remainder="overlap"):
+            got = jax.grad(lambda t, b=b: ajm.batch_map(h(t), p, b, reduction=monoid))(1.0)
+        _close(got, want, f"{monoid.name} batch_size={b}")
+
+
+@pytest.mark.parametrize("native", ["off", "auto"])
+def test_gradient_of_an_infinite_logsumexp_beside_other_chunks(native):
+    """``jax.grad`` of a logsumexp with a +inf row is NaN there and 0 elsewhere: the NaN
+    derivative of the infinite total went through jax's max rules (a product with a
+    0/1 indicator) to every row of the chunk and of other chunks' finite maxima
+    (``fun`` not elementwise: :meth:`LogSumExp.fold`; chunks of 4096 elements: the
+    native kernel's fold where it loads)."""
+    f = lambda r: r @ jnp.ones((1,), jnp.float32)  # not elementwise: no _two_passes
+    for n, b in ((21, 5), (21, 16), (10000, 5000)):
+        for where in ({2: INF}, {2: INF, **dict.fromkeys(range(16, 21), -INF)}, {19: INF}):
+            v = np.linspace(-1.0, 1.0, n).astype(np.float32)
+            v[list(where)] = list(where.values())
+            x = jnp.asarray(v)[:, None]
+            want = jax.grad(lambda x: jax.nn.logsumexp(x[:, 0]))(x)
+            with ajm.config(backend="scan", remainder="overlap", native=native):
+                run = lambda x, b=b: ajm.batch_map(f, x, b, reduction=ajm.LOGSUMEXP)
+                got = jax.grad(run)(x)
+            _close(got, want, f"{n} rows, batch_size={b}, {where}")
+
+
 @pytest.mark.parametrize("batch_size", [2, 3])
 def test_softmax_weighted_infinite_value_in_a_repeated_row(batch_size):
     """An infinite value in a row that two overlapping chunks share: the copy left out

@@ -22,12 +22,14 @@ from ._monoids_shifted import (
     _drop,
     _finite_or_zero,
     _log_shifted,
+    _native_top,
     _own_init,
     _own_merge,
     _own_softmax,
     _rescale,
     _shifted,
     _softmax,
+    _top,
     _two_passes,
 )
 
@@ -73,7 +75,8 @@ class LogSumExp(Monoid):
         return y if w is None else _bound(y, _col(w, y))
 
     def fold_native(self, ys, w, kernel) -> Any:
-        top = kernel(self._rows(ys, w))  # one native pass, as a state of one row
+        y = self._rows(ys, w)
+        top = _native_top(kernel(y), y)  # one native pass, as a state of one row
         return top, jnp.ones_like(top), jnp.zeros_like(top)
 
     def fold_fast(self, ys, idx, w, again=None) -> Any:
@@ -85,7 +88,7 @@ class LogSumExp(Monoid):
 
     def fold(self, ys, idx, w) -> Any:
         y = self._rows(ys, w)
-        top = jnp.max(y, axis=0)
+        top = _top(y)  # (jnp.max, its derivative NaN only on the rows at an infinite top)
         s = jnp.sum(jnp.exp(_at_most_0(_shifted(y, top[None]))), axis=0)
         return top, _at_least_one(s, top), jnp.zeros_like(s)
 
@@ -169,7 +172,7 @@ class SoftmaxWeighted(_ExponentAndCompanion):
             s = _bound(s, _col(w, s))
             if w.ndim == 1 or w.shape == v.shape:  # a dropped row's inf value: 0, not NaN
                 v = jnp.where(_col(w, v) == np.inf, v, jnp.zeros_like(v))
-        top = jnp.max(s, axis=0)
+        top = _top(s)  # (as LogSumExp.fold's: the lse's NaN derivative at an infinite top)
         # an infinite top is not shifted away: exp(inf - inf) is NaN, as jax.nn.softmax
         e = jnp.exp(s - _finite_or_zero(top)[None])
         weighted = self._weigh(e, v)

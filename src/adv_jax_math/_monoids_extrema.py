@@ -67,7 +67,11 @@ class Extremum(Monoid):
     evenly by every tied row, as ``jax.grad(jnp.max)``, and is NaN everywhere when
     the result is NaN."""
 
-    selects, axes_all = True, True
+    # halves: on the scan engine's overlapping chunks a shared row's two copies each
+    # take half its share of the derivative (exact), not all of it and none: a copy
+    # of cotangent 0 meets fun's infinite partial derivatives there (a tied row's
+    # t * log(0)) as 0 * inf = NaN in reverse mode. The values ignore repeats.
+    selects, axes_all, halves = True, True, True
 
     def __init__(self, largest: bool):
         self.largest = largest
@@ -242,7 +246,7 @@ class ArgExtremum(Monoid):
     """``jnp.argmin(y, 0)`` / ``jnp.argmax`` (indices: global rows, the first on
     ties, the first NaN if any), with ``values`` also ``(jnp.min(y, 0), indices)``."""
 
-    selects = True
+    selects, halves = True, True  # halves: as Extremum's (the values ignore repeats)
 
     def __init__(self, largest: bool, values: bool):
         self.largest, self.values = largest, values

@@ -24,13 +24,16 @@ __all__ = [
     "_bound",
     "_drop",
     "_finite_or_zero",
+    "_join",
     "_log_shifted",
+    "_native_top",
     "_own_init",
     "_own_merge",
     "_own_softmax",
     "_rescale",
     "_shifted",
     "_softmax",
+    "_top",
     "_two_passes",
 ]
 
@@ -117,11 +120,73 @@ def _two_passes_jvp(primals: tuple, tangents: tuple) -> tuple:
     return (top, s), (dtop.astype(top.dtype), ds.astype(s.dtype))
 
 
+# The maxima that shift the sums, with jnp.max's and jnp.maximum's derivatives (the
+# tied rows share the tangent evenly; every row for a NaN maximum) written as selects,
+# not products with a 0/1 indicator. A non-finite maximum's derivative is NaN
+# (_undefined_derivative): in reverse mode that NaN cotangent must reach only the rows
+# holding the maximum, as in jax.grad(jax.nn.logsumexp) (0 elsewhere). jax's rules
+# transpose to NaN * 0 = NaN on every other row, and on every row of a chunk whose
+# own finite maximum lost the merge (the scan engine's gradient by y of a pairwise
+# logsumexp was NaN at each chunk's top beside a +inf pair).
+def _shares(y: jax.Array, top: jax.Array, dy: jax.Array) -> jax.Array:
+    """``dy`` on the rows of ``y`` equal to ``top`` (every row where ``top`` is NaN),
+    each divided by how many are, 0 on the others: a tangent of ``top``."""
+    tied = (y == top[None]) | jnp.isnan(top)[None]
+    count = jnp.sum(tied, axis=0).astype(dy.dtype)
+    return jnp.sum(jnp.where(tied, dy, jnp.zeros_like(dy)), axis=0) / count
+
+
+@jax.custom_jvp
+def _top(y: jax.Array) -> jax.Array:
+    """``jnp.max(y, axis=0)`` as the shift of a sum of ``exp(y - top)``: no derivative
+    where it is finite (``jax.nn.logsumexp``'s ``stop_gradient``; the shift cancels,
+    and the top row's infinite tangent would meet itself, inf - inf), else a select of
+    the tied rows' tangents (:func:`_two_passes`'s ``dtop``)."""
+    return jnp.max(y, axis=0)
+
+
+@_top.defjvp
+def _top_jvp(primals: tuple, tangents: tuple) -> tuple:
+    (y,), (dy,) = primals, tangents
+    top = _top(y)
+    dtop = jnp.where(jnp.isfinite(top), jnp.zeros_like(top), _shares(y, top, dy))
+    return top, dtop.astype(dy.dtype)
+
+
+@jax.custom_jvp
+def _join(a: jax.Array, b: jax.Array) -> jax.Array:
+    """``jnp.maximum(a, b)``, its derivative a select of the tied sides' tangents."""
+    return jnp.maximum(a, b)
+
+
+@_join.defjvp
+def _join_jvp(primals: tuple, tangents: tuple) -> tuple:
+    (a, b), (da, db) = primals, tangents
+    top = _join(a, b)
+    return top, _shares(jnp.stack([a, b]), top, jnp.stack([da, db]))
+
+
+@jax.custom_jvp
+def _native_top(lse: jax.Array, y: jax.Array) -> jax.Array:
+    """``lse``, the logsumexp of the rows ``y`` (one native pass: a state of top
+    ``lse`` and sum 1), whose tangent where it is not finite is :func:`_top`'s over
+    ``y``: the native kernel's own (the softmax weights times the rows' tangents)
+    would transpose the NaN cotangent of an infinite logsumexp onto every row of
+    the chunk (0 weights times NaN)."""
+    return lse
+
+
+@_native_top.defjvp
+def _native_top_jvp(primals: tuple, tangents: tuple) -> tuple:
+    (lse, y), (dlse, dy) = primals, tangents
+    return lse, jnp.where(jnp.isfinite(lse), dlse, _shares(y, lse, dy))
+
+
 def _rescale(tops: Sequence[jax.Array]) -> tuple[jax.Array, list[jax.Array]]:
     """The running maximum of several shifted states and each one's factor
     ``exp(top_i - max)`` onto it: 0 for the identity's -inf (never ``exp(0 - max)``,
     which overflows once every value seen is below about -88.7 in float32)."""
-    top = functools.reduce(jnp.maximum, tops)
+    top = functools.reduce(_join, tops)
     return top, [jnp.exp(_shifted(t, top)) for t in tops]
 
 

@@ -127,7 +127,7 @@ class Moments(Monoid):
         na, nb = ha.astype(ma.dtype) / 2, hb.astype(ma.dtype) / 2
         n = jnp.where(h > 0, h.astype(ma.dtype) / 2, 1)
         delta = (mb - ma) + (cb - ca)
-        mean, lost = _two_sum(ma, delta * (nb / n))
+        mean, lost = _chan_mean(ma, mb, delta, na / n, nb / n)
         # Chan's update reads inf - inf as NaN: an infinite mean is the plain weighted
         # one (inf with finite values, NaN with both infinities, as jnp.mean)
         finite = jnp.isfinite(ma) & jnp.isfinite(mb)
@@ -186,6 +186,25 @@ class Moments(Monoid):
         d_var = 2 * raw[1] / self._dof(n)
         parts = ([d_mean] if self.mean else []) + ([d_var] if self.variance else [])
         return tuple(parts) if len(parts) == 2 else parts[0]
+
+
+@jax.custom_jvp
+def _chan_mean(ma: jax.Array, mb: jax.Array, delta: jax.Array, wa: Any, wb: Any) -> tuple:
+    """Chan's merged mean ``ma + delta * wb`` (``delta = mb - ma``, compensated; ``wa``,
+    ``wb`` each state's share of the rows) and its rounding error (TwoSum)."""
+    return _two_sum(ma, delta * wb)
+
+
+@_chan_mean.defjvp
+def _chan_mean_jvp(primals: tuple, tangents: tuple) -> tuple:
+    # The weighted mean's tangent dma wa + dmb wb (each 0 where its share is): Chan's
+    # own, dma + (dmb - dma) wb, is inf - inf = NaN for a row's infinite tangent
+    # (jax.jvp(jnp.mean) of sqrt at 0 is inf). The error has none (TwoSum's).
+    wa, wb = primals[3:]
+    dma, dmb = tangents[:2]
+    mean, lost = _chan_mean(*primals)
+    share = lambda d, w: jnp.where(w == 0, jnp.zeros_like(d), d * w)
+    return (mean, lost), (share(dma, wa) + share(dmb, wb), jnp.zeros_like(lost))
 
 
 ADD = Sum()

@@ -69,18 +69,17 @@ def _inexact(a: Any) -> bool:
 
 
 def _with(tree: Any, pos: Sequence[int], values: Sequence[Any]) -> Any:
-    """``tree``'s tangents: ``values`` at leaves ``pos``, zeros (float0 for integers)
-    elsewhere."""
+    """``tree`` with ``values`` at leaves ``pos``."""
     leaves, treedef = jax.tree.flatten(tree)
-    out = [
-        jnp.zeros(jnp.shape(a), jnp.result_type(a))
-        if _inexact(a)
-        else np.zeros(jnp.shape(a), jax.dtypes.float0)
-        for a in leaves
-    ]
     for k, v in zip(pos, values, strict=True):
-        out[k] = v
-    return jax.tree.unflatten(treedef, out)
+        leaves[k] = v
+    return jax.tree.unflatten(treedef, leaves)
+
+
+def _pick(tree: Any, pos: Sequence[int]) -> list:
+    """``tree``'s leaves ``pos``."""
+    leaves = jax.tree.leaves(tree)
+    return [leaves[k] for k in pos]
 
 
 def fused(p: Pairs, consts: list, x: Any, y: Any) -> Any:
@@ -111,9 +110,13 @@ def fused(p: Pairs, consts: list, x: Any, y: Any) -> Any:
         res = (*primals, per_term)
 
         def tangent(lin: tuple, res: tuple) -> list:
+            # jvp in the nonzero tangents only, the other leaves closed over (symbolic
+            # zeros, as in plain JAX): a zero tangent made explicit meets f's infinite
+            # partial derivatives there, 0 / 0 = NaN (jvp by x of t * log(y) at y = 0)
             c, x, y, _ = res
-            dargs = [_with(a, ks, d) for a, ks, d in zip((c, x, y), pos, lin, strict=True)]
-            dout = jax.jvp(p.scan, (c, x, y), tuple(dargs))[1]
+            at = lambda *nz: [_with(a, ks, v) for a, ks, v in zip((c, x, y), pos, nz, strict=True)]
+            primal = tuple(_pick(a, ks) for a, ks in zip((c, x, y), pos, strict=True))
+            dout = jax.jvp(lambda *nz: p.scan(*at(*nz)), primal, tuple(lin))[1]
             return [
                 jax.tree.map(lambda d, o: d if _inexact(o) else None, d, leaf.out)
                 for leaf, d in zip(p.red.leaves, p.red.out_tree.flatten_up_to(dout), strict=True)
