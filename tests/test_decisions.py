@@ -55,10 +55,14 @@ def test_row_local_maps_run_whole():
     exp = lambda c: jnp.exp(c * 3.0 - jnp.max(c * 3.0, axis=-1, keepdims=True))
     softmax = lambda c: exp(c) / exp(c).sum(-1, keepdims=True)  # (jax.nn's: a custom rule)
     plan = ajm.explain(softmax, x, 64)
-    assert (plan.policy, plan.derivatives.rows_per_chunk) == (ajm.Policy.SINGLE, 64), str(plan)
-    assert plan.backward.startswith("in 16 chunks of 64 rows") and "would keep" in plan.backward
-    text = str(jax.make_jaxpr(lambda x: ajm.batch_map(softmax, x, 64))(x))
-    assert "while" not in text and "scan" not in text  # the forward pass runs whole
+    if jax.__version_info__ < (0, 10, 0):  # derivatives in chunks need jax >= 0.10: no whole
+        assert plan.policy != ajm.Policy.SINGLE and plan.derivatives is None, str(plan)
+    else:
+        assert (plan.policy, plan.derivatives.rows_per_chunk) == (ajm.Policy.SINGLE, 64), plan
+        assert plan.backward.startswith("in 16 chunks of 64 rows"), plan.backward
+        assert "would keep" in plan.backward
+        text = str(jax.make_jaxpr(lambda x: ajm.batch_map(softmax, x, 64))(x))
+        assert "while" not in text and "scan" not in text  # the forward pass runs whole
     grad = jax.grad(lambda x: jnp.sum(ajm.batch_map(softmax, x, 64) ** 3))(x)
     assert_tree_close(grad, jax.grad(lambda x: jnp.sum(softmax(x) ** 3))(x))
     # kept in chunks: a custom derivative rule, an array of the chunk's shape, values
