@@ -22,7 +22,7 @@ from helpers import TraceCounter, contains_kernel, needs_abstract_devices, needs
 
 import adv_jax_math as ajm
 from adv_jax_math.kernels.fused_reduce import check
-from adv_jax_math.kernels.fused_reduce.targets import abstract_mesh, context_mesh
+from adv_jax_math.kernels.fused_reduce.targets import abstract_mesh, concrete_context_mesh
 
 probe_module = importlib.import_module("adv_jax_math.kernels.fused_reduce.probe")
 
@@ -61,11 +61,11 @@ def test_context_mesh_is_seen_inside_jit(devices):
     seen = []
 
     def f(x):
-        seen.append(context_mesh())
+        seen.append(concrete_context_mesh())
         return x
 
     with jax.set_mesh(mesh):
-        assert context_mesh() == (mesh, False)
+        assert concrete_context_mesh() == (mesh, False)
         jax.jit(f).trace(np.zeros(4, np.float32))
     ((inside, tracing),) = seen
     assert tracing and inside is not None
@@ -74,11 +74,11 @@ def test_context_mesh_is_seen_inside_jit(devices):
 
 def test_no_context_mesh_without_set_mesh():
     seen = []
-    jax.jit(lambda x: seen.append(context_mesh()) or x).trace(np.zeros(4, np.float32))
-    assert context_mesh() == (None, False)
+    jax.jit(lambda x: seen.append(concrete_context_mesh()) or x).trace(np.zeros(4, np.float32))
+    assert concrete_context_mesh() == (None, False)
     assert seen == [(None, True)]
     with jax.sharding.use_abstract_mesh(abstract_mesh("tpu")):  # abstract only: no devices
-        jax.jit(lambda x: seen.append(context_mesh()) or x).trace(np.zeros(4, np.float32))
+        jax.jit(lambda x: seen.append(concrete_context_mesh()) or x).trace(np.zeros(4, np.float32))
     assert seen[-1] == (None, True)
 
 

@@ -54,7 +54,7 @@ from .targets import TPU_F32_MATH, Target, tpu_vmem_limit
 __all__ = [
     "BACKWARD_NAME",
     "Backward",
-    "Reverse",
+    "ReverseKernels",
     "float_positions",
     "plan_reverse",
     "reverse_rows",
@@ -81,7 +81,7 @@ def _aval(a: Any) -> jax.ShapeDtypeStruct:
 
 
 @dataclasses.dataclass(frozen=True)
-class Reverse:
+class ReverseKernels:
     """The kernels of one reverse pass: the tallies (the forward kernel with each
     tallied term's ``Monoid.tally``), then the backward kernel."""
 
@@ -104,7 +104,7 @@ def plan_reverse(
     target: Target,
     interpret: bool,
     vmem_model: bool = True,
-) -> Reverse | str:
+) -> ReverseKernels | str:
     """The kernels of the reverse pass at the block of ``closed``, each built (compiled
     where a compiler is present, lowered otherwise) for ``target``; or why not.
     ``vmem_model=False``: the TPU compiler alone says whether the block fits VMEM."""
@@ -128,14 +128,14 @@ def plan_reverse(
     block = (rows, steps)
     k = _build(closed, out_shape, xs, reduction, c_idx, x_idx, per_term, block, target, interpret)
     if interpret:
-        return Reverse(k, tally)
+        return ReverseKernels(k, tally)
     problem = _problem(k, vmem_model)
     if problem:
         return f"the backward kernel: {problem}"
     verdict = probe(k)
     if verdict.problem:
         return f"the backward kernel: {verdict.problem}"
-    return Reverse(k, tally, verdict.compiled)
+    return ReverseKernels(k, tally, verdict.compiled)
 
 
 def _problem(k: Backward, vmem_model: bool) -> str | None:
@@ -264,7 +264,7 @@ def reverse_rows(
     return _tpu_rows(k)
 
 
-def _tallies(r: Reverse, closed: Any, xs: Sequence[Any]) -> list:
+def _tallies(r: ReverseKernels, closed: Any, xs: Sequence[Any]) -> list:
     """Per term: its tally with the elements' shares (``Tally.shares``), or None."""
     out: list = [None] * len(r.kernel.terms)
     if r.tally is None:
@@ -277,7 +277,7 @@ def _tallies(r: Reverse, closed: Any, xs: Sequence[Any]) -> list:
 
 
 def run_reverse(
-    r: Reverse,
+    r: ReverseKernels,
     closed: Any,
     xs: Sequence[Any],
     cts: Sequence[Any],

@@ -115,7 +115,7 @@ class FusedEngine:
     def reverse_kernels(
         self, plan: Plan, xs: list, states: list, c_idx: list[list[int]], x_idx: list[int]
     ) -> tuple[Any, Any, int]:
-        """The reverse pass's kernels (``backward.Reverse``) at the largest of ``plan``'s
+        """The reverse pass's kernels (``backward.ReverseKernels``) at the largest of ``plan``'s
         backward blocks (``_reverse_blocks``) that compiles, or why reverse mode
         transposes the scan engine's chunks instead; the roofline model's verdict on
         them (None: none made); which block. ``c_idx``: per block, its trace's

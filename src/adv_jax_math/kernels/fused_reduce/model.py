@@ -12,7 +12,7 @@ import numpy as np
 
 from ... import _roofline as rl
 from ..._trace import rows_aval
-from .backward import Reverse
+from .backward import ReverseKernels
 from .backward_kernel import _block_vjp
 from .interpreter import evaluate
 from .kernel import Kernel
@@ -84,7 +84,7 @@ def forward_costs(plan: Any, xs: Any, k: Kernel, d: rl.Device) -> Verdict:
     return Verdict("forward", kernel, scan, d)
 
 
-def backward_costs(plan: Any, xs: Any, r: Reverse, d: rl.Device) -> Verdict:
+def backward_costs(plan: Any, xs: Any, r: ReverseKernels, d: rl.Device) -> Verdict:
     """The reverse kernels ``r`` against the scan engine's chunks transposed: each
     chunk's VJP (fun recomputed), the constants' cotangents carried; a max/min also
     recomputes fun for its tied rows first, in both engines."""

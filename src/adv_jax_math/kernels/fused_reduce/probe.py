@@ -1,7 +1,7 @@
 """The dispatch probe: compile the kernel alone, at the block it will run, for the
 device it will run on, where a compiler for it is present (a real device, or a
 compile-only topology device set with ``jax.set_mesh``); otherwise lower it for an
-abstract device of that kind. Verdicts are cached by jaxpr, shapes, block and target.
+abstract device of that kind. Probes are cached by jaxpr, shapes, block and target.
 
 Lowering checks only the Python side; compiling runs Mosaic's layout passes and
 VMEM allocation, and Triton to PTX to cubin, which report what lowering cannot
@@ -20,23 +20,25 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from .kernel import Kernel
-from .targets import PLATFORMS, abstract_mesh, compile_mesh, context_mesh, quiet_triton
+from .targets import PLATFORMS, abstract_mesh, compile_mesh, concrete_context_mesh, quiet_triton
 
-__all__ = ["Verdict", "probe"]
+__all__ = ["Probed", "probe"]
 
 _CACHE_SIZE = 256
-_PROBES: collections.OrderedDict[Any, Verdict] = collections.OrderedDict()
+_PROBES: collections.OrderedDict[Any, Probed] = collections.OrderedDict()
 
 
 @dataclasses.dataclass(frozen=True)
-class Verdict:
+class Probed:
+    """What compiling (or lowering) one kernel alone for its target found."""
+
     problem: str | None  # None: the kernel compiles (or lowers)
     compiled: bool  # False: only lowered (no compiler for the target here)
 
 
 def _build(k: Any, context: jax.sharding.Mesh | None, tracing: bool) -> bool:
     """Compile (True) or lower (False) the kernel alone for ``k.target``; ``context``
-    and ``tracing`` as :func:`context_mesh` returns them."""
+    and ``tracing`` as :func:`concrete_context_mesh` returns them."""
     args, call = k.args(), k.call()
     platform = k.target.platform
     if platform == "cpu":
@@ -90,25 +92,25 @@ def _compile(call: Any, args: list, mesh: jax.sharding.Mesh) -> None:
         context.__exit__(None, None, None)
 
 
-def probe(k: Kernel | Any) -> Verdict:
+def probe(k: Kernel | Any) -> Probed:
     """Whether the kernel builds for its target (cached).
 
     The verdict depends on the context too: under a mesh of several devices the
     kernel is compiled over all of them, as the caller's jit will; with no concrete
     mesh set, it may only be lowered."""
-    context, tracing = context_mesh() if k.target.platform != "cpu" else (None, False)
+    context, tracing = concrete_context_mesh() if k.target.platform != "cpu" else (None, False)
     where = (jax.sharding.get_abstract_mesh(), context is not None)
     key = (k.target, where, k.key())
     if key in _PROBES:
         _PROBES.move_to_end(key)
         return _PROBES[key]
     try:
-        verdict = Verdict(None, _build(k, context, tracing))
+        verdict = Probed(None, _build(k, context, tracing))
     except Exception as e:  # compilers report problems with many exception types
         message = " ".join(str(e).split())
         message = re.sub(r"\s*(Please file an issue|Traceback|File \").*", "", message)[:400]
         what = f"{k.target.label} for {k.target.device_kind or k.target.platform}"
-        verdict = Verdict(f"{what} failed at block {k.rows}: {type(e).__name__}: {message}", False)
+        verdict = Probed(f"{what} failed at block {k.rows}: {type(e).__name__}: {message}", False)
     _PROBES[key] = verdict
     while len(_PROBES) > _CACHE_SIZE:
         _PROBES.popitem(last=False)

@@ -25,7 +25,7 @@ __all__ = [
     "Target",
     "abstract_mesh",
     "compile_mesh",
-    "context_mesh",
+    "concrete_context_mesh",
     "device_kind",
     "gpu_target_config",
     "has_devices",
@@ -123,7 +123,7 @@ def _no_args() -> Any:
 _PROBE_CONTEXT = jax.jit(_no_args)  # compiled for the context mesh's devices (JAX caches it)
 
 
-def context_mesh() -> tuple[jax.sharding.Mesh | None, bool]:
+def concrete_context_mesh() -> tuple[jax.sharding.Mesh | None, bool]:
     """``(mesh, tracing)``: the concrete mesh set with ``jax.set_mesh`` (None without
     one) and whether this runs inside a ``jax.jit`` trace.
 
@@ -151,8 +151,8 @@ def context_mesh() -> tuple[jax.sharding.Mesh | None, bool]:
 def _mesh_device(platform: str) -> Any:
     """The first device of the active mesh (``jax.set_mesh``/``use_abstract_mesh``)
     when it is of ``platform``: a real or compile-only device (also inside
-    ``jax.jit``, see :func:`context_mesh`), or an abstract one."""
-    concrete, _ = context_mesh()
+    ``jax.jit``, see :func:`concrete_context_mesh`), or an abstract one."""
+    concrete, _ = concrete_context_mesh()
     meshes = [m for m in (concrete, jax.sharding.get_abstract_mesh()) if m is not None]
     for mesh in meshes:
         try:
