@@ -83,6 +83,14 @@ def _at_least_one(s: jax.Array, top: jax.Array) -> jax.Array:
     return lax.select(jnp.isfinite(top) & (s < 1), jnp.ones_like(s), s)
 
 
+def _shares(y: jax.Array, top: jax.Array, dy: jax.Array) -> jax.Array:
+    """``dy`` on the rows of ``y`` equal to ``top`` (every row where ``top`` is NaN),
+    each divided by how many are, 0 on the others: a tangent of ``top``."""
+    tied = (y == top[None]) | jnp.isnan(top)[None]
+    count = jnp.sum(tied, axis=0).astype(dy.dtype)
+    return jnp.sum(jnp.where(tied, dy, jnp.zeros_like(dy)), axis=0) / count
+
+
 @jax.custom_jvp
 def _two_passes(y: jax.Array, again: jax.Array) -> tuple[jax.Array, jax.Array]:
     """``(top, sum(exp(again - top)))`` over axis 0, ``top`` the maximum of ``y``, where
@@ -114,9 +122,8 @@ def _two_passes_jvp(primals: tuple, tangents: tuple) -> tuple:
     e = jnp.exp(once - _finite_or_zero(own)[None])
     norm = jnp.where(finite, s / jnp.sum(e, axis=0), 0)  # never 0 / 0: its transpose
     ds = norm * jnp.sum(e * dagain, axis=0)
-    # only ever multiplied by NaN (finalize), so a sum of the tied rows' tangents serves
-    tied = (again == top[None]) | jnp.isnan(top)[None]
-    dtop = jnp.where(finite, 0, jnp.sum(jnp.where(tied, dagain, 0), axis=0))
+    # (only ever multiplied by NaN: finalize's _undefined_derivative)
+    dtop = jnp.where(finite, 0, _shares(again, top, dagain))
     return (top, s), (dtop.astype(top.dtype), ds.astype(s.dtype))
 
 
@@ -128,14 +135,6 @@ def _two_passes_jvp(primals: tuple, tangents: tuple) -> tuple:
 # transpose to NaN * 0 = NaN on every other row, and on every row of a chunk whose
 # own finite maximum lost the merge (the scan engine's gradient by y of a pairwise
 # logsumexp was NaN at each chunk's top beside a +inf pair).
-def _shares(y: jax.Array, top: jax.Array, dy: jax.Array) -> jax.Array:
-    """``dy`` on the rows of ``y`` equal to ``top`` (every row where ``top`` is NaN),
-    each divided by how many are, 0 on the others: a tangent of ``top``."""
-    tied = (y == top[None]) | jnp.isnan(top)[None]
-    count = jnp.sum(tied, axis=0).astype(dy.dtype)
-    return jnp.sum(jnp.where(tied, dy, jnp.zeros_like(dy)), axis=0) / count
-
-
 @jax.custom_jvp
 def _top(y: jax.Array) -> jax.Array:
     """``jnp.max(y, axis=0)`` as the shift of a sum of ``exp(y - top)``: no derivative
