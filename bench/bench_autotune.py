@@ -46,7 +46,8 @@ import pytest
 from _timing import Compiled, compile_fn, interleaved
 
 import adv_jax_math as ajm
-from adv_jax_math import _autotune, _engines
+from adv_jax_math.engines import registry as _engines
+from adv_jax_math.plan import autotune as _autotune
 
 from workloads import pair_field
 

@@ -35,7 +35,7 @@ import numpy as np
 from _timing import measure
 
 import adv_jax_math as ajm
-from adv_jax_math._devices import DEVICES
+from adv_jax_math.core.devices import DEVICES
 
 from workloads import ADD_ONE, ADD_ONE_LOGSUMEXP, Workload, max_rel_error, nbody
 

@@ -12,16 +12,16 @@ import numpy as np
 import pytest
 
 import adv_jax_math as ajm
-from adv_jax_math._monoid import LeafReduction
-from adv_jax_math.kernels.fused_reduce import _fold_jaxpr
+from adv_jax_math.core.targets import TARGETS
 from adv_jax_math.kernels.fused_reduce.blocks import tpu_block
+from adv_jax_math.kernels.fused_reduce.fused import _fold_jaxpr
 from adv_jax_math.kernels.fused_reduce.kernel import Term
 from adv_jax_math.kernels.fused_reduce.rules import (
     held_across_reductions,
     live_at_peak,
     mosaic_problem,
 )
-from adv_jax_math.kernels.fused_reduce.targets import TARGETS
+from adv_jax_math.monoids.base import LeafReduction
 
 S = jax.ShapeDtypeStruct
 F32_ROW = S((8, 16), jnp.float32)

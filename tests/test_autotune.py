@@ -9,10 +9,10 @@ import pytest
 from helpers import assert_tree_close
 
 import adv_jax_math as ajm
-from adv_jax_math import _autotune
-from adv_jax_math._autotune_measure import TIMING_ROWS, ChunkProgram
-from adv_jax_math._config import parse_bytes
-from adv_jax_math._validate import batch_size_from
+from adv_jax_math.analysis.validate import batch_size_from
+from adv_jax_math.core.config import parse_bytes
+from adv_jax_math.plan import autotune as _autotune
+from adv_jax_math.plan.measure import TIMING_ROWS, ChunkProgram
 
 KIB, MIB = 2**10, 2**20
 N = 4096

@@ -208,7 +208,8 @@ def test_a_backward_block_of_its_own(monkeypatch, name):
     # never needs that, so here it is given one: fun traced once more on 3 rows, its
     # constants (w, closed over and differentiated; a constant made inside fun)
     # mapped to the reverse pass's.
-    from adv_jax_math.kernels.fused_reduce import _traced_at, engine
+    from adv_jax_math.engines import fused as engine
+    from adv_jax_math.kernels.fused_reduce.fused import _traced_at
 
     def three_rows(fun, xs, reduction, verdict, platform):
         closed, out_shape = _traced_at(fun, xs, 3, verdict.known)

@@ -5,8 +5,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from adv_jax_math.core.targets import target
 from adv_jax_math.kernels.fused_reduce.blocks import choose_block, choose_steps, tpu_legal_rows
-from adv_jax_math.kernels.fused_reduce.targets import target
 
 M = 1_000_000
 

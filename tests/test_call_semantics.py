@@ -13,7 +13,7 @@ import pytest
 from helpers import assert_tree_close, enable_x64, needs_kernel
 
 import adv_jax_math as ajm
-from adv_jax_math import _autotune
+from adv_jax_math.plan import autotune as _autotune
 
 SUM = dict(reduction=jnp.add, chunk_reduction=jnp.sum)
 ENGINES = {

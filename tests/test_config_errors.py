@@ -13,7 +13,8 @@ import jax.numpy as jnp
 import pytest
 
 import adv_jax_math as ajm
-from adv_jax_math import _autotune, _config
+from adv_jax_math.core import config as _config
+from adv_jax_math.plan import autotune as _autotune
 
 MIB = 2**20
 N = 1024

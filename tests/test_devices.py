@@ -15,8 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from adv_jax_math import _devices, _roofline, _roofline_pairwise
-from adv_jax_math.kernels.fused_reduce import targets
+from adv_jax_math.core import devices as _devices
+from adv_jax_math.core import targets
+from adv_jax_math.pairs import roofline as _roofline_pairwise
+from adv_jax_math.plan import roofline as _roofline
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from helpers import assert_tree_close
 
-from adv_jax_math._jacobian import batch_jacfwd, batch_jacrev
+from adv_jax_math.batch.jacobian import batch_jacfwd, batch_jacrev
 
 BATCH_JAC = {"fwd": (batch_jacfwd, jax.jacfwd), "rev": (batch_jacrev, jax.jacrev)}
 

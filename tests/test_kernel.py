@@ -26,11 +26,11 @@ from helpers import (
 from helpers import normal as standard_normal
 
 import adv_jax_math as ajm
-from adv_jax_math import _engines
-from adv_jax_math._monoid import MonoidReduction
-from adv_jax_math._plan import Call
-from adv_jax_math._recognize import recognize
-from adv_jax_math.kernels.fused_reduce import check, fused_states
+from adv_jax_math.analysis.recognize import recognize
+from adv_jax_math.engines import registry as _engines
+from adv_jax_math.kernels.fused_reduce.fused import check, fused_states
+from adv_jax_math.monoids.base import MonoidReduction
+from adv_jax_math.plan.base import Call
 
 pytestmark = needs_kernel
 

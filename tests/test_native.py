@@ -18,8 +18,8 @@ import pytest
 from helpers import assert_tree_close
 
 import adv_jax_math as ajm
-from adv_jax_math import _config
-from adv_jax_math._scan import TWO_PASSES
+from adv_jax_math.core import config as _config
+from adv_jax_math.engines.scan import TWO_PASSES
 from adv_jax_math.kernels import native as _native
 
 NEG_INF, POS_INF, NAN = -np.inf, np.inf, np.nan

@@ -238,7 +238,7 @@ def test_sharded_calls_and_other_backends_are_not_taken():
 def test_auto_batch_size_takes_the_tiles_own_size(monkeypatch):
     # the tiles keep their own "auto" size, so the autotuner, which sizes the scan
     # engine's chunks, compiles and times nothing (it timed chunks that never ran)
-    from adv_jax_math import _autotune
+    from adv_jax_math.plan import autotune as _autotune
 
     def timed(*args):
         raise AssertionError("a chunk program was built for a call the tiles run")

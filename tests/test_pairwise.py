@@ -17,8 +17,8 @@ from helpers import assert_tree_close, needs_abstract_devices, normal, on_abstra
 from jax import lax
 
 import adv_jax_math as ajm
-from adv_jax_math import _pairwise_kernel
 from adv_jax_math.kernels.pairwise_device import DEVICE_KERNEL_NAME
+from adv_jax_math.pairs import kernel as _pairwise_kernel
 
 N, M, D, TILES = 37, 53, 3, (8, 16)
 ENGINES = {

@@ -13,9 +13,10 @@ from helpers import assert_tree_close, normal
 from test_pairwise import CASES, dense, inputs
 
 import adv_jax_math as ajm
-from adv_jax_math._pairwise_kernel import recognized
 from adv_jax_math.kernels.pairwise_device import Layout, device_states
 from adv_jax_math.kernels.unrolled import NotUnrolled
+from adv_jax_math.pairs import api as pairs_api
+from adv_jax_math.pairs.kernel import recognized
 
 TILED = [name for name in CASES if name != "pytree"]
 
@@ -71,7 +72,7 @@ def test_what_is_not_tiled_is_refused_by_name():
 def test_tpu_layout_gradients_match_dense_oracle(name, monkeypatch):
     # backend="interpret" runs the GPU layout; the TPU one (a grid over y tiles, states
     # in the output block) runs the same reverse-pass sums
-    monkeypatch.setattr(ajm._pairwise, "INTERPRET_LAYOUT", "tpu")
+    monkeypatch.setattr(pairs_api, "INTERPRET_LAYOUT", "tpu")
     reduction, f, want = CASES[name]
     x, y = inputs()
     loss = lambda run: (

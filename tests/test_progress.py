@@ -10,7 +10,7 @@ import pytest
 from helpers import assert_tree_close
 
 import adv_jax_math as ajm
-from adv_jax_math import _progress
+from adv_jax_math.core import progress as _progress
 
 X = jnp.linspace(0.0, 1.0, 1000)
 

@@ -13,8 +13,8 @@ from helpers import assert_tree_close
 from jax import lax
 
 from adv_jax_math import ADD, LOGSUMEXP, MAX, MIN, identity
-from adv_jax_math._jaxpr_graph import elementwise
-from adv_jax_math._recognize import Recognition, recognize
+from adv_jax_math.analysis.jaxpr_graph import elementwise
+from adv_jax_math.analysis.recognize import Recognition, recognize
 
 F32, I32, BF16 = jnp.float32, jnp.int32, jnp.bfloat16
 ROWS, OTHER_ROWS = 6, 3

@@ -13,8 +13,8 @@ import pytest
 from helpers import needs_abstract_devices, needs_kernel, on_abstract_device
 
 import adv_jax_math as ajm
-from adv_jax_math import _roofline as rl
-from adv_jax_math.kernels.fused_reduce import engine as fused_engine
+from adv_jax_math.engines import fused as fused_engine
+from adv_jax_math.plan import roofline as rl
 
 S = jax.ShapeDtypeStruct
 H100 = rl.DEVICES["NVIDIA H100 80GB HBM3"]

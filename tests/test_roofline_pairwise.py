@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import pytest
 
 import adv_jax_math as ajm
-from adv_jax_math._roofline_pairwise import pairwise_cost
+from adv_jax_math.pairs.roofline import pairwise_cost
 
 S, F32 = jax.ShapeDtypeStruct, jnp.float32
 H100, A100, V5E = "NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB", "TPU v5 lite"

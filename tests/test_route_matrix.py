@@ -38,7 +38,9 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import adv_jax_math as ajm
-from adv_jax_math import _api, _engines, _shard
+from adv_jax_math.batch import api as _api
+from adv_jax_math.engines import registry as _engines
+from adv_jax_math.engines import shard as _shard
 
 pytestmark = [
     pytest.mark.skipif(jax.device_count() != 4, reason="needs the 4 virtual CPU devices"),

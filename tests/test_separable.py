@@ -9,8 +9,8 @@ from helpers import assert_tree_close, normal
 from jax import lax
 
 import adv_jax_math as ajm
-from adv_jax_math._nested import pairs
-from adv_jax_math._separable import Blocks, per_x_row, read_blocks
+from adv_jax_math.analysis.separable import Blocks, per_x_row, read_blocks
+from adv_jax_math.batch.nested import pairs
 
 BJ, BI, D = 5, 3, 3
 W = np.linspace(-1.0, 1.0, D * D, dtype=np.float32).reshape(D, D)

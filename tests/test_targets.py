@@ -21,8 +21,8 @@ import pytest
 from helpers import TraceCounter, contains_kernel, needs_abstract_devices, needs_kernel
 
 import adv_jax_math as ajm
-from adv_jax_math.kernels.fused_reduce import check
-from adv_jax_math.kernels.fused_reduce.targets import abstract_mesh, concrete_context_mesh
+from adv_jax_math.core.targets import abstract_mesh, concrete_context_mesh
+from adv_jax_math.kernels.fused_reduce.fused import check
 
 probe_module = importlib.import_module("adv_jax_math.kernels.fused_reduce.probe")
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from helpers import assert_tree_close
 
-from adv_jax_math._vectorize import batch_vectorize
+from adv_jax_math.batch.vectorize import batch_vectorize
 
 RNG = np.random.default_rng(0)
 

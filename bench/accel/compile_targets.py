@@ -85,7 +85,7 @@ def make_mesh(target: str):
     the ones the library caches for its own compiles."""
     from jax.experimental import topologies
 
-    from adv_jax_math.kernels.fused_reduce import targets
+    from adv_jax_math.core import targets
 
     kind = KINDS[target]
     if platform_of(target) == "tpu":

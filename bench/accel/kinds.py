@@ -2,6 +2,6 @@
 ``device_kind`` JAX reports, in the device table's order (``adv_jax_math._devices``).
 Importing it sets up no devices."""
 
-from adv_jax_math._devices import DEVICES
+from adv_jax_math.core.devices import DEVICES
 
 KINDS = {d.target: d.kind for d in DEVICES.values()}

@@ -33,8 +33,8 @@ import jax.numpy as jnp
 from kinds import KINDS
 
 import adv_jax_math as ajm
-from adv_jax_math._roofline import DEVICES
-from adv_jax_math._roofline_pairwise import SPECIAL_FLOPS, PairwiseCost, pairwise_cost
+from adv_jax_math.pairs.roofline import SPECIAL_FLOPS, PairwiseCost, pairwise_cost
+from adv_jax_math.plan.roofline import DEVICES
 
 KEOPS_SECONDS, KEOPS_PEAK = 1.38, 13.4e12  # RTX 2080 Ti: KeOps' figure, its f32 peak
 S, F32 = jax.ShapeDtypeStruct, jnp.float32

@@ -4,11 +4,13 @@
 the front end plans chunks and picks an engine, engines execute the plan.
 """
 
-from ._api import batch_map, batch_vmap, explain
-from ._config import Options, config
-from ._jacobian import batch_jacfwd, batch_jacrev
-from ._monoid import LeafReduction, Monoid, MonoidReduction, identity
-from ._monoids import (
+from .batch.api import batch_map, batch_vmap, explain
+from .batch.jacobian import batch_jacfwd, batch_jacrev
+from .batch.vectorize import batch_vectorize
+from .core.config import Options, config
+from .core.targets import target_mesh
+from .monoids.base import LeafReduction, Monoid, MonoidReduction, identity
+from .monoids.catalog import (
     ADD,
     ARGMAX,
     ARGMIN,
@@ -27,10 +29,8 @@ from ._monoids import (
     var,
     weighted_logsumexp,
 )
-from ._pairwise import PairwisePlan, explain_pairwise, pairwise
-from ._plan import Kind, Plan, Policy
-from ._vectorize import batch_vectorize
-from .kernels.fused_reduce.targets import target_mesh
+from .pairs.api import PairwisePlan, explain_pairwise, pairwise
+from .plan.base import Kind, Plan, Policy
 
 # DESC's names for the same functions (desc.batching), so DESC code runs unchanged.
 vmap_chunked = batch_vmap

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import _config
+from ..core import config as _config
 
 __all__ = ["ENV_LIB", "MIN_ELEMENTS", "TARGET", "decision", "logsumexp", "status", "worth_it"]
 

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from .._monoid import LeafReduction, index_dtype, merge_stacked
+from ..monoids.base import LeafReduction, index_dtype, merge_stacked
 from .fused_reduce.interpreter import evaluate
 from .fused_reduce.kernel import _load_const, _to_kernel_const, kernel_const_aval
 

@@ -35,8 +35,8 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from .._monoid import MonoidReduction, index_dtype
-from .._monoids_exponential import SoftmaxWeighted
+from ..monoids.base import MonoidReduction, index_dtype
+from ..monoids.exponential import SoftmaxWeighted
 from .pairwise import _pad_rows
 from .unrolled import NotUnrolled, evaluate
 

@@ -28,7 +28,7 @@ import numpy as np
 from jax import lax
 from jax.extend.core import ClosedJaxpr, Literal
 
-from .._jaxpr_graph import ELEMENTWISE, IDENTITY
+from ..analysis.jaxpr_graph import ELEMENTWISE, IDENTITY
 
 __all__ = ["NotUnrolled", "evaluate", "size", "stack", "unstack"]
 

@@ -37,19 +37,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from ..._monoid import LeafReduction, MonoidReduction
-from .backward_kernel import (
-    BACKWARD_NAME,
-    Backward,
-    _block_args,
-    _block_vjp,
-    _partial,
-)
+from ...core.targets import TPU_F32_MATH, Target, tpu_vmem_limit
+from ...monoids.base import LeafReduction, MonoidReduction
+from .backward_kernel import BACKWARD_NAME, Backward, _block_args, _block_vjp, _partial
 from .blocks import tpu_block
 from .kernel import Kernel, Term, _to_kernel_const, forward, kernel_const_aval
 from .probe import probe
 from .rules import analyze, live_at_peak, triton_size_problem
-from .targets import TPU_F32_MATH, Target, tpu_vmem_limit
 
 __all__ = [
     "BACKWARD_NAME",
@@ -108,7 +102,7 @@ def plan_reverse(
     """The kernels of the reverse pass at the block of ``closed``, each built (compiled
     where a compiler is present, lowered otherwise) for ``target``; or why not.
     ``vmem_model=False``: the TPU compiler alone says whether the block fits VMEM."""
-    from . import _kernel, _terms
+    from .fused import _kernel, _terms
 
     tallied = [j for j, leaf in enumerate(reduction.leaves) if leaf.monoid.tally is not None]
     tally = None

@@ -23,10 +23,10 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from ..._monoid import index_dtype
+from ...core.targets import KERNEL_NAME, Target
+from ...monoids.base import index_dtype
 from .interpreter import evaluate
 from .kernel import Grid, Term, _load_const, compiler_params, kernel_const_aval
-from .targets import KERNEL_NAME, Target
 
 __all__ = ["BACKWARD_NAME", "Backward"]
 

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 from jax.experimental import pallas as pl
 
-from .targets import Target
+from ...core.targets import Target
 
 __all__ = [
     "choose_block",

@@ -22,9 +22,9 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from ..._monoid import LeafReduction, index_dtype, merge_stacked
+from ...core.targets import KERNEL_NAME, Target, pallas_triton, tpu_vmem_limit
+from ...monoids.base import LeafReduction, index_dtype, merge_stacked
 from .interpreter import evaluate
-from .targets import KERNEL_NAME, Target, pallas_triton, tpu_vmem_limit
 
 __all__ = ["Kernel", "Term", "compiler_params", "forward", "kernel_const_aval", "pallas_call"]
 

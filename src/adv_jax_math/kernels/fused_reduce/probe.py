@@ -19,8 +19,14 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from ...core.targets import (
+    PLATFORMS,
+    abstract_mesh,
+    compile_mesh,
+    concrete_context_mesh,
+    quiet_triton,
+)
 from .kernel import Kernel
-from .targets import PLATFORMS, abstract_mesh, compile_mesh, concrete_context_mesh, quiet_triton
 
 __all__ = ["Probed", "probe"]
 

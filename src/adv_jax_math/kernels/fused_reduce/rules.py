@@ -11,10 +11,10 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from ..._jaxpr_graph import ELEMENTWISE, graph
-from ..._trace import sub_jaxprs
+from ...analysis.jaxpr_graph import ELEMENTWISE, graph
+from ...core.targets import Target
+from ...core.trace import sub_jaxprs
 from .blocks import is_pow2, tpu_padded_bytes
-from .targets import Target
 
 __all__ = [
     "Analysis",

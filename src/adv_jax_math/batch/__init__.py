@@ -1,0 +1,3 @@
+"""The public chunked calls: ``batch_map``, ``batch_vmap``, ``explain``, nested calls,
+Jacobians and ``batch_vectorize``.
+"""

@@ -1,0 +1,276 @@
+"""The fused kernel as an engine of the registry (``_engines``)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.extend.core import ClosedJaxpr
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+from ..analysis import tangent
+from ..core import config as _config
+from ..core.sharding import Lanes
+from ..core.targets import target
+from ..kernels.fused_reduce.backward import float_positions, plan_reverse, run_reverse
+from ..kernels.fused_reduce.fused import check, fused_states, reverse_blocks
+from ..monoids.base import MonoidReduction
+from ..plan import roofline
+from ..plan.base import Call, Kind, Plan, Policy, Rejection
+from . import scan as _scan
+from .fused_model import backward_costs, forward_costs
+
+__all__ = ["FusedEngine"]
+
+
+class FusedEngine:
+    """The fused Pallas kernel, compiled (``"pallas"``) or interpreted (``"interpret"``)."""
+
+    def __init__(self, interpret: bool):
+        self.interpret = interpret
+        self.name = "interpret" if interpret else "pallas"
+
+    def accept(self, plan: Plan, call: Call) -> Plan | Rejection:
+        requested = _config.current().backend
+        if requested not in ("auto", self.name):
+            return Rejection(f"not requested (backend={requested!r})")
+        if self.interpret and requested != "interpret":
+            return Rejection("only on request (backend='interpret'): slow, for testing")
+        if not tangent.SUPPORTED:
+            return Rejection(f"the fused kernel needs jax >= 0.10.0: {tangent.UNSUPPORTED}")
+        if plan.kind is not Kind.MONOID:
+            return Rejection("no fused kernel: the reduction is not a recognized monoid")
+        if plan.policy is Policy.EMPTY:
+            return Rejection("empty input: the result is the monoid identity")
+        if plan.n is None:
+            return Rejection("nothing mapped (batch_size=None): one plain call of fun")
+        forced = requested == self.name
+        if not self.interpret and plan.platform == "cpu":
+            if forced:
+                return Rejection(
+                    "Pallas has no compiled CPU lowering; use backend='interpret' on CPU", True
+                )
+            return Rejection(
+                "on CPU the fused kernel only runs in interpret mode (slow); "
+                "backend='interpret' forces it"
+            )
+        platform = "cpu" if self.interpret else plan.platform
+        reduction, max_rows = _monoid(plan)
+        fun = reduction.prepare(call.fun)
+        verdict = check(
+            fun,
+            call.xs,
+            reduction,
+            platform=platform,
+            max_rows=max_rows,
+            traced=plan.traced,
+        )
+        if verdict.problem:
+            return Rejection(
+                f"fused kernel not used: {verdict.problem}", forced and not verdict.empty
+            )
+        model = None
+        d = None if self.interpret else roofline.device(verdict.device)
+        if d is not None and verdict.kernel is not None:
+            model = forward_costs(plan, call.xs, verdict.kernel, d)
+            if not model.kernel_wins and not forced and _config.current().roofline:
+                return Rejection(f"the roofline model says the scan engine is faster: {model}")
+        if self.interpret:
+            where = "in interpret mode (requested)"
+        elif verdict.compiled:
+            where = f"compiled for {verdict.device}"
+        else:
+            where = f"lowered for {verdict.device} (not compiled: no {platform} compiler here)"
+        return dataclasses.replace(
+            plan,
+            engine=self.name,
+            reason=f"fused Pallas kernel {where}, blocks of {verdict.rows} rows"
+            + (f" (VMEM model: {verdict.vmem / 2**20:.1f} MiB)" if verdict.vmem else ""),
+            block_rows=verdict.rows,
+            block_steps=verdict.steps,
+            block_traced=verdict.traced,
+            reverse_traced=reverse_blocks(fun, call.xs, reduction, verdict, platform),
+            roofline=(model,) if model else (),
+        )
+
+    def run(self, plan: Plan, call: Call) -> Any:
+        reduction, _ = _monoid(plan)
+        parts = [(plan, call.xs, 0)]
+        # Each backward block trace's constants among the traces' constants
+        # (``tangent.reduce`` numbers them so, once each).
+        order = {id(c): i for i, c in enumerate({id(c): c for c in plan.consts()}.values())}
+        where = [[order[id(c)] for c in b[0].consts] for b in _reverse_blocks(plan)]
+        return tangent.reduce(
+            reduction,
+            parts,
+            self.states,
+            _scan.tangent_shares,
+            custom=True,
+            differentiable_states_of=_scan.states,
+            transpose_of=lambda rev: self.reverse(rev, where),
+        )
+
+    def reverse_kernels(
+        self, plan: Plan, xs: list, states: list, c_idx: list[list[int]], x_idx: list[int]
+    ) -> tuple[Any, Any, int]:
+        """The reverse pass's kernels (``backward.ReverseKernels``) at the largest of ``plan``'s
+        backward blocks (``_reverse_blocks``) that compiles, or why reverse mode
+        transposes the scan engine's chunks instead; the roofline model's verdict on
+        them (None: none made); which block. ``c_idx``: per block, its trace's
+        constants with a cotangent."""
+        if plan.lanes is not None and plan.lanes.count > 1:
+            return "the rows are spread over devices (no backward kernel per device yet)", None, 0
+        mesh = jax.sharding.get_abstract_mesh()
+        if not mesh.empty and AxisType.Explicit in tuple(mesh.axis_types):
+            return "under a mesh with Explicit axes (no backward kernel in shard_map yet)", None, 0
+        reduction, _ = _monoid(plan)
+        tgt = target("cpu" if self.interpret else plan.platform)
+        blocks = _reverse_blocks(plan)
+        reasons, lowered_only = [], False
+        for i, (closed, out_shape, rows, steps) in enumerate(blocks):
+            last = i == len(blocks) - 1  # the VMEM model's block
+            if lowered_only and not last:
+                continue
+            built = plan_reverse(
+                closed,
+                out_shape,
+                xs,
+                reduction,
+                states,
+                c_idx=c_idx[i],
+                x_idx=x_idx,
+                rows=rows,
+                steps=steps,
+                target=tgt,
+                interpret=self.interpret,
+                vmem_model=last,
+            )
+            if isinstance(built, str):
+                reasons.append(built)
+            elif last or built.compiled:
+                break
+            else:  # no compiler for the target here: the model's block decides
+                lowered_only = True
+        if isinstance(built, str):
+            return "; ".join(reasons), None, i
+        d = None if self.interpret else roofline.device(tgt.device_kind)
+        if d is None:
+            return built, None, i
+        model = backward_costs(plan, xs, built, d)
+        options = _config.current()
+        if not model.kernel_wins and options.backend != self.name and options.roofline:
+            return f"the roofline model says the scan engine is faster: {model}", model, i
+        return built, model, i
+
+    def describe_reverse(self, plan: Plan, call: Call) -> Plan:
+        """``plan`` with how reverse mode runs, with respect to every float input and
+        constant (``Plan.backward``, and the model's verdict in ``Plan.roofline``)."""
+        found: list = []
+        c_idx = [float_positions(b[0].consts) for b in _reverse_blocks(plan)]
+
+        def trace(xs: Any) -> list:
+            states = self.states(plan, xs, 0)
+            leaves = jax.tree.leaves(xs)
+            found.append(self.reverse_kernels(plan, leaves, states, c_idx, float_positions(leaves)))
+            return states
+
+        jax.eval_shape(trace, call.xs)
+        ((built, model, _),) = found
+        if isinstance(built, str):
+            text = f"the scan engine's chunks, transposed: {built}"
+        else:
+            k = built.kernel
+            text = f"backward kernel, blocks of {k.rows} rows, {k.steps} per program"
+            text += " (the tied rows tallied first)" if built.tally else ""
+        models = plan.roofline + ((model,) if model else ())
+        return dataclasses.replace(plan, backward=text, roofline=models)
+
+    def reverse(self, rev: tangent.Reverse, where: list[list[int]]) -> tuple:
+        """The reverse pass (``tangent.Reverse``) as the backward kernels; ``where``:
+        per backward block, its trace's constants' index among ``rev.values``."""
+        plan, xs = rev.plans[0], jax.tree.leaves(rev.xss[0])
+        lin_of = {v: j for j, v in enumerate(rev.c_pos)}
+        c_idx = [[k for k, i in enumerate(w) if i in lin_of] for w in where]
+        built, _, b = self.reverse_kernels(plan, xs, rev.states, c_idx, rev.x_pos[0])
+        if isinstance(built, str):
+            return rev.reference()
+        dc, dx = run_reverse(built, _reverse_blocks(plan)[b][0], xs, rev.cts, rev.states)
+        c_structs, _ = rev.lin
+        ct_c = [jnp.zeros(s.shape, s.dtype) for s in c_structs]
+        for k, d in zip(c_idx[b], dc, strict=True):
+            j = lin_of[where[b][k]]
+            ct_c[j] = ct_c[j] + d.astype(ct_c[j].dtype)
+        return ct_c, [dx]
+
+    def states(self, plan: Plan, xs: Any, offset: int) -> list:
+        """Each term's state over ``plan``'s rows, from the kernel (its tangent: the
+        scan engine's chunks, see ``_tangent.reduce``). With the rows spread over
+        devices (``plan.lanes``) every device runs the kernel on its own rows under
+        ``shard_map``, and the devices' states are merged."""
+        reduction, _ = _monoid(plan)
+        assert plan.block_traced is not None  # set by accept()
+        closed, out_shape = plan.block_traced
+        run = lambda cs, rows, first: fused_states(
+            (ClosedJaxpr(closed.jaxpr, cs), out_shape),
+            rows,
+            reduction,
+            rows=plan.block_rows,
+            steps=plan.block_steps,
+            interpret=self.interpret,
+            platform=plan.platform,
+            offset=first,
+        )
+        lanes = plan.lanes
+        if lanes is None or lanes.count == 1:
+            mesh = jax.sharding.get_abstract_mesh()
+            if mesh.empty or AxisType.Explicit not in tuple(mesh.axis_types):
+                return run(list(closed.consts), xs, offset)
+            # A kernel runs with manual mesh axes only: under an Explicit context mesh,
+            # on every device, replicated (rows spread over devices use lanes).
+            lanes = Lanes(1, mesh, tuple(mesh.axis_names))
+        m, spec = plan.n, lanes.spec() if lanes.count > 1 else PartitionSpec()
+        assert m is not None
+
+        def per_device(cs: list, rows: Any) -> list:
+            first = offset + (lax.axis_index(lanes.axes) * m if lanes.count > 1 else 0)
+            return jax.tree.map(lambda a: a[None], run(cs, rows, first))
+
+        # The kernel's constants are arguments (replicated): shard_map takes no
+        # closed-over values typed on Explicit axes.
+        everywhere = lambda a: _replicated(jnp.asarray(a), lanes.mesh)
+        cs = [everywhere(c) for c in closed.consts]
+        if lanes.count == 1:
+            xs = jax.tree.map(everywhere, xs)
+        states = jax.shard_map(
+            per_device,
+            mesh=lanes.mesh,
+            in_specs=(PartitionSpec(), spec),
+            out_specs=spec if lanes.count > 1 else PartitionSpec(),
+            check_vma=False,
+        )(cs, xs)
+        if lanes.count == 1:
+            return jax.tree.map(lambda a: a[0], states)
+        return _scan.merge_all(reduction, states, lanes)
+
+
+def _monoid(plan: Plan) -> tuple[MonoidReduction, int | None]:
+    """A Kind.MONOID plan's reduction and batch_size. Only sharded plans (run by the
+    shard engine) keep batch_size="auto"; every other plan has an int or None."""
+    assert plan.reduction is not None and not isinstance(plan.batch_size, str)
+    return plan.reduction, plan.batch_size
+
+
+def _reverse_blocks(plan: Plan) -> list[tuple[Any, list, int, int]]:
+    """The blocks the backward kernel may run at, largest first, each as ``fun``'s
+    trace, its output avals, rows and steps: the forward's, then any smaller ones
+    the planner traced (``reverse_blocks``)."""
+    assert plan.block_traced is not None  # set by accept()
+    return [(*plan.block_traced, plan.block_rows, plan.block_steps), *plan.reverse_traced]
+
+
+def _replicated(a: jax.Array, mesh: Any) -> jax.Array:
+    """``a`` whole on every device of ``mesh`` (a kernel argument inside shard_map)."""
+    return jax.sharding.reshard(a, NamedSharding(mesh, PartitionSpec()))

@@ -1,0 +1,359 @@
+"""The fused Pallas map-reduce: a chunk's ``fun`` and its monoid reductions in one
+kernel (GPU: Triton; TPU: Mosaic; CPU: interpret mode).
+
+``fun`` (prepared: one array per result leaf, see ``MonoidReduction.prepare``) is
+traced on a block of ``Bk`` rows to a jaxpr whose constants (concrete arrays,
+integer constants, tracers of enclosing transformations) become whole-array
+kernel inputs. The kernel folds each term's monoid state per program; the states
+are merged in XLA (``kernel.forward``). ``pallas_call`` has no transpose rule, so
+the engine wraps it in a :func:`jax.custom_jvp` whose tangent is the monoid's
+row tangent summed chunk by chunk (``_tangent.reduce``).
+
+Modules: ``targets`` (platforms, defaults, devices to lower for), ``blocks``
+(block sizing), ``rules`` (what the kernel supports), ``kernel`` (the kernel
+body and ``pallas_call``), ``probe`` (cached lowering check), ``engine`` (the
+engine registry's adapter).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ...analysis.validate import mapped_rows, rowwise_problem
+from ...core.targets import (
+    KERNEL_NAME,
+    TPU_F32_MATH,
+    Target,
+    silence_triton_deprecation,
+    target,
+    tpu_vmem_limit,
+    triton_problem,
+)
+from ...monoids.base import MonoidReduction, index_dtype
+from .backward import reverse_rows
+from .blocks import choose_block, choose_steps, row_stats, tpu_block, tpu_legal_rows
+from .kernel import Kernel, Term, forward, kernel_const_aval
+from .probe import probe
+from .rules import (
+    analyze,
+    dtype_problem,
+    empty_problem,
+    held_across_reductions,
+    mosaic_problem,
+    triton_size_problem,
+)
+
+__all__ = ["KERNEL_NAME", "Check", "check", "fused_states", "reverse_blocks"]
+
+
+_ROWWISE = "the kernel needs one output row per input row"
+
+
+@dataclasses.dataclass(frozen=True)
+class Check:
+    """The verdict on one call: ``problem`` (None: the kernel runs) and the block."""
+
+    problem: str | None
+    rows: int = 0  # Bk, rows per kernel block
+    steps: int = 1  # blocks per kernel program
+    compiled: bool = False  # compiled for the target (False: lowered only, or interpret)
+    device: str = ""  # the device kind built for
+    vmem: int = 0  # TPU: modelled VMEM footprint of one block, bytes
+    traced: Any = dataclasses.field(default=None, compare=False, repr=False)  # fun at `rows`
+    kernel: Kernel | None = dataclasses.field(default=None, compare=False, repr=False)
+    known: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)  # rows: trace
+    empty: bool = False  # the problem is an array without elements: not an error when forced
+
+
+def _traced_at(fun: Callable, xs: Any, rows: int, known: dict) -> tuple[Any, list[Any]]:
+    """``fun`` traced on blocks of ``rows`` rows, once per block shape."""
+    if rows not in known:
+        known[rows] = _trace(fun, xs, rows)
+    return known[rows]
+
+
+def _trace(fun: Callable, xs: Any, rows: int) -> tuple[Any, list[Any]]:
+    """``fun`` traced on blocks of ``rows`` rows, the inputs flattened to leaves."""
+    leaves, tree = jax.tree.flatten(xs)
+    blocks = [jax.ShapeDtypeStruct((rows, *x.shape[1:]), x.dtype) for x in leaves]
+    trace = lambda *ls: fun(jax.tree.unflatten(tree, ls))
+    closed, out = jax.make_jaxpr(trace, return_shape=True)(*blocks)
+    return closed, jax.tree.leaves(out)
+
+
+def _terms(reduction: MonoidReduction, out_shape: Sequence[Any], rows: int) -> tuple[Term, ...]:
+    """Each term as the kernel folds it, with its state on a block of ``rows`` rows."""
+    terms = []
+    for leaf in reduction.leaves:
+        src = reduction.reads(out_shape, leaf)
+        items = tuple(jax.ShapeDtypeStruct(tuple(s.shape[1:]), s.dtype) for s in src)
+        rows_leaf = dataclasses.replace(leaf, axis=0)
+        block = [jax.ShapeDtypeStruct((rows, *it.shape), it.dtype) for it in items]
+        idx = jax.ShapeDtypeStruct((rows,), index_dtype())
+        state = jax.eval_shape(lambda ys, i, rl=rows_leaf: rl.fold(ys, i, None), block, idx)
+        terms.append(Term(leaf, items, state))
+    return tuple(terms)
+
+
+def _fold_jaxpr(term: Term, rows: int) -> Any:
+    """One block's fold of ``term`` as the kernel runs it: row indices and weights at
+    the block's full shape (``kernel._term_state``)."""
+    monoid = term.leaf.monoid
+    block = [jax.ShapeDtypeStruct((rows, *it.shape), it.dtype) for it in term.items]
+
+    def fold(ys: list) -> Any:
+        idx = jax.lax.broadcasted_iota(index_dtype(), ys[0].shape, 0)
+        w = monoid.encode((idx < rows).astype(jnp.float32), ys[0].dtype, jnp)
+        return term.rows_leaf.fold(ys, idx, w)
+
+    return jax.make_jaxpr(fold)(block)
+
+
+def _kernel(
+    traced: tuple[Any, Sequence[Any]],
+    xs: Any,
+    reduction: MonoidReduction,
+    block: tuple[int, int],
+    target: Target,
+    interpret: bool,
+) -> Kernel:
+    """The kernel for ``fun`` traced on a block (``traced``: jaxpr, output avals)
+    of ``block = (rows, steps)``."""
+    (closed, out_shape), (rows, steps) = traced, block
+    leaves = jax.tree.leaves(xs)
+    return Kernel(
+        jaxpr=closed.jaxpr,
+        const_avals=tuple(
+            jax.ShapeDtypeStruct(np.shape(c), jnp.result_type(c)) for c in closed.consts
+        ),
+        in_avals=tuple(jax.ShapeDtypeStruct(tuple(x.shape), x.dtype) for x in leaves),
+        terms=_terms(reduction, out_shape, rows),
+        n=int(leaves[0].shape[0]),
+        rows=rows,
+        steps=steps,
+        target=target,
+        interpret=interpret,
+    )
+
+
+def check(
+    fun: Callable,
+    xs: Any,
+    reduction: MonoidReduction,
+    *,
+    platform: str,
+    max_rows: int | None,
+    traced: Any = None,
+) -> Check:
+    """Whether the fused kernel can run ``reduction`` of ``fun(xs)`` on ``platform``.
+
+    Static rules (inputs, dtypes, block sizes, array sizes) come first, from ``fun``
+    traced on a small block; then the kernel is built at the block it will run and
+    lowered for the platform (cached). Without such hardware present, GPU lowering
+    targets an abstract NVIDIA H100 and TPU lowering an abstract TPU v5 lite.
+
+    Parameters
+    ----------
+    fun : callable
+        The prepared function: a list of ``(rows, ...)`` leaves to a list of
+        ``(rows, ...)`` arrays, one per result leaf.
+    xs : pytree
+        Arrays or ``jax.ShapeDtypeStruct`` sharing a leading size ``n``.
+    reduction : MonoidReduction
+        The recognized reduction.
+    platform : str
+        ``"cpu"`` (interpret mode), ``"gpu"``/``"cuda"``/``"rocm"`` (Triton) or ``"tpu"``.
+    max_rows : int or None
+        The user's ``batch_size``: an upper bound on the kernel block.
+    traced : Traced, optional
+        ``fun`` already traced on some number of rows (the planner's chunk): reused
+        when a block has that many rows, so no shape is traced twice.
+    """
+    known: dict[int, tuple[Any, list[Any]]] = {}
+    if traced is not None:
+        known[traced.jaxpr.in_avals[0].shape[0]] = (traced.jaxpr, jax.tree.leaves(traced.out_shape))
+    try:
+        tgt = target(platform)
+        n = mapped_rows(xs, "xs")
+    except ValueError as e:
+        return Check(str(e))
+    leaves = jax.tree.leaves(xs)
+    if n < 1:
+        return Check("no rows (n == 0): the result is the identity")
+    problem = empty_problem([(f"input leaf {i}", x.shape) for i, x in enumerate(leaves)])
+    if problem:
+        return Check(problem, empty=True)
+    problem = triton_problem() if tgt.triton else None
+    problem = problem or dtype_problem(tgt, [x.dtype for x in leaves], "the inputs")
+    if problem:
+        return Check(problem)
+    one_d = any(len(x.shape) == 1 for x in leaves)
+    rows = choose_block(tgt, n, max_rows, *row_stats(leaves), one_d)
+    if isinstance(rows, str):
+        return Check(rows)
+    small = rows if tgt.mosaic and rows == n else min(rows, tgt.probe_rows)
+    if tgt.mosaic and one_d and small != rows:
+        small = 128
+    try:
+        closed, out_shape = _traced_at(fun, xs, small, known)
+    except Exception as e:  # fun may not trace on other row counts; the scan engine will
+        return Check(f"fun could not be traced on a block of {small} rows: {type(e).__name__}: {e}")
+    problem = rowwise_problem(out_shape, small, "fun's output", _ROWWISE)
+    if problem:
+        return Check(problem)
+    analysis = analyze(closed.jaxpr, small)
+    terms = _terms(reduction, out_shape, small)
+    states = [a for t in terms for a in jax.tree.leaves(t.state)]
+    problem = empty_problem(
+        [(f"constant {i} of fun", np.shape(c)) for i, c in enumerate(closed.consts)]
+        + [
+            (f"the state of {t.leaf.monoid!r}", a.shape)
+            for t in terms
+            for a in jax.tree.leaves(t.state)
+        ]
+    )
+    if problem:
+        return Check(problem, empty=True)
+    problem = dtype_problem(
+        tgt, [dt for _, dt in analysis.avals] + [a.dtype for a in states], "fun"
+    )
+    if problem:
+        return Check(problem)
+    if tgt.triton:
+        problem = triton_size_problem(tgt, analysis, small)
+        if problem:
+            return Check(problem)
+    vmem = 0
+    if tgt.mosaic:
+        folds = [(t, _fold_jaxpr(t, small)) for t in terms]
+        problem = mosaic_problem(tgt, closed.jaxpr, small, "fun")
+        for t, fold in folds:
+            problem = problem or mosaic_problem(tgt, fold.jaxpr, small, f"{t.leaf.monoid!r}'s fold")
+        if problem:
+            return Check(problem)
+        block = tpu_block(
+            n,
+            max_rows,
+            inputs=leaves,
+            consts=[
+                kernel_const_aval(jax.ShapeDtypeStruct(np.shape(c), c.dtype)) for c in closed.consts
+            ],
+            partials=[((1, *(a.shape or (1,))), a.dtype) for a in states],
+            body=analysis.avals,
+            traced_rows=small,
+            elementwise=analysis.elementwise,
+            limit=tpu_vmem_limit(tgt.device_kind),
+            v4=tgt.device_kind == "TPU v4",
+            f32_math=tgt.device_kind in TPU_F32_MATH,
+            held=[a for _, fold in folds for a in held_across_reductions(fold, small)],
+        )
+        if isinstance(block, str):
+            return Check(block)
+        rows, vmem = block
+    else:
+        rows = choose_block(tgt, n, max_rows, analysis.row_elems, analysis.row_bytes, one_d)
+    if isinstance(rows, str):
+        return Check(rows)
+    steps = choose_steps(tgt, n, rows)
+    closed, out_shape = _traced_at(fun, xs, rows, known)
+    k = _kernel((closed, out_shape), xs, reduction, (rows, steps), tgt, tgt.platform == "cpu")
+    verdict = probe(k)
+    traced_block = (closed, out_shape)
+    return Check(
+        verdict.problem,
+        rows,
+        steps,
+        verdict.compiled,
+        tgt.device_kind,
+        vmem,
+        traced_block,
+        k,
+        known,
+    )
+
+
+def reverse_blocks(
+    fun: Callable, xs: Any, reduction: MonoidReduction, verdict: Check, platform: str
+) -> tuple[tuple[Any, list[Any], int, int], ...]:
+    """``fun`` traced on smaller blocks for the backward kernel, largest first, each
+    ``(jaxpr, output avals, rows, steps)``: on TPU, where the VMEM model of a block's
+    VJP (with respect to every float constant and input) says the forward's block
+    :func:`check` chose does not fit, half and a quarter of it and the model's own
+    block (the smallest legal one when none fits). The reverse pass tries the
+    forward's block, then these, and runs at the first that compiles (lowered only:
+    the model's block). Empty where the forward's block fits, or elsewhere."""
+    tgt = target(platform)
+    if not tgt.mosaic or verdict.kernel is None:
+        return ()
+    closed, out_shape = verdict.traced
+    states = [t.state for t in verdict.kernel.terms]
+    leaves = jax.tree.leaves(xs)
+    try:
+        fits = reverse_rows(closed, out_shape, leaves, reduction, states, verdict.rows, tgt)
+    except Exception:  # fun not differentiable: reverse mode will say why
+        return ()
+    if isinstance(fits, int) and fits >= verdict.rows:
+        return ()
+    last = fits if isinstance(fits, int) else tpu_legal_rows(1, leaves)
+    halves = {tpu_legal_rows(verdict.rows // d, leaves) for d in (2, 4)}
+    blocks = sorted({r for r in halves if last < r < verdict.rows} | {last}, reverse=True)
+    out = []
+    for rows in blocks:
+        try:
+            traced = _traced_at(fun, xs, rows, verdict.known)
+        except Exception:  # fun does not trace on that block: the others may serve
+            continue
+        out.append((*traced, rows, choose_steps(tgt, verdict.kernel.n, rows)))
+    return tuple(out)
+
+
+def fused_states(
+    traced: tuple[Any, list[Any]],
+    xs: Any,
+    reduction: MonoidReduction,
+    *,
+    rows: int,
+    steps: int = 1,
+    interpret: bool,
+    platform: str | None = None,
+    offset: Any = 0,
+) -> list[Any]:
+    """Each term's state of ``reduction`` over the rows of ``xs``, computed by one
+    Pallas kernel (the programs' states merged in XLA).
+
+    Parameters
+    ----------
+    traced : (ClosedJaxpr, list of ShapeDtypeStruct)
+        The prepared ``fun`` traced on a block of ``rows`` rows (:attr:`Check.traced`);
+        its constants are the kernel's constant inputs.
+    xs : pytree
+        Arrays sharing a leading size ``n >= 1`` (the mapped rows).
+    reduction : MonoidReduction
+        Per-term monoids and axes.
+    rows, steps : int
+        Rows per kernel block and blocks per kernel program (from :func:`check`).
+    interpret : bool
+        Run the kernel in Pallas interpret mode (any platform, e.g. CPU).
+    platform : str, optional
+        Compiled lowering target when ``interpret`` is False; defaults to
+        ``jax.default_backend()``.
+    offset : int or traced int
+        The global index of the first row (row indices of ARGMIN, top-k).
+    """
+    tgt = target("cpu" if interpret else platform or jax.default_backend())
+    if tgt.triton:
+        silence_triton_deprecation()
+    leaves = jax.tree.leaves(xs)
+    mapped_rows(xs, "xs")  # validates the inputs
+    closed, out_shape = traced
+    problem = rowwise_problem(out_shape, rows, "fun's output", _ROWWISE)
+    if problem:
+        raise ValueError(problem)
+    k = _kernel((closed, out_shape), xs, reduction, (rows, steps), tgt, interpret)
+    return forward(k, list(closed.consts), list(leaves), offset)

@@ -1,0 +1,476 @@
+"""Pairwise reductions: ``out_i = reduce_j f(x_i, y_j)``, nothing N x M ever stored.
+
+``pairwise(f, x, y, reduction)`` takes ``f`` written for one pair (KeOps' lazy
+reductions, in JAX). The reduction over ``j`` has :func:`batch_map`'s semantics
+for a Monoid object reducing the mapped axis (global ``j`` indices, ties and NaN
+as plain JAX); it is computed in tiles of ``bi`` x rows by ``bj`` y rows, each x
+row's monoid state carried across the y tiles. The engines:
+
+* ``pairwise tiles (xla)``, the default on CPU: the GPU tile kernel's loops in plain
+  XLA (``kernels/pairwise_device.py``, layout ``"xla"``), where unrolling ``f``'s
+  features pays (``_pairwise_kernel.layout_problem``); its reverse pass the kernel
+  engine's below;
+* ``pairwise scan``: x tiles in a chunked ``vmap``, y tiles in a chunked monoid
+  reduction (:func:`batch_vmap` of :func:`batch_map`), each tile rematerialized in a
+  gradient: O(bi * bj) memory forward and backward; every ``f``, and ``shard=True``;
+* ``pairwise scan (y over devices)`` for ``shard="y"``: :func:`batch_map` over the y
+  rows spread over the devices, each chunk the block of its y rows by every x row,
+  the devices' monoid states merged;
+* ``pairwise kernel (gpu)`` / ``(tpu)``: the tile kernel (``kernels/pairwise_device.py``,
+  ``f``'s features unrolled so every value is 2-D), the default on GPU/TPU where it
+  tiles ``f`` and compiles at its tiles; ``backend="interpret"`` runs it in interpret
+  mode (``pairwise kernel (interpret)``; where it cannot tile ``f``, the interpret
+  kernel of ``kernels/pairwise.py``). Reverse mode is pairwise sums on the same kernel
+  (``_pairwise_grad``); forward mode takes the scan engine's tangent.
+
+``columns=`` (a Monoid or pytree of them) adds the other marginal of the same
+matrix, ``cols_j = reduce_i f(x_i, y_j)`` (Sinkhorn's two marginals): two passes over
+the tiles, the second this same call with ``x`` and ``y`` swapped (``f`` evaluated
+twice), planned as any other.
+
+:func:`explain_pairwise` shows the plan: sizes, tiles, engine and why the others
+were not taken (and the column pass's plan, for ``columns=``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
+
+from ..batch.api import batch_map, batch_vmap
+from ..core import config as _config
+from ..core.sharding import explicit, sharding_of, typed_mesh
+from ..core.targets import pallas_triton, tpu_vmem_limit
+from ..core.targets import target as device_target
+from ..kernels.pairwise_device import Layout
+from ..monoids.base import Monoid, MonoidReduction, is_monoid_tree
+from ..monoids.exponential import SoftmaxWeighted
+from ..plan.base import target_platform
+from .grad import Pairs, fused
+from .kernel import first_row, layout_problem, recognized
+
+__all__ = ["PairwisePlan", "explain_pairwise", "pairwise"]
+
+TILE_ELEMENTS = 1 << 18  # bi * bj of an "auto" tile: 1 MiB per float32 output leaf
+MAX_Y_TILE = 2048  # bj of an "auto" tile
+SORT_TILE_ELEMENTS, SORT_MAX_Y_TILE = 1 << 20, 8192  # the same for top-k on the CPU tiles
+
+
+@dataclasses.dataclass(frozen=True)
+class PairwisePlan:
+    """What :func:`pairwise` runs: ``n`` x rows, ``m`` y rows, tiles of
+    ``tiles = (bi, bj)`` rows, the engine and why, the engines not taken; with
+    ``columns=``, the column pass's plan as ``columns`` (``y`` rows as its ``x``)."""
+
+    n: int
+    m: int
+    tiles: tuple[int, int]
+    reduction: str
+    engine: str
+    reason: str
+    rejected: tuple[tuple[str, str], ...] = ()
+    columns: PairwisePlan | None = None  # the column pass (``columns=``): y rows, x rows
+
+    def __str__(self) -> str:
+        bi, bj = self.tiles
+        xt, yt = -(-self.n // bi) if bi else 0, -(-self.m // bj) if bj else 0
+        rows = [
+            ("rows (x, y)", f"{self.n} x {self.m}"),
+            ("tiles", f"{bi} x {bj} rows: {xt} x tile(s), {yt} y tile(s) each"),
+            ("reduction", f"{self.reduction} over the y rows, for each x row"),
+            ("engine", f"{self.engine}: {self.reason}"),
+            *(("rejected", f"{name}: {why}") for name, why in self.rejected),
+        ]
+        if self.columns is not None:
+            pass_ = "a second pass, over the x rows for each y row (below: x and y swapped)"
+            rows.append(("columns", pass_))
+        lines = [f"{label:<11}: {text}" for label, text in rows]
+        if self.columns is not None:
+            lines += [f"    {line}" for line in str(self.columns).splitlines()]
+        return "\n".join(lines)
+
+
+def pairwise(
+    f: Callable,
+    x: Any,
+    y: Any,
+    reduction: Monoid | Any,
+    *,
+    tiles: tuple[int, int] | str = "auto",
+    shard: bool | str = False,
+    mesh: jax.sharding.Mesh | None = None,
+    columns: Monoid | Any | None = None,
+) -> Any:
+    """``reduction`` over ``j`` of ``f(x_i, y_j)``, for every ``i``, in tiles (and with
+    ``columns=``, a reduction over ``i`` for every ``j`` too).
+
+    Parameters
+    ----------
+    f : callable
+        ``f(xi, yj)`` for one pair: ``xi`` one row of ``x`` (a pytree), ``yj`` one row
+        of ``y``; returns a pytree. Values it closes over may be differentiated.
+    x, y : pytree of arrays
+        Rows along the leading axis of every leaf: ``N`` rows of ``x``, ``M`` of ``y``.
+    reduction : Monoid or pytree of Monoid
+        ``ADD``, ``MAX``, ``LOGSUMEXP``, ``ARGMIN``, ``top_k(k)``,
+        ``SOFTMAX_WEIGHTED`` (``f`` returns ``(score, value)``), ``MEAN``, ``VAR``...,
+        or one per subtree of ``f``'s output, as ``batch_map(..., reduction=)``.
+    tiles : (int, int) or "auto"
+        ``(bi, bj)``: rows of ``x`` and of ``y`` per tile. ``"auto"`` takes
+        ``bj = min(M, 2048)`` and ``bi`` the power of two (or ``N``) that makes a tile
+        of at most 2^18 pairs (a top-k on the CPU tiles: ``y`` split evenly into tiles
+        of at most 8192 rows, at most 2^20 pairs); on GPU ``(64, 64)`` and on TPU
+        ``(512, 256)`` for the tile kernel (GPU tiles are powers of two; on TPU
+        multiples of 128).
+    shard : bool or "x" or "y"
+        ``True`` (or ``"x"``): spread the rows of ``x`` over the devices of ``mesh``
+        (each device reduces its own x rows over all of ``y``), as
+        ``batch_vmap(..., shard=True)``. ``"y"``: spread the rows of ``y`` (for a
+        ``y`` too large for one device): each device reduces every x row over its own
+        y rows, in chunks of ``bj`` y rows by all ``N`` x rows, and the devices'
+        monoid states are merged.
+    mesh : jax.sharding.Mesh or None
+        The mesh for ``shard`` (default: the one of ``jax.set_mesh``, else all
+        devices).
+    columns : Monoid or pytree of Monoid or None
+        Also reduce over ``i`` for every ``j`` (both marginals of the pairwise matrix,
+        as a Sinkhorn solver needs): two passes over the tiles, ``f`` evaluated in each;
+        the second is ``pairwise(lambda yj, xi: f(xi, yj), y, x, columns)`` with the
+        same ``shard`` and ``mesh``, its tiles ``(bj, bi)`` (``"auto"`` stays
+        ``"auto"``). The default ``None``: rows only.
+
+    Returns
+    -------
+    pytree, or (pytree, pytree) with ``columns=``
+        The reduction's result for each ``x`` row, stacked along a new leading axis
+        of size ``N``: as ``jax.vmap`` over ``x`` of ``batch_map`` over ``y``. With
+        ``columns=``, ``(rows, cols)``: ``rows`` that, ``cols`` the ``columns``
+        reduction's result for each ``y`` row, over the ``x`` rows (leading axis ``M``).
+
+    Examples
+    --------
+    >>> import jax.numpy as jnp
+    >>> import adv_jax_math as ajm
+    >>> x, y = jnp.arange(3.0)[:, None], jnp.arange(5.0)[:, None]
+    >>> gauss = lambda xi, yj: jnp.exp(-jnp.sum((xi - yj) ** 2))
+    >>> [round(v, 3) for v in ajm.pairwise(gauss, x, y, ajm.ADD, tiles=(2, 2)).tolist()]
+    [1.386, 1.754, 1.772]
+    >>> ajm.pairwise(lambda xi, yj: jnp.sum((xi - yj) ** 2), x, y, ajm.ARGMIN)
+    Array([0, 1, 2], dtype=int32)
+
+    Both marginals of the kernel matrix: its row sums and its column sums.
+
+    >>> rows, cols = ajm.pairwise(gauss, x, y, ajm.ADD, columns=ajm.ADD)
+    >>> [round(v, 3) for v in rows.tolist()], [round(v, 3) for v in cols.tolist()]
+    ([1.386, 1.754, 1.772], [1.386, 1.736, 1.386, 0.386, 0.018])
+    """
+    if columns is not None:
+        _check_monoids(columns, "columns")
+    rows = _pairwise(f, x, y, reduction, tiles, shard, mesh)
+    if columns is None:
+        return rows
+    swapped, col_tiles = _column_pass(f, tiles)
+    return rows, _pairwise(swapped, y, x, columns, col_tiles, shard, mesh)
+
+
+def _pairwise(
+    f: Callable, x: Any, y: Any, reduction: Any, tiles: Any, shard: bool | str, mesh: Any
+) -> Any:
+    """One pass: ``reduction`` over ``j`` of ``f(x_i, y_j)``, for every ``i``."""
+    plan, red, layout = _plan(f, x, y, reduction, tiles, shard)
+    if plan.engine == _SCAN_Y:  # every device reduces its y rows for every x row,
+        # on the mesh x and y are typed on where none is given or set
+        with typed_mesh(*([] if mesh else [x, y])):
+            out = _scan_y(f, jax.tree.map(_whole, x), y, red, reduction, plan.tiles[1], mesh)
+        return jax.tree.map(lambda o: _rows_like(o, x), out)
+    y = jax.tree.map(_whole, y)
+    if plan.engine == _SCAN and shard:
+        return _scan(f, x, y, reduction, plan.tiles, shard=True, mesh=mesh)
+    if plan.engine == _SCAN:
+        return _scan(f, x, y, reduction, plan.tiles)
+    conv, consts = jax.closure_convert(f, first_row(x), first_row(y))
+    out = _fused(conv, list(consts), plan, red, layout, x, y, reduction)
+    return jax.tree.map(lambda o: _rows_like(o, x), out)
+
+
+def explain_pairwise(
+    f: Callable,
+    x: Any,
+    y: Any,
+    reduction: Monoid | Any,
+    *,
+    tiles: tuple[int, int] | str = "auto",
+    shard: bool | str = False,
+    columns: Monoid | Any | None = None,
+) -> PairwisePlan:
+    """The plan :func:`pairwise` would run for these arguments (``x`` and ``y`` may
+    hold ``jax.ShapeDtypeStruct``); with ``columns=``, the row pass's plan, the column
+    pass's as its ``columns``."""
+    if columns is not None:
+        _check_monoids(columns, "columns")
+    plan = _plan(f, x, y, reduction, tiles, shard)[0]
+    if columns is None:
+        return plan
+    swapped, col_tiles = _column_pass(f, tiles)
+    return dataclasses.replace(plan, columns=_plan(swapped, y, x, columns, col_tiles, shard)[0])
+
+
+_SCAN, _KERNEL, _TILES = "pairwise scan", "pairwise kernel (interpret)", "pairwise tiles (xla)"
+_SCAN_Y = "pairwise scan (y over devices)"
+
+
+def _column_pass(f: Callable, tiles: Any) -> tuple[Callable, Any]:
+    """``f`` and ``tiles`` of the column pass (``columns=``): x and y swapped. Called
+    after the row pass has checked ``tiles``."""
+    return (lambda yj, xi: f(xi, yj)), tiles if tiles == "auto" else tuple(tiles)[::-1]
+
+
+def _check_monoids(tree: Any, name: str) -> None:
+    if not is_monoid_tree(tree):
+        raise TypeError(
+            f"pairwise: {name}={tree!r} is not a Monoid (or a pytree of them); pass "
+            "ajm.ADD, ajm.LOGSUMEXP, ajm.ARGMIN, ajm.top_k(k), ..."
+        )
+
+
+def _whole(a: Any) -> Any:
+    """A leaf of ``y`` replicated where its type has it split (Explicit axes): every
+    x row reads every row of ``y`` (as a value closed over by ``f`` would be)."""
+    sharding = sharding_of(a)
+    if not explicit(sharding) or all(s is None for s in sharding.spec):
+        return a
+    return jax.sharding.reshard(a, NamedSharding(sharding.mesh, PartitionSpec()))
+
+
+def _rows_like(out: jax.Array, x: Any) -> jax.Array:
+    """``out`` with its rows split as those of ``x`` are, where that is in the types."""
+    sharding = sharding_of(jax.tree.leaves(x)[0])
+    if not explicit(sharding) or not sharding.spec or sharding.spec[0] is None:
+        return out
+    return jax.sharding.reshard(out, NamedSharding(sharding.mesh, PartitionSpec(sharding.spec[0])))
+
+
+def _rows(tree: Any, name: str) -> int:
+    leaves = jax.tree.leaves(tree)
+    if not leaves:
+        raise ValueError(f"pairwise: {name} has no arrays; pass a pytree of arrays with rows")
+    sizes = {tuple(jnp.shape(a))[:1] for a in leaves}
+    if () in sizes or len(sizes) != 1:
+        shapes = [tuple(jnp.shape(a)) for a in leaves]
+        raise ValueError(
+            f"pairwise: every leaf of {name} needs the same leading (row) axis; got shapes {shapes}"
+        )
+    return int(sizes.pop()[0])
+
+
+def _tiles(tiles: tuple[int, int] | str, n: int, m: int) -> tuple[int, int]:
+    if tiles == "auto":
+        bj = max(1, min(m, MAX_Y_TILE))
+        bi = 1 << (TILE_ELEMENTS // bj).bit_length() - 1  # a power of two
+        return max(1, min(n, bi)), bj
+    if (
+        not isinstance(tiles, tuple | list)
+        or len(tiles) != 2
+        or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 1 for t in tiles)
+    ):
+        raise ValueError(f"pairwise: tiles={tiles!r}; pass (bi, bj), two ints >= 1, or 'auto'")
+    return min(tiles[0], max(n, 1)), min(tiles[1], max(m, 1))
+
+
+def _sort_tiles(n: int, m: int) -> tuple[int, int]:
+    """The CPU tiles' "auto" tiles for a top-k: the y rows split evenly into tiles of
+    at most 8192 (a multiple of 8: no last tile mostly padding), ``bi`` the power of
+    two that makes a tile of at most 2^20 pairs. Each tile is one ``lax.top_k`` and
+    each merge another: at N = M = 1e4 and 3e4, D = 3 and 16, 1.5-1.7x faster than
+    the tiles of :func:`_tiles` (min of 5). Other monoids gained nothing consistent
+    from larger tiles (0.6-1.4x, depending on the sizes' alignment)."""
+    bj = -(-m // -(-m // SORT_MAX_Y_TILE))
+    bj = min(m, -(-bj // 8) * 8)
+    bi = 1 << (SORT_TILE_ELEMENTS // bj).bit_length() - 1
+    return max(1, min(n, bi)), bj
+
+
+def _plan(
+    f: Callable, x: Any, y: Any, reduction: Any, tiles: Any, shard: bool | str
+) -> tuple[PairwisePlan, MonoidReduction, Layout | None]:
+    """The plan, the terms over ``j`` it recognized in ``reduction``, and the kernel's
+    tile layout (None: the interpret kernel, or no kernel)."""
+    if shard not in (False, True, "x", "y"):
+        raise TypeError(f"pairwise: shard={shard!r}; pass False, True (or 'x'), or 'y'")
+    _check_monoids(reduction, "reduction")
+    n, m = _rows(x, "x"), _rows(y, "y")
+    bi, bj = _tiles(tiles, n, m)
+    red = recognized(f, x, y, reduction, max(bj, 1))
+    red.check_rows(m)
+    what = ", ".join(dict.fromkeys(leaf.monoid.name for leaf in red.leaves))
+    if shard == "y" and n and m:
+        return _plan_y(n, m, tiles, what), red, None
+    backend, platform = _config.current().backend, target_platform()
+    tiles_why = None
+    if not (n and m):
+        kernel_why = "no rows to tile (N or M is 0)"
+    elif shard:
+        kernel_why = "shard=True: the kernel does not spread over devices yet"
+    elif backend == "interpret":
+        tiled = Layout(INTERPRET_LAYOUT, (bi, bj), interpret=True)
+        problem = layout_problem(f, x, y, red, tiled)
+        kernel = f"the {INTERPRET_LAYOUT} tile kernel, interpreted"
+        if problem is not None:
+            kernel = f"the interpret kernel ({problem})"
+        plan = PairwisePlan(
+            n, m, (bi, bj), what, _KERNEL, f"requested (backend='interpret'): {kernel}"
+        )
+        return plan, red, tiled if problem is None else None
+    elif backend in ("auto", "pallas") and platform in ("gpu", "cuda", "rocm", "tpu"):
+        found = _device(f, x, y, red, tiles, platform)
+        if isinstance(found, Layout):
+            bi, bj = found.tiles
+            why = f"a program per {bi} x rows, looping over tiles of {bj} y rows"
+            if found.kind == "tpu":
+                why = f"a grid of {bi} x rows (parallel) by {bj} y rows (arbitrary)"
+            engine = f"pairwise kernel ({found.kind})"
+            return PairwisePlan(n, m, found.tiles, what, engine, why), red, found
+        kernel_why = found
+    elif backend == "auto":
+        kernel_why = f"only on request on {platform} (backend='interpret')"
+        if tiles == "auto" and any(leaf.monoid.sorts for leaf in red.leaves):
+            bi, bj = _sort_tiles(n, m)
+        tiled = Layout("xla", (bi, bj))
+        problem = layout_problem(f, x, y, red, tiled)
+        if problem is None:
+            why = (
+                f"a loop over tiles of {bi} x rows, each over tiles of {bj} y rows, f's "
+                f"features unrolled: every value a {bj} x {bi} tile (default on {platform})"
+            )
+            scan_why = "f on tiles of pairs with its features as the minor axis: slower"
+            lost = (("pairwise kernel", kernel_why), (_SCAN, scan_why))
+            return PairwisePlan(n, m, (bi, bj), what, _TILES, why, lost), red, tiled
+        tiles_why = problem
+    else:
+        kernel_why = f"not requested (backend={backend!r})"
+    why = "x tiles in a chunked vmap, y tiles in a chunked monoid reduction"
+    if shard:
+        why += "; the x rows spread over the devices (shard=True)"
+    elif backend == "auto":
+        why += f" (default on {platform})"
+    rejected: tuple[tuple[str, str], ...] = (("pairwise kernel", kernel_why),)
+    if tiles_why is not None:
+        rejected += ((_TILES, tiles_why),)
+    return PairwisePlan(n, m, (bi, bj), what, _SCAN, why, rejected), red, None
+
+
+def _plan_y(n: int, m: int, tiles: Any, what: str) -> PairwisePlan:
+    """The plan for ``shard="y"``: chunks of ``bj`` y rows by every x row on each
+    device (``tiles``' ``bj``; "auto": at most 2^18 pairs and a device's share)."""
+    d = jax.device_count()
+    bj = max(1, min(-(-m // d), TILE_ELEMENTS // n)) if tiles == "auto" else tiles[1]
+    why = (
+        f"the y rows spread over the devices (shard='y'): each reduces every x row over its "
+        f"own y rows, in chunks of {bj} y rows by all {n} x rows; the devices' states merged"
+    )
+    lost = (("pairwise kernel", "shard='y': the kernel does not spread over devices yet"),)
+    return PairwisePlan(n, m, (n, bj), what, _SCAN_Y, why, lost)
+
+
+DEVICE_TILES = {"gpu": (64, 64), "tpu": (512, 256)}  # (bi, bj) of an "auto" tile kernel
+INTERPRET_LAYOUT = "gpu"  # the tile kernel backend="interpret" runs (tests set "tpu" too)
+
+
+def _device(
+    f: Callable, x: Any, y: Any, red: MonoidReduction, tiles: Any, platform: str
+) -> Layout | str:
+    """The tile kernel's layout for ``platform``, compiled (or lowered) at its tiles,
+    or why not."""
+    kind = "tpu" if platform == "tpu" else "gpu"
+    target = device_target(platform)
+    bi, bj = DEVICE_TILES[kind] if tiles == "auto" else tiles
+    if tiles == "auto" and kind == "tpu" and tpu_vmem_limit(target.device_kind) < 32 << 20:
+        bi, bj = bi // 2, bj // 2  # TPU v4 (16 MiB of VMEM): the reverse pass's D sums overflow
+    if kind == "gpu" and (bi & (bi - 1) or bj & (bj - 1)):
+        return f"tiles={tiles!r}: Triton needs powers of two (default {DEVICE_TILES['gpu']})"
+    if kind == "tpu" and (bi % 128 or bj % 128):
+        return f"tiles={tiles!r}: on TPU bi and bj are multiples of 128 (x and y rows on lanes)"
+    if kind == "tpu":
+        from jax.experimental.pallas import tpu as pltpu
+
+        params: Any = pltpu.CompilerParams(
+            dimension_semantics=("parallel", "arbitrary"),
+            vmem_limit_bytes=tpu_vmem_limit(target.device_kind),
+        )
+    else:
+        params = pallas_triton().CompilerParams(num_warps=4)
+    layout = Layout(kind, (bi, bj), params=params)
+    problem = layout_problem(f, x, y, red, layout, target)
+    return layout if problem is None else f"the tile kernel: {problem}"
+
+
+# -- the scan engine -----------------------------------------------------------------------
+def _scan(
+    f: Callable,
+    x: Any,
+    y: Any,
+    reduction: Any,
+    tiles: tuple[int, int],
+    shard: bool = False,
+    mesh: Any = None,
+) -> Any:
+    bi, bj = tiles
+
+    def per_x(xi: Any, y: Any) -> Any:
+        pairs = lambda yc: jax.vmap(f, (None, 0))(xi, yc)
+        return batch_map(pairs, y, bj, reduction=reduction)
+
+    # y an unmapped argument, not closed over: with shard=True it is placed on the mesh
+    run = lambda: batch_vmap(per_x, (0, None), batch_size=bi, shard=shard, mesh=mesh)(x, y)
+    if target_platform() == "cpu" or _config.current().backend not in ("auto", "pallas"):
+        return run()
+    # not the 1-D kernel over y: it would run vmapped over the x rows, its blocks
+    # batched beyond what its compile probe checked (Mosaic refused them on TPU)
+    with _config.config(backend="scan"):
+        return run()
+
+
+def _scan_y(
+    f: Callable, x: Any, y: Any, red: MonoidReduction, reduction: Any, bj: int, mesh: Any
+) -> Any:
+    """``shard="y"``: :func:`batch_map` over the y rows spread over the devices (each
+    device's monoid states merged across them), each chunk the block of its ``bj`` y
+    rows by every x row, x rows on the minor axis. A result with the monoid's own
+    axes first (top-k's ``(k, N)``) is turned to have the x rows first."""
+    if any(isinstance(leaf.monoid, SoftmaxWeighted) for leaf in red.leaves):
+        # its values are weighed by their own x row's scores only: each x row its own
+        # reduction (vmapped; the x rows then on the major axis)
+        per_x = lambda xi: jax.vmap(lambda yj: f(xi, yj))
+        run = lambda xi: batch_map(per_x(xi), y, bj, reduction=reduction, shard=True, mesh=mesh)
+        return jax.vmap(run)(x)
+    block = lambda yc: jax.vmap(lambda yj: jax.vmap(lambda xi: f(xi, yj))(x))(yc)
+    out = batch_map(block, y, bj, reduction=reduction, shard=True, mesh=mesh)
+    n = jax.tree.leaves(x)[0].shape[0]
+    per_row = [jax.tree.leaves(leaf.out) for leaf in red.leaves]
+    flat = [
+        o if o.shape == (n, *w.shape) else jnp.moveaxis(o, 1, 0)
+        for o, w in zip(jax.tree.leaves(out), [w for ws in per_row for w in ws], strict=True)
+    ]
+    return jax.tree.unflatten(jax.tree.structure(out), flat)
+
+
+# -- the kernel engine (``_pairwise_kernel``; its derivatives: ``_pairwise_grad``) ---------
+def _fused(
+    conv: Callable,
+    consts: list,
+    plan: PairwisePlan,
+    red: MonoidReduction,
+    layout: Layout | None,
+    x: Any,
+    y: Any,
+    reduction: Any,
+) -> Any:
+    """The kernel's result; ``red`` the terms :func:`_plan` recognized (from ``f``'s
+    output shapes, which ``conv`` shares), ``layout`` the tile kernel's."""
+    scan = lambda c, x, y: _scan(lambda xi, yj: conv(xi, yj, *c), x, y, reduction, plan.tiles)
+    return fused(Pairs(conv, red, plan.tiles, scan, layout), consts, x, y)
