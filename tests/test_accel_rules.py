@@ -14,7 +14,7 @@ import pytest
 import adv_jax_math as ajm
 from adv_jax_math.core.targets import TARGETS
 from adv_jax_math.kernels.fused_reduce.blocks import tpu_block
-from adv_jax_math.kernels.fused_reduce.fused import _fold_jaxpr
+from adv_jax_math.kernels.fused_reduce.build import fold_jaxpr as _fold_jaxpr
 from adv_jax_math.kernels.fused_reduce.kernel import Term
 from adv_jax_math.kernels.fused_reduce.rules import (
     held_across_reductions,

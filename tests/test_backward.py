@@ -209,7 +209,7 @@ def test_a_backward_block_of_its_own(monkeypatch, name):
     # constants (w, closed over and differentiated; a constant made inside fun)
     # mapped to the reverse pass's.
     from adv_jax_math.engines import fused as engine
-    from adv_jax_math.kernels.fused_reduce.fused import _traced_at
+    from adv_jax_math.kernels.fused_reduce.build import traced_at as _traced_at
 
     def three_rows(fun, xs, reduction, verdict, platform):
         closed, out_shape = _traced_at(fun, xs, 3, verdict.known)

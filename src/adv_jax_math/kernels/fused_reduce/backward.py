@@ -41,6 +41,7 @@ from ...core.targets import TPU_F32_MATH, Target, tpu_vmem_limit
 from ...monoids.base import LeafReduction, MonoidReduction
 from .backward_kernel import BACKWARD_NAME, Backward, _block_args, _block_vjp, _partial
 from .blocks import tpu_block
+from .build import block_terms, build_kernel
 from .kernel import Kernel, Term, _to_kernel_const, forward, kernel_const_aval
 from .probe import probe
 from .rules import analyze, live_at_peak, triton_size_problem
@@ -102,21 +103,21 @@ def plan_reverse(
     """The kernels of the reverse pass at the block of ``closed``, each built (compiled
     where a compiler is present, lowered otherwise) for ``target``; or why not.
     ``vmem_model=False``: the TPU compiler alone says whether the block fits VMEM."""
-    from .fused import _kernel, _terms
-
     tallied = [j for j, leaf in enumerate(reduction.leaves) if leaf.monoid.tally is not None]
     tally = None
     tallies: list = [None] * len(reduction.leaves)
     if tallied:
         leaves = tuple(_tally_leaf(reduction.leaves[j]) for j in tallied)
         sums = MonoidReduction(leaves, jax.tree.structure([0] * len(leaves)), list)
-        t = _kernel((closed, list(out_shape)), list(xs), sums, (rows, steps), target, interpret)
+        t = build_kernel(
+            (closed, list(out_shape)), list(xs), sums, (rows, steps), target, interpret
+        )
         if not interpret:
             verdict = probe(t)
             if verdict.problem:
                 return f"the tally of the tied rows: {verdict.problem}"
         tally = (t, tallied)
-        for j, term in zip(tallied, _terms(sums, out_shape, rows), strict=True):
+        for j, term in zip(tallied, block_terms(sums, out_shape, rows), strict=True):
             tallies[j] = jax.tree.map(_aval, (*term.state, term.state[2]))  # + the shares
     per_term = _per_term(reduction, states, tallies)
     block = (rows, steps)

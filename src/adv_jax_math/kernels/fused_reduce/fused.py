@@ -9,36 +9,39 @@ are merged in XLA (``kernel.forward``). ``pallas_call`` has no transpose rule, s
 the engine wraps it in a :func:`jax.custom_jvp` whose tangent is the monoid's
 row tangent summed chunk by chunk (``_tangent.reduce``).
 
-Modules: ``targets`` (platforms, defaults, devices to lower for), ``blocks``
-(block sizing), ``rules`` (what the kernel supports), ``kernel`` (the kernel
-body and ``pallas_call``), ``probe`` (cached lowering check), ``engine`` (the
-engine registry's adapter).
+This module checks a call against the kernel's rules and builds its kernels
+(``check``, ``fused_states``, ``reverse_blocks``). Beside it: ``build`` (``fun``
+traced on a block, the terms, the :class:`Kernel` record), ``blocks`` (block
+sizing), ``rules`` (what the kernel supports), ``kernel`` (the kernel body and
+``pallas_call``), ``backward`` and ``backward_kernel`` (the reverse pass), ``probe``
+(cached compile check), ``interpreter`` (jaxpr evaluation inside the kernel). The
+platforms and devices to build for are ``core.targets``; the engine adapter is
+``engines.fused``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from ...analysis.validate import mapped_rows, rowwise_problem
 from ...core.targets import (
     KERNEL_NAME,
     TPU_F32_MATH,
-    Target,
     silence_triton_deprecation,
     target,
     tpu_vmem_limit,
     triton_problem,
 )
-from ...monoids.base import MonoidReduction, index_dtype
+from ...monoids.base import MonoidReduction
 from .backward import reverse_rows
 from .blocks import choose_block, choose_steps, row_stats, tpu_block, tpu_legal_rows
-from .kernel import Kernel, Term, forward, kernel_const_aval
+from .build import block_terms, build_kernel, fold_jaxpr, traced_at
+from .kernel import Kernel, forward, kernel_const_aval
 from .probe import probe
 from .rules import (
     analyze,
@@ -69,77 +72,6 @@ class Check:
     kernel: Kernel | None = dataclasses.field(default=None, compare=False, repr=False)
     known: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)  # rows: trace
     empty: bool = False  # the problem is an array without elements: not an error when forced
-
-
-def _traced_at(fun: Callable, xs: Any, rows: int, known: dict) -> tuple[Any, list[Any]]:
-    """``fun`` traced on blocks of ``rows`` rows, once per block shape."""
-    if rows not in known:
-        known[rows] = _trace(fun, xs, rows)
-    return known[rows]
-
-
-def _trace(fun: Callable, xs: Any, rows: int) -> tuple[Any, list[Any]]:
-    """``fun`` traced on blocks of ``rows`` rows, the inputs flattened to leaves."""
-    leaves, tree = jax.tree.flatten(xs)
-    blocks = [jax.ShapeDtypeStruct((rows, *x.shape[1:]), x.dtype) for x in leaves]
-    trace = lambda *ls: fun(jax.tree.unflatten(tree, ls))
-    closed, out = jax.make_jaxpr(trace, return_shape=True)(*blocks)
-    return closed, jax.tree.leaves(out)
-
-
-def _terms(reduction: MonoidReduction, out_shape: Sequence[Any], rows: int) -> tuple[Term, ...]:
-    """Each term as the kernel folds it, with its state on a block of ``rows`` rows."""
-    terms = []
-    for leaf in reduction.leaves:
-        src = reduction.reads(out_shape, leaf)
-        items = tuple(jax.ShapeDtypeStruct(tuple(s.shape[1:]), s.dtype) for s in src)
-        rows_leaf = dataclasses.replace(leaf, axis=0)
-        block = [jax.ShapeDtypeStruct((rows, *it.shape), it.dtype) for it in items]
-        idx = jax.ShapeDtypeStruct((rows,), index_dtype())
-        state = jax.eval_shape(lambda ys, i, rl=rows_leaf: rl.fold(ys, i, None), block, idx)
-        terms.append(Term(leaf, items, state))
-    return tuple(terms)
-
-
-def _fold_jaxpr(term: Term, rows: int) -> Any:
-    """One block's fold of ``term`` as the kernel runs it: row indices and weights at
-    the block's full shape (``kernel._term_state``)."""
-    monoid = term.leaf.monoid
-    block = [jax.ShapeDtypeStruct((rows, *it.shape), it.dtype) for it in term.items]
-
-    def fold(ys: list) -> Any:
-        idx = jax.lax.broadcasted_iota(index_dtype(), ys[0].shape, 0)
-        w = monoid.encode((idx < rows).astype(jnp.float32), ys[0].dtype, jnp)
-        return term.rows_leaf.fold(ys, idx, w)
-
-    return jax.make_jaxpr(fold)(block)
-
-
-def _kernel(
-    traced: tuple[Any, Sequence[Any]],
-    xs: Any,
-    reduction: MonoidReduction,
-    block: tuple[int, int],
-    target: Target,
-    interpret: bool,
-) -> Kernel:
-    """The kernel for ``fun`` traced on a block (``traced``: jaxpr, output avals)
-    of ``block = (rows, steps)``."""
-    (closed, out_shape), (rows, steps) = traced, block
-    leaves = jax.tree.leaves(xs)
-    return Kernel(
-        jaxpr=closed.jaxpr,
-        const_avals=tuple(
-            jax.ShapeDtypeStruct(np.shape(c), jnp.result_type(c)) for c in closed.consts
-        ),
-        in_avals=tuple(jax.ShapeDtypeStruct(tuple(x.shape), x.dtype) for x in leaves),
-        terms=_terms(reduction, out_shape, rows),
-        n=int(leaves[0].shape[0]),
-        rows=rows,
-        steps=steps,
-        target=target,
-        interpret=interpret,
-    )
 
 
 def check(
@@ -201,14 +133,14 @@ def check(
     if tgt.mosaic and one_d and small != rows:
         small = 128
     try:
-        closed, out_shape = _traced_at(fun, xs, small, known)
+        closed, out_shape = traced_at(fun, xs, small, known)
     except Exception as e:  # fun may not trace on other row counts; the scan engine will
         return Check(f"fun could not be traced on a block of {small} rows: {type(e).__name__}: {e}")
     problem = rowwise_problem(out_shape, small, "fun's output", _ROWWISE)
     if problem:
         return Check(problem)
     analysis = analyze(closed.jaxpr, small)
-    terms = _terms(reduction, out_shape, small)
+    terms = block_terms(reduction, out_shape, small)
     states = [a for t in terms for a in jax.tree.leaves(t.state)]
     problem = empty_problem(
         [(f"constant {i} of fun", np.shape(c)) for i, c in enumerate(closed.consts)]
@@ -231,7 +163,7 @@ def check(
             return Check(problem)
     vmem = 0
     if tgt.mosaic:
-        folds = [(t, _fold_jaxpr(t, small)) for t in terms]
+        folds = [(t, fold_jaxpr(t, small)) for t in terms]
         problem = mosaic_problem(tgt, closed.jaxpr, small, "fun")
         for t, fold in folds:
             problem = problem or mosaic_problem(tgt, fold.jaxpr, small, f"{t.leaf.monoid!r}'s fold")
@@ -261,8 +193,8 @@ def check(
     if isinstance(rows, str):
         return Check(rows)
     steps = choose_steps(tgt, n, rows)
-    closed, out_shape = _traced_at(fun, xs, rows, known)
-    k = _kernel((closed, out_shape), xs, reduction, (rows, steps), tgt, tgt.platform == "cpu")
+    closed, out_shape = traced_at(fun, xs, rows, known)
+    k = build_kernel((closed, out_shape), xs, reduction, (rows, steps), tgt, tgt.platform == "cpu")
     verdict = probe(k)
     traced_block = (closed, out_shape)
     return Check(
@@ -306,7 +238,7 @@ def reverse_blocks(
     out = []
     for rows in blocks:
         try:
-            traced = _traced_at(fun, xs, rows, verdict.known)
+            traced = traced_at(fun, xs, rows, verdict.known)
         except Exception:  # fun does not trace on that block: the others may serve
             continue
         out.append((*traced, rows, choose_steps(tgt, verdict.kernel.n, rows)))
@@ -355,5 +287,5 @@ def fused_states(
     problem = rowwise_problem(out_shape, rows, "fun's output", _ROWWISE)
     if problem:
         raise ValueError(problem)
-    k = _kernel((closed, out_shape), xs, reduction, (rows, steps), tgt, interpret)
+    k = build_kernel((closed, out_shape), xs, reduction, (rows, steps), tgt, interpret)
     return forward(k, list(closed.consts), list(leaves), offset)
