@@ -2,7 +2,7 @@
 transformation, against plain JAX.
 
 The axes come from tables below, the engines' from the registry itself
-(``_engines.ENGINES``: a new engine without a column here fails
+(``_engines.engines()``: a new engine without a column here fails
 :func:`test_every_registered_engine_has_a_column`). A route is a way into the engines
 (a plain ``batch_map``, ``batch_vmap``, a ``batch_map`` whose ``fun`` closes over rows
 that pair with the chunk's: the pairing route, nested calls, ``pairwise``); a column is
@@ -38,9 +38,9 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import adv_jax_math as ajm
-from adv_jax_math.batch import api as _api
 from adv_jax_math.engines import registry as _engines
 from adv_jax_math.engines import shard as _shard
+from adv_jax_math.engines.chunked import prepare
 
 pytestmark = [
     pytest.mark.skipif(jax.device_count() != 4, reason="needs the 4 virtual CPU devices"),
@@ -332,7 +332,7 @@ def test_route_matrix(route, column, mesh, transform):
 
 
 def test_every_registered_engine_has_a_column():
-    assert {e.name for e in _engines.ENGINES} == {e for e, _, _ in COLUMNS.values()}
+    assert {e.name for e in _engines.engines()} == {e for e, _, _ in COLUMNS.values()}
     backends = {b for _, b, _ in COLUMNS.values()}
     assert backends == {"auto", "scan", "pallas", "interpret"}
 
@@ -367,20 +367,20 @@ def _finish(plan, states):
 
 @pytest.mark.parametrize(
     "name, shard",
-    [(e.name, s) for e in _engines.ENGINES for s in (False, True) if s or e.name != "shard"],
+    [(e.name, s) for e in _engines.engines() for s in (False, True) if s or e.name != "shard"],
 )
 def test_engine_protocol(name, shard):
     """Every registered engine has every method of ``_engines.Engine``, and each gives
     plain JAX's result on a plan it accepted (its states too, from a row offset),
     alone and as the part of a sharded call (``shard=True``: 7 rows, a global
     remainder of 3); an engine that cannot serve a part declines it, saying why."""
-    engine = next(e for e in _engines.ENGINES if e.name == name)
+    engine = next(e for e in _engines.engines() if e.name == name)
     assert all(callable(getattr(engine, m, None)) for m in METHODS), METHODS
-    assert set(METHODS) >= {"accept", "run", "states", "describe_reverse"}
+    assert set(METHODS) >= {"accept", "run", "states", "describe_reverse", "auto_draft"}
     x, y = normal(0, (N, 3)), normal(1, (M, 3))
     want = jnp.argmin(sqdist(x[:, None], y[None]), 0)
     with ajm.config(backend=BACKEND[name]):
-        call = _api._prepare(_knn(y), x, B, ajm.ARGMIN, ajm.identity, shard, None, {})
+        call = prepare(_knn(y), x, B, ajm.ARGMIN, ajm.identity, shard, None, {})
         plan = _engines.plan(call)
         if name == "pallas" and jax.default_backend() == "cpu":  # no CPU lowering
             assert "backend='interpret'" in plan.error, str(plan)
@@ -398,7 +398,7 @@ def test_engine_protocol(name, shard):
                 assert f"global remainder: pairwise not used: {why}" in str(plan)
             elif name != "shard":
                 assert {p.engine for p in parts} == {name}, str(plan)
-            engine = _engines.ENGINES[0]
+            engine = _engines.engines()[0]
         else:
             assert plan.engine == name, str(plan)
         assert_tree_close(_engines.run(plan, call), want)
@@ -407,6 +407,12 @@ def test_engine_protocol(name, shard):
             assert_tree_close(_finish(plan, states), want + offset)
         described = engine.describe_reverse(plan, call)
         assert described.engine == plan.engine and described.n == plan.n
+        # only the tiles size a batch_size="auto" call themselves, on unsharded rows
+        draft = engine.auto_draft(dataclasses.replace(call, batch_size="auto"))
+        if name == "pairwise" and not shard:
+            assert isinstance(draft, ajm.Plan) and draft.autotune is not None, draft
+        else:
+            assert draft is None, draft
 
 
 @pytest.mark.parametrize("placed, shard", [("mesh", False), ("none", False), ("none", True)])

@@ -15,17 +15,29 @@ from ..analysis.validate import (
     axes_per_leaf,
     batch_size_from,
     check_callable,
-    check_reduction,
     resolve_mesh,
 )
-from ..core.sharding import on_context_mesh
 from ..engines import registry as _engines
-from ..engines.shard import as_global
+from ..engines.chunked import check_callables, prepare
+from ..engines.fused import FusedEngine
+from ..engines.scan import ScanEngine
+from ..engines.shard import ShardEngine, as_global
 from ..monoids.base import identity, is_monoid_tree
+from ..pairs.api import explain_pairwise, pairwise
+from ..pairs.rows_engine import PairEngine
 from ..plan.base import Call, Plan
 from . import nested as _nested
 
 __all__ = ["batch_map", "batch_vmap", "explain"]
+
+# The engines, in the order they are tried (the registry imports none of them).
+_engines.install(
+    ShardEngine(_engines.by_name),
+    FusedEngine(interpret=False),
+    FusedEngine(interpret=True),
+    PairEngine(),
+    ScanEngine(),
+)
 
 # One numpy-style parameter section shared by the three public docstrings.
 _COMMON_PARAMS = """reduction : callable or None
@@ -49,46 +61,6 @@ _COMMON_PARAMS = """reduction : callable or None
         The mesh ``shard=True`` spreads the rows over (all its axes; Auto or
         Explicit). Default ``None``: the mesh set by ``jax.set_mesh`` if any, else
         a one-dimensional mesh over all devices."""
-
-
-def _check_callables(fun: Any, reduction: Any, chunk_reduction: Any) -> None:
-    check_callable(fun, "fun")
-    check_reduction(reduction)
-    check_callable(chunk_reduction, "chunk_reduction")
-
-
-def _as_input(x: Any) -> Any:
-    """``x`` as an array, on the context mesh when it has an Explicit axis and ``x`` is
-    on no mesh (``on_context_mesh``): there JAX may type the tangent of ``x`` on that
-    mesh (linearizing a ``jit``), and the cotangent of a chunk, typed as ``fun`` was
-    traced (``rows_aval``), must agree with the buffer its slice is transposed into."""
-    return x if isinstance(x, jax.ShapeDtypeStruct) else on_context_mesh(jnp.asarray(x))
-
-
-def _prepare(
-    fun: Callable,
-    fun_input: Any,
-    batch_size: Any,
-    reduction: Callable | None,
-    chunk_reduction: Callable,
-    shard: bool,
-    mesh: Any,
-    kwargs: dict[str, Any],
-) -> Call:
-    """Validate the arguments of :func:`batch_map` into a :class:`Call`."""
-    batch_size = batch_size_from(batch_size, kwargs)
-    _check_callables(fun, reduction, chunk_reduction)
-    if not isinstance(shard, bool):
-        raise TypeError(f"shard={shard!r} must be a bool")
-    if mesh is not None and not shard:
-        warnings.warn("mesh is only used with shard=True; it is ignored", UserWarning, stacklevel=3)
-        mesh = None
-    if shard:
-        mesh = resolve_mesh(mesh)
-        fun_input = jax.tree.map(lambda x: as_global(x, mesh), fun_input)
-    elif batch_size is not None:
-        fun_input = jax.tree.map(_as_input, fun_input)
-    return Call(fun, fun_input, batch_size, reduction, chunk_reduction, shard, mesh)
 
 
 def batch_map(
@@ -170,7 +142,7 @@ def batch_map(
         return _engines.run(plan, call)
 
     def run() -> Any:
-        call = _prepare(
+        call = prepare(
             stripped or fun, fun_input, batch_size, reduction, chunk_reduction, shard, mesh, kwargs
         )
         return _engines.run(_engines.plan(call), call)
@@ -208,7 +180,7 @@ def _stacking(
     one = lambda *rows: _nested.heard(lambda: fun(jax.tree.unflatten(treedef, list(rows))))
     listened = lambda chunk: one(*jax.tree.leaves(chunk))
     with _nested.listen() as listener:
-        call = _prepare(listened, fun_input, batch_size, None, identity, shard, mesh, kwargs)
+        call = prepare(listened, fun_input, batch_size, None, identity, shard, mesh, kwargs)
         plan = _engines.plan(call)
     if not any(listener.seen[:1]):  # no nested call: an ordinary stacking call
         return call, plan, None
@@ -219,8 +191,6 @@ def _stacking(
 def _pairwise_of_chunks(call: Call, form: _nested.Nested, mesh: Any, explain: bool = False) -> Any:
     """The pairwise reduction of nested per-chunk calls (``_stacking``), run or
     explained."""
-    from ..pairs.api import explain_pairwise, pairwise
-
     x = jax.tree.leaves(call.xs)
     tiles = _nested.tiles(call.batch_size, form.batch_size, x, form.y)
     args = (form.pair, x, form.y, form.reduction)
@@ -293,7 +263,7 @@ def explain(fun: Callable, fun_input: Any, /, *args: Any, **kwargs: Any) -> Plan
         note = f"pairwise engine: not a pairwise reduction written as nested calls: {form}"
         return dataclasses.replace(plan, notes=(*plan.notes, note))
     fun = stripped or fun
-    call = _prepare(fun, fun_input, batch_size, reduction, chunk_reduction, shard, mesh, extra)
+    call = prepare(fun, fun_input, batch_size, reduction, chunk_reduction, shard, mesh, extra)
     return _engines.explain(call)
 
 
@@ -390,7 +360,7 @@ def batch_vmap(
     True
     """
     batch_size_from(batch_size, kwargs)  # fail at definition time, like the original
-    _check_callables(f, reduction, chunk_reduction)
+    check_callables(f, reduction, chunk_reduction)
 
     def mapped_call(args: tuple, fkwargs: dict) -> _Mapped:
         leaves, treedef = jax.tree.flatten((args, fkwargs))
@@ -423,7 +393,7 @@ def batch_vmap(
         """The plan of a call that stacks its results, made while listening for a
         pairwise reduction written as nested calls, and that form (or why not)."""
         with _nested.listen() as listener:
-            call = _prepare(m.chunk_fun, m.moved, batch_size, None, identity, shard, mesh, kwargs)
+            call = prepare(m.chunk_fun, m.moved, batch_size, None, identity, shard, mesh, kwargs)
             plan = _engines.plan(call)
         rows = [jax.ShapeDtypeStruct(a.shape[1:], a.dtype) for a in m.moved]
         return call, plan, _nested.find(listener, m.one, rows)
@@ -451,7 +421,6 @@ def batch_vmap(
         call, plan, form = stacked(m)
         if isinstance(form, str):
             return _engines.run(plan, call)
-        from ..pairs.api import pairwise
 
         args, options = pairwise_of(call, m, form)
         return pairwise(*args, **options, mesh=mesh)
@@ -480,8 +449,6 @@ def batch_vmap(
         if isinstance(form, str):
             note = f"pairwise engine: not a pairwise reduction written as nested calls: {form}"
             return dataclasses.replace(plan, notes=(*plan.notes, note))
-        from ..pairs.api import explain_pairwise
-
         args, options = pairwise_of(call, m, form)
         pairs = explain_pairwise(*args, **options)
         return dataclasses.replace(

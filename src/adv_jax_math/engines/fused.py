@@ -165,6 +165,10 @@ class FusedEngine:
             return f"the roofline model says the scan engine is faster: {model}", model, i
         return built, model, i
 
+    def auto_draft(self, call: Call) -> Plan | None:
+        """None: a ``batch_size="auto"`` call is autotuned for this engine as usual."""
+        return None
+
     def describe_reverse(self, plan: Plan, call: Call) -> Plan:
         """``plan`` with how reverse mode runs, with respect to every float input and
         constant (``Plan.backward``, and the model's verdict in ``Plan.roofline``)."""

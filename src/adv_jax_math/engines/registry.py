@@ -2,15 +2,19 @@
 runs it, and every engine tried before it records why it could not.
 
 An engine (:class:`Engine`) has a ``name``, ``accept(plan, call)`` returning the plan
-completed with its choices (or a :class:`~._plan.Rejection`), ``run(plan, call)``,
-``states(plan, xs, offset)`` (a monoid's states, which the shard layer merges across
-the parts of a sharded call) and ``describe_reverse(plan, call)`` (for ``explain``).
+completed with its choices (or a :class:`~..plan.base.Rejection`), ``run(plan,
+call)``, ``states(plan, xs, offset)`` (a monoid's states, which the shard layer merges
+across the parts of a sharded call), ``describe_reverse(plan, call)`` (for
+``explain``) and ``auto_draft(call)`` (a ``batch_size="auto"`` plan it sizes itself).
 An engine that cannot give the states of a part of a sharded call (``call.share``)
 declines it in ``accept``, saying why.
-Order: the shard layer (``shard=True``; each device then runs a plan of its own),
-the fused Pallas kernel compiled for the target, the kernel in interpret mode (on
-request), the pairwise tiles (a reduction ``_pair_rows`` shows to be a pairwise
-one, on CPU), and the ``lax.scan`` engine, which runs everything.
+
+This module imports no engine: the engines are installed, in their order, by the
+layer above all of them (``batch.route``). Order: the shard layer (``shard=True``;
+each device then runs a plan of its own), the fused Pallas kernel compiled for the
+target, the kernel in interpret mode (on request), the pairwise tiles (a reduction
+``analysis.pair_rows`` shows to be a pairwise one, on CPU), and the ``lax.scan``
+engine, which runs everything.
 """
 
 from __future__ import annotations
@@ -23,14 +27,10 @@ import jax
 from ..core import config as _config
 from ..core.sharding import follow_layout, typed_mesh
 from ..core.trace import rows_aval
-from ..pairs.rows_engine import PairEngine, auto_draft
 from ..plan.base import Call, Plan, Rejection
 from ..plan.planner import make_plan
-from .fused import FusedEngine
-from .scan import ScanEngine
-from .shard import ShardEngine
 
-__all__ = ["ENGINES", "Engine", "explain", "plan", "run"]
+__all__ = ["Engine", "by_name", "engines", "explain", "install", "plan", "run"]
 
 
 class Engine(Protocol):
@@ -56,16 +56,36 @@ class Engine(Protocol):
         """``plan`` with how reverse mode runs it (``Plan.backward``), for ``explain``."""
         ...
 
+    def auto_draft(self, call: Call) -> Plan | None:
+        """A plan for a ``batch_size="auto"`` call that this engine sizes itself (not
+        autotuned), or None: the call is then planned and autotuned as usual."""
+        ...
 
-_BY_NAME: dict[str, Engine] = {}
-ENGINES: tuple[Engine, ...] = (
-    ShardEngine(lambda name: _BY_NAME[name]),
-    FusedEngine(interpret=False),
-    FusedEngine(interpret=True),
-    PairEngine(),
-    ScanEngine(),
-)
-_BY_NAME.update({engine.name: engine for engine in ENGINES})
+
+_ENGINES: list[Engine] = []
+
+
+def install(*engines: Engine) -> None:
+    """Set the engines, in the order they are tried (the last must accept every plan)."""
+    names = [engine.name for engine in engines]
+    if len(set(names)) != len(names):
+        raise ValueError(f"engine names must be unique, got {names}")
+    _ENGINES[:] = engines
+
+
+def engines() -> tuple[Engine, ...]:
+    """The installed engines, in order."""
+    if not _ENGINES:
+        raise RuntimeError("no engines installed: import adv_jax_math (batch.route installs them)")
+    return tuple(_ENGINES)
+
+
+def by_name(name: str) -> Engine:
+    """The installed engine called ``name``."""
+    for engine in engines():
+        if engine.name == name:
+            return engine
+    raise KeyError(f"no engine named {name!r}; installed: {[e.name for e in engines()]}")
 
 
 def select(draft: Plan, call: Call) -> Plan:
@@ -83,7 +103,7 @@ def select(draft: Plan, call: Call) -> Plan:
         )
     requested = _config.current().backend
     rejected: list[tuple[str, Rejection]] = []
-    for engine in ENGINES:
+    for engine in engines():
         out = engine.accept(draft, call)
         if isinstance(out, Plan):
             break
@@ -114,12 +134,14 @@ def _why_not(rejected: list[tuple[str, Rejection]], requested: str) -> str:
 
 def plan(call: Call, *, mapped: bool = False) -> Plan:
     """The full plan for ``call``: chunks, reduction and engine. A ``batch_size="auto"``
-    call the pairwise tiles run is not autotuned (see ``_pair_engine.auto_draft``)."""
-    draft = auto_draft(call) if call.batch_size == "auto" and not mapped else None
-    if draft is not None:
-        tiled = select(draft, call)
-        if tiled.engine == PairEngine.name:
-            return tiled
+    call that an engine sizes itself is not autotuned (``Engine.auto_draft``)."""
+    if call.batch_size == "auto" and not mapped:
+        for engine in engines():
+            draft = engine.auto_draft(call)
+            if draft is not None:
+                chosen = select(draft, call)
+                if chosen.engine == engine.name:
+                    return chosen
     return select(make_plan(call, mapped=mapped), call)
 
 
@@ -127,7 +149,7 @@ def explain(call: Call) -> Plan:
     """:func:`plan`, with how its reverse mode would run where the engine says
     (``describe_reverse``: building the backward kernels as a gradient would)."""
     out = plan(call)
-    return out if out.error else _BY_NAME[out.engine].describe_reverse(out, call)
+    return out if out.error else by_name(out.engine).describe_reverse(out, call)
 
 
 def run(plan: Plan, call: Call) -> Any:
@@ -141,7 +163,7 @@ def run(plan: Plan, call: Call) -> Any:
     """
     if plan.error:
         raise NotImplementedError(plan.error)
-    engine = _BY_NAME[plan.engine]
+    engine = by_name(plan.engine)
     if plan.n is None:  # nothing mapped: the call as written, not traced again
         return engine.run(plan, call)
     consts = list({id(c): c for c in plan.consts()}.values())

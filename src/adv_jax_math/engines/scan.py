@@ -101,6 +101,10 @@ class ScanEngine:
         """Each term's state over ``plan``'s rows (global indices from ``offset``)."""
         return states(plan, xs, offset)
 
+    def auto_draft(self, call: Call) -> Plan | None:
+        """None: a ``batch_size="auto"`` call is autotuned for this engine as usual."""
+        return None
+
     def describe_reverse(self, plan: Plan, call: Call) -> Plan:
         """``plan`` as is: reverse mode differentiates the chunk loop itself (each chunk
         rematerialized, see ``_scan_chunks._remat``), which the plan already shows."""

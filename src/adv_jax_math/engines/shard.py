@@ -112,6 +112,10 @@ class ShardEngine:
             notes=(*plan.notes, *declined),
         )
 
+    def auto_draft(self, call: Call) -> Plan | None:
+        """None: a ``batch_size="auto"`` call is autotuned for this engine as usual."""
+        return None
+
     def describe_reverse(self, plan: Plan, call: Call) -> Plan:
         """How reverse mode runs: where a part's engine is not the scan engine, its
         states have the scan engine's tangent, transposed (``_tangent.reduce``); else

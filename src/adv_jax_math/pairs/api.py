@@ -42,11 +42,13 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from ..batch.api import batch_map, batch_vmap
+from ..analysis.validate import resolve_mesh
 from ..core import config as _config
 from ..core.sharding import explicit, sharding_of, typed_mesh
 from ..core.targets import pallas_triton, tpu_vmem_limit
 from ..core.targets import target as device_target
+from ..engines.chunked import chunked
+from ..engines.shard import as_global
 from ..kernels.pairwise_device import Layout
 from ..monoids.base import Monoid, MonoidReduction, is_monoid_tree
 from ..monoids.exponential import SoftmaxWeighted
@@ -421,12 +423,13 @@ def _scan(
 ) -> Any:
     bi, bj = tiles
 
-    def per_x(xi: Any, y: Any) -> Any:
+    def per_x(xi: Any) -> Any:
         pairs = lambda yc: jax.vmap(f, (None, 0))(xi, yc)
-        return batch_map(pairs, y, bj, reduction=reduction)
+        return chunked(pairs, y, bj, reduction=reduction)
 
-    # y an unmapped argument, not closed over: with shard=True it is placed on the mesh
-    run = lambda: batch_vmap(per_x, (0, None), batch_size=bi, shard=shard, mesh=mesh)(x, y)
+    if shard:  # y replicated on the mesh, as the rows of x are spread over it
+        y = jax.tree.map(lambda a: as_global(a, resolve_mesh(mesh)), y)
+    run = lambda: chunked(jax.vmap(per_x), x, bi, shard=shard, mesh=mesh)
     if target_platform() == "cpu" or _config.current().backend not in ("auto", "pallas"):
         return run()
     # not the 1-D kernel over y: it would run vmapped over the x rows, its blocks
@@ -446,10 +449,10 @@ def _scan_y(
         # its values are weighed by their own x row's scores only: each x row its own
         # reduction (vmapped; the x rows then on the major axis)
         per_x = lambda xi: jax.vmap(lambda yj: f(xi, yj))
-        run = lambda xi: batch_map(per_x(xi), y, bj, reduction=reduction, shard=True, mesh=mesh)
+        run = lambda xi: chunked(per_x(xi), y, bj, reduction=reduction, shard=True, mesh=mesh)
         return jax.vmap(run)(x)
     block = lambda yc: jax.vmap(lambda yj: jax.vmap(lambda xi: f(xi, yj))(x))(yc)
-    out = batch_map(block, y, bj, reduction=reduction, shard=True, mesh=mesh)
+    out = chunked(block, y, bj, reduction=reduction, shard=True, mesh=mesh)
     n = jax.tree.leaves(x)[0].shape[0]
     per_row = [jax.tree.leaves(leaf.out) for leaf in red.leaves]
     flat = [

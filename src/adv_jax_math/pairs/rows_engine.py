@@ -11,7 +11,7 @@ on CPU, with ``backend="auto"``; the tiles hold at most the pairs of one chunk
 
 With ``batch_size="auto"`` the tiles take their own "auto" size, so the autotuner,
 which sizes the scan engine's chunks, is not run for a call the tiles take
-(:func:`auto_draft`): it compiled and timed chunk programs that never ran (N-body's
+(:meth:`PairEngine.auto_draft`): it compiled and timed chunk programs that never ran (N-body's
 energy gradient in ``bench/bench_autotune.py``: 1.1-1.8 s of planning).
 """
 
@@ -33,8 +33,9 @@ from ..plan import autotune as _autotune
 from ..plan.base import Call, Kind, Plan, Policy, Rejection, target_platform
 from ..plan.measure import budget_in_force
 from ..plan.planner import make_plan
+from .api import SORT_TILE_ELEMENTS, TILE_ELEMENTS, explain_pairwise, pairwise
 
-__all__ = ["PairEngine", "auto_draft"]
+__all__ = ["PairEngine"]
 
 DRAFT_ROWS = 1024  # the chunk size a batch_size="auto" call is drafted at for the tiles
 SHARE = (
@@ -55,8 +56,6 @@ def _tiles(plan: Plan, found: Pairing) -> tuple[int, int] | str:
     """A chunk's pairs (``batch_size`` rows by every x row) as one tile, when that is
     fewer than an "auto" tile's; else "auto". With ``batch_size="auto"``: "auto" (a
     tile of at most 2^18 pairs holds a few MiB, N-body's gradient 5 MiB)."""
-    from .api import SORT_TILE_ELEMENTS, TILE_ELEMENTS
-
     assert plan.reduction is not None
     if plan.autotune is not None:
         return "auto"
@@ -71,8 +70,6 @@ class PairEngine:
     name = "pairwise"
 
     def accept(self, plan: Plan, call: Call) -> Plan | Rejection:
-        from .api import explain_pairwise
-
         backend = _config.current().backend
         if backend != "auto":
             return Rejection(f"not requested (backend={backend!r})")
@@ -110,8 +107,6 @@ class PairEngine:
         )
 
     def run(self, plan: Plan, call: Call) -> Any:
-        from .api import pairwise
-
         found = plan.pairing
         assert isinstance(found, Pairing) and plan.reduction is not None
         out = pairwise(*_args(plan, call, found), tiles=_tiles(plan, found))
@@ -124,6 +119,10 @@ class PairEngine:
         shard layer merges; these states are for a caller holding such a plan."""
         return _scan.states(plan, xs, offset)
 
+    def auto_draft(self, call: Call) -> Plan | None:
+        """A ``batch_size="auto"`` call the tiles may take, drafted for them (:func:`_draft`)."""
+        return _draft(call)
+
     def describe_reverse(self, plan: Plan, call: Call) -> Plan:
         """Reverse mode is ``pairwise``'s: pairwise sums on the same tiles."""
         backward = (
@@ -133,12 +132,12 @@ class PairEngine:
         return dataclasses.replace(plan, backward=backward)
 
 
-def auto_draft(call: Call) -> Plan | None:
+def _draft(call: Call) -> Plan | None:
     """A ``batch_size="auto"`` call planned at ``DRAFT_ROWS`` rows per chunk, its
     ``autotune`` saying that the tiles size themselves, where :class:`PairEngine`
     could take it (CPU, ``backend="auto"``, a reduction over unsharded rows); else
     None. The engines then decide: a plan no engine before the tiles takes is planned
-    and autotuned as usual (``_engines.plan``)."""
+    and autotuned as usual (``engines.registry.plan``)."""
     opts = _config.current()
     if opts.backend != "auto" or target_platform() != "cpu":
         return None
