@@ -5,7 +5,7 @@ A ``reduction`` that is not a monoid is traced on two results of
 in a loop it returns another structure, shape or dtype, or when its jaxpr shows a
 combination that is not associative (read as an affine form ``alpha * a + beta * b
 + gamma`` of its two arguments, or ``a / b``, ``a ** b`` ...). Whatever it cannot
-decide it accepts. Recognizing monoid reductions is ``_recognize``'s.
+decide it accepts. Recognizing monoid reductions is ``analysis.recognize``'s.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
 wrappers inlined) into :class:`Node` values; helpers peel casts and reshapes, read
 literal values, compare two graphs by structure, and evaluate an elementwise
 subgraph again at another number of rows, tell whether a function is elementwise.
-Used by ``_recognize`` and the scan engine.
+Used by ``analysis.recognize`` and the scan engine.
 """
 
 from __future__ import annotations

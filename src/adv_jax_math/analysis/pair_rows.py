@@ -9,7 +9,7 @@ summed over the rows::
 
 That is ``out[t] = sum_s f(targets[t], sources[s])``: a pairwise reduction with
 ``x = targets`` (a constant of the chunk's jaxpr) and ``y`` the mapped rows.
-:func:`find` proves it with ``_separable``'s abstract interpretation of the jaxpr the
+:func:`find` proves it with ``analysis.separable``'s abstract interpretation of the jaxpr the
 engines evaluate (``fun`` and the reduction's prologue): the constants tagged x rows
 on their axis 0, the chunk's rows tagged y rows; every term must read outputs
 ``(rows, ..., T, ...)`` whose rows axis is the y rows (or a broadcast) and whose one
@@ -284,7 +284,7 @@ def evaluate(
 
 
 def pair(traced: Traced, reduction: MonoidReduction, found: Pairing) -> Any:
-    """``f(xi, yj)`` for :func:`~._pairwise.pairwise`: ``xi`` the rows of the x
+    """``f(xi, yj)`` for :func:`~adv_jax_math.pairs.api.pairwise`: ``xi`` the rows of the x
     constants (a list), ``yj`` a row of each input leaf; returns one value per term of
     ``reduction`` (a tuple of its sources' for a term reading several)."""
     jaxpr, xs, leaves = traced.jaxpr.jaxpr, set(found.consts), reduction.leaves
@@ -304,7 +304,7 @@ def pair(traced: Traced, reduction: MonoidReduction, found: Pairing) -> Any:
 
 
 def results(reduction: MonoidReduction, found: Pairing, per_row: list) -> Any:
-    """The chunked call's result from :func:`~._pairwise.pairwise`'s (a list, one entry
+    """The chunked call's result from :func:`~adv_jax_math.pairs.api.pairwise`'s (a list, one entry
     per term: its result per x row, stacked on axis 0)."""
     out = []
     for leaf, value in zip(reduction.leaves, per_row, strict=True):

@@ -6,7 +6,7 @@ leaf is matched against ``[elementwise prologue] -> reduce -> [keepdims reshape]
 the matching binary ``add`` / ``max`` / ``min`` / ``logaddexp``. Calls (``jit``,
 ``custom_jvp_call``, ...) are inlined first, so ``jnp.add.reduce`` and
 ``jnp.logaddexp`` look like the primitives they run. Anything else is generic
-(``_combine_check`` rejects the generic reductions that certainly cannot combine
+(``analysis.combine_check`` rejects the generic reductions that certainly cannot combine
 chunk results).
 """
 

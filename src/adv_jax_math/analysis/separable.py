@@ -27,7 +27,7 @@ outputs must have y rows on axis 0 and x rows on axis 1 or nowhere (``"b"`` in p
 of either: constant along those rows), with no other ``"i"`` or ``"j"``.
 
 The proof holds for the jaxpr traced (at least 2 rows of each); the pairs are that
-jaxpr evaluated at one row each (``_pair_rows.evaluate``), not ``g`` traced again. A
+jaxpr evaluated at one row each (``analysis.pair_rows.evaluate``), not ``g`` traced again. A
 ``g`` that computes with its blocks' sizes is refused, as the program as written may
 call it on other sizes than the ones traced: its primitives or literals differ
 between blocks one row larger, or at one row each (where ``jnp`` leaves out

@@ -72,7 +72,7 @@ def reduce(
 
     ``states_of(plan, xs, offset)`` gives each term's state over a part;
     ``shares_of(plan, dconsts, xs, dxs, final, offset)`` each term's share of the
-    tangent (``_scan.tangent_shares``). The result is a ``custom_jvp`` with those
+    tangent (``engines.scan.tangent_shares``). The result is a ``custom_jvp`` with those
     shares when a term selects rows or ``custom`` is set (the fused kernel); the
     constants of the parts' traces are its explicit arguments, so the tangents of
     values ``fun`` closes over are kept. When ``states_of`` cannot be differentiated
@@ -81,7 +81,7 @@ def reduce(
     differentiated by the outer transformation). ``transpose_of(reverse)``, when
     given, computes the reverse pass (a :class:`Reverse`: the fused backward
     kernels, or ``reverse.reference()``): the tangent then is one linear primitive
-    (``_linear``) that reverse mode transposes with it, while forward mode
+    (``core.linear``) that reverse mode transposes with it, while forward mode
     evaluates it chunk by chunk. Differentiated again, the reverse pass has the
     derivative of ``reverse.reference()``.
     """

@@ -129,7 +129,7 @@ def batch_size_from(batch_size: Any, kwargs: Mapping[str, Any]) -> int | Literal
 
     ``chunk_size`` is used only when ``batch_size`` is None (``batch_size`` wins).
     ``"auto"`` (any case) is returned as ``"auto"``: the planner chooses the chunk
-    size (see ``_autotune``).
+    size (see ``plan.autotune``).
     """
     unexpected = sorted(set(kwargs) - {"chunk_size"})
     if unexpected:

@@ -174,7 +174,7 @@ def _stacking(
 ) -> tuple[Call, Plan, _nested.Nested | str | None]:
     """The plan of a :func:`batch_map` call that stacks its results, made while
     listening for a pairwise reduction written as nested calls (the per-chunk form:
-    ``_nested``), and that form, or why not (None: no inner call heard)."""
+    ``batch.nested``), and that form, or why not (None: no inner call heard)."""
     check_callable(fun, "fun")  # before it is wrapped
     leaves, treedef = jax.tree.flatten(fun_input)
     one = lambda *rows: _nested.heard(lambda: fun(jax.tree.unflatten(treedef, list(rows))))

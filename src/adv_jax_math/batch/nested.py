@@ -22,7 +22,7 @@ The per-chunk form is heard the same way::
 where the outer ``batch_map`` stacks its results and the inner one reduces ``g``'s
 blocks ``(bj, bi, ...)`` (or ``(bj, ...)``: the same for every x row, a softmax's
 values) over the y rows. Blocks are not pairs, and the reading must compute what
-the program as written computes: ``_separable.read_blocks`` shows from ``g``'s
+the program as written computes: ``analysis.separable.read_blocks`` shows from ``g``'s
 jaxpr that block element ``[b, a]`` depends on y row ``b`` and x row ``a`` alone
 (and that ``g`` does not compute with its blocks' sizes), and ``per_x_row`` that each
 monoid's result over such blocks is its result per x row stacked on axis 0, where
@@ -226,7 +226,7 @@ def _blocks(
     """The pairwise form of nested per-chunk calls whose inner call reduces the blocks
     ``g(yc, xc)`` over y rows (``x``: the outer call's rows, avals, in chunks of
     ``x_rows``), or why the program as written computes something else.
-    ``_separable`` reads the blocks as pairs, at the sizes the program evaluates them
+    ``analysis.separable`` reads the blocks as pairs, at the sizes the program evaluates them
     on, and proves each term's result laid out per x row on axis 0 (where the outer
     call stacks the inner results); ``f(xi, yj)`` is ``g``'s jaxpr evaluated at one
     row each."""

@@ -2,7 +2,7 @@
 deviceless compile targets and the benchmarks use, one record per kind, each number
 written once (DESIGN.md §13: "one device table").
 
-Read by ``_roofline`` and ``_roofline_pairwise`` (a record *is* their ``Device``),
+Read by ``plan.roofline`` and ``pairs.roofline`` (a record *is* their ``Device``),
 ``kernels/fused_reduce/targets.py`` (the ``GpuTargetConfig`` protos, the TPU topologies,
 the VMEM limits, the bfloat16 VPUs), ``bench/device_check.py`` (the peak bandwidth the
 measurements are put against) and ``bench/accel/kinds.py`` (the targets' short names).
@@ -39,8 +39,8 @@ class Gpu:
 
 @dataclasses.dataclass(frozen=True)
 class Device:
-    """The figures of one device kind: what the roofline models (``_roofline``: HBM
-    bandwidth, matmul peak, cores, launch; ``_roofline_pairwise``: the elementwise
+    """The figures of one device kind: what the roofline models (``plan.roofline``: HBM
+    bandwidth, matmul peak, cores, launch; ``pairs.roofline``: the elementwise
     units, the cache) and the compile targets (``gpu``; ``topology``, VMEM) need."""
 
     kind: str  # jax's device_kind

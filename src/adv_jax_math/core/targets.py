@@ -48,7 +48,7 @@ _TRITON_DEPRECATION = r"The Pallas Triton backend is deprecated"
 PLATFORMS = {"cpu": "cpu", "gpu": "cuda", "cuda": "cuda", "rocm": "rocm", "tpu": "tpu"}
 
 
-# The TPUs of the device table (``_devices``), by device_kind.
+# The TPUs of the device table (``core.devices``), by device_kind.
 _TPUS = {kind: d for kind, d in DEVICES.items() if d.platform == "tpu"}
 # Generations without a bfloat16 VPU hold 16-bit intermediates as float32 ("TPU v5e":
 # how some runtimes name the v5 lite).

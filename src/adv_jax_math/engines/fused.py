@@ -1,4 +1,4 @@
-"""The fused kernel as an engine of the registry (``_engines``)."""
+"""The fused kernel as an engine of the registry (``engines.registry``)."""
 
 from __future__ import annotations
 
@@ -211,7 +211,7 @@ class FusedEngine:
 
     def states(self, plan: Plan, xs: Any, offset: int) -> list:
         """Each term's state over ``plan``'s rows, from the kernel (its tangent: the
-        scan engine's chunks, see ``_tangent.reduce``). With the rows spread over
+        scan engine's chunks, see ``analysis.tangent.reduce``). With the rows spread over
         devices (``plan.lanes``) every device runs the kernel on its own rows under
         ``shard_map``, and the devices' states are merged."""
         reduction, _ = _monoid(plan)

@@ -1,4 +1,4 @@
-"""The roofline model (``_roofline``) of the fused engine's passes and of the scan
+"""The roofline model (``plan.roofline``) of the fused engine's passes and of the scan
 engine's for the same call: what the planner compares before it picks a kernel."""
 
 from __future__ import annotations

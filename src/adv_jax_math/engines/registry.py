@@ -157,7 +157,7 @@ def run(plan: Plan, call: Call) -> Any:
 
     A call with mapped rows runs as one ``jax.jit`` program (inside an enclosing
     ``jit`` it is inlined), under the mesh of inputs typed on Explicit axes when no
-    mesh is set (see ``_sharding.typed_mesh``), so that values JAX and the engines
+    mesh is set (see ``core.sharding.typed_mesh``), so that values JAX and the engines
     build to match them, in the forward pass and in its derivatives, carry their
     sharding.
     """

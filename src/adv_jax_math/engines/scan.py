@@ -22,8 +22,8 @@ chunk's intermediates alive at a time: O(batch_size) memory (with ``remat`` off,
 only input slices are taken again). The tangent of a reduction that selects rows
 (:func:`tangent_shares`) runs over the same chunks.
 
-The chunks (``_scan_chunks``), the tangents (``_scan_tangent``) and the maps and
-generic reductions (``_scan_map``) have their own modules; this one runs the plans
+The chunks (``engines.scan_chunks``), the tangents (``engines.scan_tangent``) and the maps and
+generic reductions (``engines.scan_map``) have their own modules; this one runs the plans
 and folds a monoid's states.
 """
 
@@ -107,7 +107,7 @@ class ScanEngine:
 
     def describe_reverse(self, plan: Plan, call: Call) -> Plan:
         """``plan`` as is: reverse mode differentiates the chunk loop itself (each chunk
-        rematerialized, see ``_scan_chunks._remat``), which the plan already shows."""
+        rematerialized, see ``engines.scan_chunks._remat``), which the plan already shows."""
         return plan
 
 

@@ -1,8 +1,8 @@
 """The chunks of the scan engine's plans: how a plan's rows are cut (shares, one per
 device, and chunks of them), the weights of the rows the last two overlapping chunks
 share, a chunk's evaluation from ``fun``'s trace, and the loop over chunks with its
-rematerialization policy. Shared by the monoid folds (``_scan``), their tangents
-(``_scan_tangent``) and the maps and generic reductions (``_scan_map``).
+rematerialization policy. Shared by the monoid folds (``engines.scan``), their tangents
+(``engines.scan_tangent``) and the maps and generic reductions (``engines.scan_map``).
 """
 
 from __future__ import annotations

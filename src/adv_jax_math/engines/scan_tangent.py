@@ -1,6 +1,6 @@
 """The tangent of a monoid reduction on the scan engine: a sum over rows, computed
 over the same chunks as the forward fold (``Monoid.tangent`` of each chunk, with the
-tangents of ``fun``'s outputs from ``jax.jvp``; per device with lanes). ``_tangent``
+tangents of ``fun``'s outputs from ``jax.jvp``; per device with lanes). ``analysis.tangent``
 makes it the ``custom_jvp`` rule of a reduction that selects rows (and of the fused
 kernel's); reverse mode transposes it chunk by chunk.
 """

@@ -46,7 +46,7 @@ def as_global(x: Any, mesh: Any) -> Any:
     another mesh's Explicit axes, and host values, are put on ``mesh`` replicated,
     so every process of a multi-host run holds the same global array. Arrays on no
     mesh while ``mesh`` is the context mesh are typed on it (``on_context_mesh``), as
-    ``batch_map`` does without ``shard`` (see ``_api._as_input``).
+    ``batch_map`` does without ``shard`` (see ``engines.chunked._as_input``).
     """
     if isinstance(x, jax.ShapeDtypeStruct):
         return x
@@ -118,7 +118,7 @@ class ShardEngine:
 
     def describe_reverse(self, plan: Plan, call: Call) -> Plan:
         """How reverse mode runs: where a part's engine is not the scan engine, its
-        states have the scan engine's tangent, transposed (``_tangent.reduce``); else
+        states have the scan engine's tangent, transposed (``analysis.tangent.reduce``); else
         JAX differentiates every part's chunk loop."""
         lay = plan.shard
         assert lay is not None

@@ -7,7 +7,7 @@ with the rows' global ``j`` indices), merge into the state carried across the lo
 and write each x row's state once. Nothing ``N x M`` is stored. x and y are padded
 to whole tiles with copies of their last row (``f`` only sees real rows); padded y
 rows are filled and weighted out as the 1-D kernel does, padded x rows dropped.
-The caller (``_pairwise``) finalizes the states.
+The caller (``pairs.api``) finalizes the states.
 
 Runs in interpret mode on CPU (its layout, ``(bi, bj, features)`` arrays, is not
 the one GPUs and TPUs take: that is ``pairwise_device.py``'s).
@@ -67,7 +67,7 @@ def states(
 ) -> list:
     """Each term's state for every x row (leading axis ``N``), ``xs``/``ys`` the leaves
     of x and y, ``consts`` the values of the tile jaxpr's constants then those ``f``
-    closes over (``prepared``: see ``_pairwise_kernel.Prepared``). The sums numbered
+    closes over (``prepared``: see ``pairs.kernel.Prepared``). The sums numbered
     in ``summed`` are merged over the x rows too: one state per x tile (leading axis:
     the tiles), for the caller to merge (a reverse pass's cotangents of the values
     ``f`` closes over).

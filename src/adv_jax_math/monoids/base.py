@@ -13,7 +13,7 @@ A recognized ``(reduction, chunk_reduction)`` pair, or a pytree of monoid object
 passed as ``reduction=``, becomes a :class:`MonoidReduction`: one
 :class:`LeafReduction` (monoid, the leaves of ``fun``'s output it reads, axes,
 result shape) per term of the result, plus the elementwise prologue a recognized
-chunk reduction applies first (see ``_recognize``).
+chunk reduction applies first (see ``analysis.recognize``).
 """
 
 from __future__ import annotations
@@ -240,7 +240,7 @@ class Monoid:
     def tally(self) -> Any:
         """A monoid folded over the same rows (per element, along the rows) before
         the reverse pass when :meth:`cotangent` needs more than the final state (a
-        max/min's tied rows: ``_monoids_extrema.Tally``), or None. Its state, with each
+        max/min's tied rows: ``monoids.extrema.Tally``), or None. Its state, with each
         element's share appended, is :meth:`cotangent`'s ``tally``."""
         return None
 

@@ -1,10 +1,10 @@
 """The monoids: sums, extrema, logsumexp, arg-extrema, top-k, softmax-weighted sums,
-means and variances. Each is one object of :class:`~._monoid.Monoid`; its
+means and variances. Each is one object of :class:`~adv_jax_math.monoids.base.Monoid`; its
 docstring names the plain-JAX expression it equals. One module per family:
-``_monoids_sums`` (sums, means, variances), ``_monoids_extrema`` (max/min and the
-arg-extrema), ``_monoids_exponential`` (logsumexp, softmax-weighted sums),
-``_monoids_topk`` (top-k); ``_monoids_numerics`` holds what they share,
-``_monoids_shifted`` the shifted exponentials of the logsumexp family.
+``monoids.sums`` (sums, means, variances), ``monoids.extrema`` (max/min and the
+arg-extrema), ``monoids.exponential`` (logsumexp, softmax-weighted sums),
+``monoids.topk`` (top-k); ``monoids.numerics`` holds what they share,
+``monoids.shifted`` the shifted exponentials of the logsumexp family.
 
 Written with operations every engine lowers (Pallas kernels included: reductions
 over the rows, elementwise ops, comparisons, ``dot_general``), stable and

@@ -1,7 +1,7 @@
 """A monoid's result times a constant: ``eps * logsumexp(s / eps)`` (a temperature).
 
 OTT-JAX's Sinkhorn step reduces ``eps * jax.nn.logsumexp(s / eps, axis=0)``. The
-``s / eps`` is an elementwise prologue (``_recognize``); the ``eps *`` after the
+``s / eps`` is an elementwise prologue (``analysis.recognize``); the ``eps *`` after the
 reduction is what :class:`Scaled` adds: the state is the base monoid's (of the
 prologue's values), the result ``scale`` times its result, and the derivatives
 scaled alike (``scale`` a constant: it gets no derivative of its own).

@@ -1,4 +1,4 @@
-"""Shifted exponentials, what the logsumexp family (``_monoids_exponential``) folds,
+"""Shifted exponentials, what the logsumexp family (``monoids.exponential``) folds,
 merges and differentiates by: sums of ``exp(y - top)`` for the maximum ``top`` of
 the rows, never NaN or overflowing where a maximum is infinite or a row computed
 again rounds a few ulps off it, and softmax weights from a state or from the rows

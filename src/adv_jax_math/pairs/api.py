@@ -8,7 +8,7 @@ row's monoid state carried across the y tiles. The engines:
 
 * ``pairwise tiles (xla)``, the default on CPU: the GPU tile kernel's loops in plain
   XLA (``kernels/pairwise_device.py``, layout ``"xla"``), where unrolling ``f``'s
-  features pays (``_pairwise_kernel.layout_problem``); its reverse pass the kernel
+  features pays (``pairs.kernel.layout_problem``); its reverse pass the kernel
   engine's below;
 * ``pairwise scan``: x tiles in a chunked ``vmap``, y tiles in a chunked monoid
   reduction (:func:`batch_vmap` of :func:`batch_map`), each tile rematerialized in a
@@ -21,7 +21,7 @@ row's monoid state carried across the y tiles. The engines:
   tiles ``f`` and compiles at its tiles; ``backend="interpret"`` runs it in interpret
   mode (``pairwise kernel (interpret)``; where it cannot tile ``f``, the interpret
   kernel of ``kernels/pairwise.py``). Reverse mode is pairwise sums on the same kernel
-  (``_pairwise_grad``); forward mode takes the scan engine's tangent.
+  (``pairs.grad``); forward mode takes the scan engine's tangent.
 
 ``columns=`` (a Monoid or pytree of them) adds the other marginal of the same
 matrix, ``cols_j = reduce_i f(x_i, y_j)`` (Sinkhorn's two marginals): two passes over
@@ -462,7 +462,7 @@ def _scan_y(
     return jax.tree.unflatten(jax.tree.structure(out), flat)
 
 
-# -- the kernel engine (``_pairwise_kernel``; its derivatives: ``_pairwise_grad``) ---------
+# -- the kernel engine (``pairs.kernel``; its derivatives: ``pairs.grad``) ---------
 def _fused(
     conv: Callable,
     consts: list,

@@ -9,14 +9,14 @@ j, state_i)`` depends only on x row ``i``'s result cotangent and final state, so
 * ``dc = sum_ij (d s_ij / d c)^T g_ij`` for the values ``f`` closes over: summed over
   each x tile inside the first pass's kernel, then over the tiles;
 
-each a kernel recomputing ``f`` and its VJP on tiles (``_pairwise_kernel``):
+each a kernel recomputing ``f`` and its VJP on tiles (``pairs.kernel``):
 nothing ``N x M`` is stored. A max/min first tallies its tied pairs with the
 forward kernel (``Monoid.tally``); the first pass counts the pairs it selects, and
 where that count differs from the tally's (a recomputation a last bit off) every
 cotangent is NaN, never silently wrong.
 
 Forward mode (``jax.jvp``, ``jax.jacfwd``) takes the scan engine's tangent; reverse
-mode transposes it with these kernels (``_linear.linear_call``), and differentiating
+mode transposes it with these kernels (``core.linear.linear_call``), and differentiating
 the reverse pass again gives JAX's transpose of that tangent.
 """
 
@@ -45,7 +45,7 @@ class Pairs:
     """One pairwise reduction on the kernel engine: ``conv(xi, yj, *consts)`` (``f``
     closure-converted), its terms ``red`` over ``j``, the tiles ``(bi, bj)``, the scan
     engine computing the same (``scan(consts, x, y)``: forward mode's tangent), and
-    which kernel (``_pairwise_kernel.kernel_states``'s ``layout``)."""
+    which kernel (``pairs.kernel.kernel_states``'s ``layout``)."""
 
     conv: Callable
     red: MonoidReduction

@@ -7,7 +7,7 @@ one pair with its features unrolled) for a ``Layout``, else (or where ``f`` does
 unroll) the interpret kernel (``kernels/pairwise.py``, ``f`` on a ``bi`` x ``bj``
 tile). :func:`kernel_sums` is the same for a pairwise sum of any ``g(xi, yj)``,
 finalized, with chosen outputs summed over the x rows too: the reverse pass is made
-of these (``_pairwise_grad``). :func:`layout_problem` is the planner's check of the
+of these (``pairs.grad``). :func:`layout_problem` is the planner's check of the
 tile kernel (traced, then compiled for the target).
 """
 
@@ -180,7 +180,7 @@ def _unrolled_problem(pair: Any, kind: str) -> str | None:
     1.6-5x faster unrolled forward, but their ``value_and_grad`` at parity up to 48
     features and 1.1-1.2x slower from 64 (129 values per pair), compiled in 8-12 s
     there (0.7 s on the scan engine). On GPU/TPU the roofline model
-    (``_roofline_pairwise``) puts unrolled dots over 64+ features 8x and more below the
+    (``pairs.roofline``) puts unrolled dots over 64+ features 8x and more below the
     matmul units' peak."""
     values, widest = size(pair)
     if widest >= MAX_CONTRACTION:

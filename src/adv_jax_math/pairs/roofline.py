@@ -10,14 +10,14 @@ steps (TPU) + XLA's copies / HBM bandwidth``, with
   at most half the L2, else every time: no reuse between programs assumed), from HBM every
   time on a TPU (the y BlockSpec streams each y tile for each x tile); states written once;
   XLA's copies: x, y laid out as padded feature rows (read, written), states read, result.
-* **flops**: ``f``'s jaxpr per pair (``_roofline.flops``, plus the max/min/arg reductions,
+* **flops**: ``f``'s jaxpr per pair (``plan.roofline.flops``, plus the max/min/arg reductions,
   ``tanh``, ``pow`` it leaves at 0), the monoid's fold and merges, on the padded pairs;
   transcendentals also on the GPU's SFUs / TPU's EUP, with :data:`SPECIAL_FLOPS` ALU
   flops each. ``f``'s features are unrolled (no dot reaches tensor cores or the MXU):
-  the elementwise peaks count (``Device.vector``: the device table, ``_devices``).
+  the elementwise peaks count (``Device.vector``: the device table, ``core.devices``).
   Programs fill the SMs / TensorCores in whole waves; four launches a pass (the kernel,
   XLA's copies).
-* **grad** (``value_and_grad`` w.r.t. x and y, as ``_pairwise_grad``): forward, a dx pass
+* **grad** (``value_and_grad`` w.r.t. x and y, as ``pairs.grad``): forward, a dx pass
   over x tiles streaming y and j, a dy pass over y tiles streaming x and each x row's
   cotangent and state, each pair recomputing ``f``, its VJP for one side and the monoid's
   pair cotangent; max/min first tally their ties (a forward pass).
@@ -219,9 +219,9 @@ def pairwise_cost(f: Callable, x: Any, y: Any, reduction: Monoid | str | float,
     reduction : Monoid, str or float
         The monoid, its name (``"logsumexp"``), or the fold's flops per pair.
     tiles : (int, int) or None
-        ``(bi, bj)``; None: the kernel's on ``device``, as ``_pairwise`` plans them.
+        ``(bi, bj)``; None: the kernel's on ``device``, as ``pairs.api`` plans them.
     device : Device or str
-        A :class:`_roofline.Device` or its ``device_kind`` (a key of ``_roofline.DEVICES``).
+        A :class:`plan.roofline.Device` or its ``device_kind`` (a key of ``core.devices.DEVICES``).
     grad : bool
         ``jax.value_and_grad`` w.r.t. ``x`` and ``y``: forward, dx and dy passes.
 
@@ -234,7 +234,7 @@ def pairwise_cost(f: Callable, x: Any, y: Any, reduction: Monoid | str | float,
     if d is None:
         known = list(DEVICES)
         raise ValueError(f"pairwise_cost: device {device!r} is not modelled; known: {known}")
-    if tiles is None:  # the kernel's, as _pairwise._device plans them (halved on TPU v4)
+    if tiles is None:  # the kernel's, as pairs.api._device plans them (halved on TPU v4)
         tpu = d.platform == "tpu"
         bi, bj = DEVICE_TILES["tpu" if tpu else "gpu"]
         tiles = (bi // 2, bj // 2) if tpu and d.vmem_limit < 32 << 20 else (bi, bj)

@@ -1,6 +1,6 @@
 """The pairwise engine of :func:`batch_map`: a chunked monoid reduction that
-``_pair_rows`` reads as a pairwise one (``fun`` closes over an array whose rows pair
-with the chunk's rows, as N-body's targets do) runs on :func:`~._pairwise.pairwise`'s
+``analysis.pair_rows`` reads as a pairwise one (``fun`` closes over an array whose rows pair
+with the chunk's rows, as N-body's targets do) runs on :func:`~adv_jax_math.pairs.api.pairwise`'s
 CPU tiles, where ``f``'s small feature axes are unrolled into 2-D tiles instead of
 the chunk's ``(rows, T, 3)`` arrays.
 

@@ -3,7 +3,7 @@
 When a call with ``batch_size="auto"`` is planned (at trace time), one chunk's
 program -- ``chunk_reduction(fun(rows))``, and its VJP when the call is being
 differentiated, run over a few chunks in a loop as the call runs them (see
-``_autotune_measure``) -- is compiled with ``jax.jit(...).lower(avals).compile()``
+``plan.measure``) -- is compiled with ``jax.jit(...).lower(avals).compile()``
 at up to ``MAX_COMPILES`` candidate sizes (powers of two). ``memory_analysis()`` gives its bytes
 (temporaries, outputs and the chunk's rows), fitted as ``a + b * rows``; what the
 whole call holds regardless of the chunk size (in reverse mode, a map's outputs'

@@ -1,8 +1,8 @@
 """The front end's plan: how many rows, which chunks, which reduction, and why.
 
 A :class:`Plan` is plain data computed from the arguments (shapes, what the
-reduction computes, the options in force); ``_planner.make_plan`` fills in
-everything but the engine, which the registry in ``_engines`` picks. Engines only
+reduction computes, the options in force); ``plan.planner.make_plan`` fills in
+everything but the engine, which the registry in ``engines.registry`` picks. Engines only
 execute plans. :func:`adv_jax_math.explain` returns one.
 """
 

@@ -1,9 +1,9 @@
-"""The planner: :func:`make_plan` turns a validated call into a :class:`~._plan.Plan`
-(everything but the engine, which the registry in ``_engines`` picks).
+"""The planner: :func:`make_plan` turns a validated call into a :class:`~adv_jax_math.plan.base.Plan`
+(everything but the engine, which the registry in ``engines.registry`` picks).
 
 It counts the rows, splits them into chunks (:func:`split_rows`: overlapping chunks
 or a remainder apart), traces ``fun`` once per chunk shape, recognizes the reduction
-(``_recognize``) or checks a generic one (``_combine_check``), and, when the rows are
+(``analysis.recognize``) or checks a generic one (``analysis.combine_check``), and, when the rows are
 spread over devices, plans one device's share and a global remainder, each device's
 share traced for all devices at once.
 """
@@ -85,7 +85,7 @@ def _recognized(call: Call, traced: Traced) -> tuple[MonoidReduction | None, str
 
 
 def make_plan(call: Call, *, mapped: bool = False) -> Plan:
-    """Plan a call (everything but the engine; see ``_engines.plan``).
+    """Plan a call (everything but the engine; see ``engines.registry.plan``).
 
     Rows are counted when something is split (``batch_size`` or ``shard``) or when
     ``mapped`` says the input's leading axis is mapped (a device's share of rows).
@@ -245,7 +245,7 @@ def _whole_map(
     call: Call, kind: Kind, policy: Policy, raw: Traced, rows: int, mapped: bool
 ) -> _Whole | None:
     """A chunked map (results stacked) of a ``fun`` that works row by row with nothing
-    larger than its inputs and outputs (``_jaxpr_graph.row_local``: elementwise
+    larger than its inputs and outputs (``analysis.jaxpr_graph.row_local``: elementwise
     operations, reshapes, broadcasts, reductions over feature axes) on all rows at once:
     XLA fuses it with no intermediate array larger than those, on every platform. Its
     jaxpr is evaluated again on all rows (``fun`` is not traced again); None where this
@@ -358,7 +358,7 @@ def _spread(call: Call, n: int | None, mapped: bool) -> tuple[Any, tuple[str, ..
     if not n or mapped:
         return None
     if call.shard:
-        assert call.mesh is not None  # shard=True calls get a mesh (_api._prepare)
+        assert call.mesh is not None  # shard=True calls get a mesh (engines.chunked.prepare)
         return call.mesh, tuple(call.mesh.axis_names), False
     rows = row_sharding(call.xs)
     return None if rows is None else (rows.mesh, rows.axes, True)

@@ -21,7 +21,7 @@ table); nothing here is measured. A pass costs
   (:attr:`Device.launch`: an assumption, until ``bench/device_check.sh`` runs on
   the hardware).
 
-The devices' figures are the device table's (``_devices``: :class:`Device`,
+The devices' figures are the device table's (``core.devices``: :class:`Device`,
 :data:`DEVICES`, :func:`device`), re-exported here.
 * **parallel**: the share of the device a pass keeps busy. A kernel has one
   program per block of rows: a grid of ``g`` programs fills ``min(1, g / cores)``

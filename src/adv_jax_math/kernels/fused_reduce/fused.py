@@ -7,7 +7,7 @@ integer constants, tracers of enclosing transformations) become whole-array
 kernel inputs. The kernel folds each term's monoid state per program; the states
 are merged in XLA (``kernel.forward``). ``pallas_call`` has no transpose rule, so
 the engine wraps it in a :func:`jax.custom_jvp` whose tangent is the monoid's
-row tangent summed chunk by chunk (``_tangent.reduce``).
+row tangent summed chunk by chunk (``analysis.tangent.reduce``).
 
 This module checks a call against the kernel's rules and builds its kernels
 (``check``, ``fused_states``, ``reverse_blocks``). Beside it: ``build`` (``fun``

@@ -6,7 +6,7 @@ for float32/float64 only: on bfloat16/float16 they lower, then fail to compile
 run in float32 and are cast back, as XLA's own float normalization does. Calls
 (``pjit``, ``closed_call``, custom derivative wrappers) are evaluated through, so
 the rewrite reaches operations inside them; the kernel's forward pass needs no
-custom derivative rules (its tangent is computed outside, see ``_tangent``).
+custom derivative rules (its tangent is computed outside, see ``analysis.tangent``).
 
 Each operation binds in the context it is evaluated in, never in the one it was
 traced in (``jax.core.eval_jaxpr`` re-enters each equation's recorded context,
