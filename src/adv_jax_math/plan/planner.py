@@ -1,11 +1,12 @@
-"""The planner: :func:`make_plan` turns a validated call into a :class:`~adv_jax_math.plan.base.Plan`
-(everything but the engine, which the registry in ``engines.registry`` picks).
+"""The planner: :func:`make_plan` turns a validated call into a
+:class:`~adv_jax_math.plan.base.Plan` (everything but the engine, which the registry
+in ``engines.registry`` picks).
 
 It counts the rows, splits them into chunks (:func:`split_rows`: overlapping chunks
 or a remainder apart), traces ``fun`` once per chunk shape, recognizes the reduction
-(``analysis.recognize``) or checks a generic one (``analysis.combine_check``), and, when the rows are
-spread over devices, plans one device's share and a global remainder, each device's
-share traced for all devices at once.
+(``analysis.recognize``) or checks a generic one (``analysis.combine_check``), and,
+when the rows are spread over devices, plans one device's share and a global
+remainder, each device's share traced for all devices at once.
 """
 
 from __future__ import annotations
