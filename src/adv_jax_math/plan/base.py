@@ -20,7 +20,7 @@ import jax
 from ..core.call import Call
 from ..core.sharding import Lanes
 from ..core.trace import Traced, rebind
-from ..monoids.base import MonoidReduction
+from ..monoids.reduction import MonoidReduction
 from .decision import Decision
 
 __all__ = [

@@ -26,7 +26,8 @@ from ..core import config as _config
 from ..core.call import Call
 from ..core.sharding import Lanes, explicit, row_sharding, sharding_of, typed_mesh
 from ..core.trace import Traced, rows_aval, trace
-from ..monoids.base import MonoidReduction, identity, is_monoid_tree
+from ..monoids.base import identity, is_monoid_tree
+from ..monoids.reduction import MonoidReduction
 from . import autotune as _autotune
 from .base import Kind, Plan, Policy, ShardLayout, target_platform
 from .whole import runs_whole, whole_map, whole_note
