@@ -51,8 +51,8 @@ from ..engines.chunked import chunked
 from ..engines.shard import as_global
 from ..kernels.pairwise_device import Layout
 from ..monoids.base import Monoid, is_monoid_tree
-from ..monoids.exponential import SoftmaxWeighted
 from ..monoids.reduction import MonoidReduction
+from ..monoids.softmax import SoftmaxWeighted
 from ..plan.base import target_platform
 from .grad import Pairs, fused
 from .kernel import first_row, layout_problem, recognized
