@@ -103,40 +103,37 @@ class SoftmaxWeighted(_ExponentAndCompanion):
         out = jnp.zeros(items[0].shape + items[1].shape, dtype)  # a sum over no rows
         return (out, jnp.full(items[0].shape, -jnp.inf, dtype)) if self.return_lse else out
 
-    def cotangent(self, ct, ys, idx, keep, state, items, tally=None) -> tuple:
+    def _centered(self, ys: Any, keep: Any, state: Any) -> tuple[jax.Array, jax.Array]:
+        """What both derivatives are made of: the rows' softmax weights ``p``, ``(rows,
+        *s)`` (times ``keep``), and each row's value less the result, ``(rows, *s, *v)``."""
         out, _ = self._parts(state)
         s, v = (y.astype(out.dtype) for y in ys)
-        ct_out, ct_lse = ct if self.return_lse else (ct, None)
         p = _softmax(s, state[0], state[1] + state[2])
         if keep is not None:
             p = p * _col(keep, p).astype(p.dtype)
-        ns, nv = s.ndim - 1, v.ndim - 1
+        return p, v.reshape(v.shape[:1] + (1,) * (s.ndim - 1) + v.shape[1:]) - out[None]
+
+    def cotangent(self, ct, ys, idx, keep, state, items, tally=None) -> tuple:
+        p, centered = self._centered(ys, keep, state)
+        ct_out, ct_lse = ct if self.return_lse else (ct, None)
+        ns = p.ndim - 1
         # out[S, V] = sum_i p_i[S] v_i[V]: d/dv_i = sum over S of p_i ct, and
         # d/ds_i = p_i (<ct, v_i - out> over V + ct_lse)
         ct_v = jnp.tensordot(p, ct_out, axes=(list(range(1, ns + 1)), list(range(ns))))
-        spread = lambda a, k: a.reshape(a.shape + (1,) * k)
-        centered = v.reshape(v.shape[:1] + (1,) * ns + v.shape[1:]) - out[None]
-        ct_s = p * jnp.sum(
-            spread(ct_out, 0)[None] * centered, axis=tuple(range(ns + 1, ns + nv + 1))
-        )
+        ct_s = p * jnp.sum(ct_out[None] * centered, axis=tuple(range(p.ndim, centered.ndim)))
         if ct_lse is not None:
             ct_s = ct_s + p * ct_lse[None]
         return self._cotangents((ct_s, ct_v), ys)
 
     def tangent(self, ys, dys, idx, keep, state, items) -> Any:
-        out, _ = self._parts(state)
-        s, v = (y.astype(out.dtype) for y in ys)
-        ds, dv = (d.astype(out.dtype) for d in dys)
-        p = _softmax(s, state[0], state[1] + state[2])
-        if keep is not None:
-            p = p * _col(keep, p).astype(p.dtype)
+        p, centered = self._centered(ys, keep, state)
+        ds, dv = (d.astype(p.dtype) for d in dys)
         pds = p * ds
         # d out = sum_i p_i (dv_i + ds_i (v_i - out)), each row's value centered
         # first: sum_i p_i ds_i v_i - d_lse * out cancels (a peaked softmax at scores
         # of 1e4: an error of 1e-3 where the derivative is 0)
-        ns, nv = s.ndim - 1, v.ndim - 1
-        centered = v.reshape(v.shape[:1] + (1,) * ns + v.shape[1:]) - out[None]
-        via_s = jnp.sum(pds.reshape(pds.shape + (1,) * nv) * centered, axis=0)
+        spread = pds.reshape(pds.shape + (1,) * (centered.ndim - p.ndim))
+        via_s = jnp.sum(spread * centered, axis=0)
         return jnp.tensordot(p, dv, axes=([0], [0])) + via_s, jnp.sum(pds, axis=0)
 
     def tangent_finish(self, raw: Any, state: Any, items: Items) -> Any:
