@@ -186,16 +186,16 @@ def _search(prog: ChunkProgram, n: int, sizes: list[int], budget: int, source: s
             break
         # One more run of the fastest sizes, side by side: a burst of load in one first
         # timing steered the search away (MLP gradients: 256 rows 1.4x slow, 32 next).
-        _retime(prog, n, secs, rounds=min(1, RETIME_ROUNDS))
+        _retime(prog, secs, rounds=min(1, RETIME_ROUNDS))
         nxt = _next_size(ok, secs)
         if nxt is None:  # the fastest is now one whose neighbours are all timed
             break
         if timed(nxt) is None:  # the model was optimistic: refit through the largest sizes
             fixed, per_row = _fit(mem, upper=True)
-    retimed, rounds = _retime(prog, n, secs)
-    best = min(secs, key=lambda r: secs[r])
-    cands = tuple(Candidate(s, estimate(s), s in mem, fits(s), secs.get(s)) for s in sizes)
+    retimed, rounds = _retime(prog, secs)
     ranked = sorted(secs, key=lambda r: secs[r])
+    best = ranked[0]
+    cands = tuple(Candidate(s, estimate(s), s in mem, fits(s), secs.get(s)) for s in sizes)
     why = f"{best} rows: the fastest of {len(secs)} timed sizes that fit"
     if rounds:
         sizes_text = ", ".join(map(str, sorted(retimed)))
@@ -215,7 +215,7 @@ def _search(prog: ChunkProgram, n: int, sizes: list[int], budget: int, source: s
 
 
 def _retime(
-    prog: ChunkProgram, n: int, secs: dict[int, float], rounds: int | None = None
+    prog: ChunkProgram, secs: dict[int, float], rounds: int | None = None
 ) -> tuple[list[int], int]:
     """Time the fastest sizes of ``secs`` again, side by side: the ``RETIME_TOP``
     fastest within ``RETIME_WITHIN`` times the fastest. Each round times one run of
