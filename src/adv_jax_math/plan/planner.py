@@ -108,8 +108,7 @@ def make_plan(call: Call, *, mapped: bool = False) -> Plan:
     if spread is not None and n:
         return _sharded_plan(call, n, *spread)
     if n is None:  # nothing is split: one plain call, as the user wrote it
-        kind = Kind.MAP if call.reduction is None else Kind.GENERIC
-        return Plan(n, b, kind, None, Policy.SINGLE, 1, 0, platform=target_platform())
+        return Plan(n, b, _kind(call, None), None, Policy.SINGLE, 1, 0, platform=target_platform())
     notes: list[str] = []
     if b is None or n <= b:
         policy, chunks, rows = (Policy.EMPTY, 0, 1) if n == 0 else (Policy.SINGLE, 1, n)
