@@ -21,7 +21,7 @@ from adv_jax_math.kernels.fused_reduce.rules import (
     live_at_peak,
     mosaic_problem,
 )
-from adv_jax_math.monoids.base import LeafReduction
+from adv_jax_math.monoids.reduction import LeafReduction
 
 S = jax.ShapeDtypeStruct
 F32_ROW = S((8, 16), jnp.float32)

@@ -39,7 +39,7 @@ from jax import lax
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, jaxpr_as_fun
 
 from ..core.trace import Traced, sub_jaxprs
-from ..monoids.base import MonoidReduction
+from ..monoids.reduction import MonoidReduction
 from .jaxpr_graph import ELEMENTWISE
 from .separable import (
     _SHAPING,

@@ -23,8 +23,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..core.trace import fresh_jaxpr
-from ..monoids.base import LeafReduction, Monoid, identity, is_monoid_tree
+from ..monoids.base import Monoid, identity, is_monoid_tree
 from ..monoids.catalog import ADD, LOGSUMEXP, MAX, MIN
+from ..monoids.reduction import LeafReduction
 from ..monoids.scaled import Scaled
 from .jaxpr_graph import (
     ELEMENTWISE,

@@ -50,8 +50,9 @@ from ..core.targets import target as device_target
 from ..engines.chunked import chunked
 from ..engines.shard import as_global
 from ..kernels.pairwise_device import Layout
-from ..monoids.base import Monoid, MonoidReduction, is_monoid_tree
-from ..monoids.exponential import SoftmaxWeighted
+from ..monoids.base import Monoid, is_monoid_tree
+from ..monoids.reduction import MonoidReduction
+from ..monoids.softmax import SoftmaxWeighted
 from ..plan.base import target_platform
 from .grad import Pairs, fused
 from .kernel import first_row, layout_problem, recognized
