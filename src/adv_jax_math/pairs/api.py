@@ -10,9 +10,10 @@ as plain JAX); it is computed in tiles of ``bi`` x rows by ``bj`` y rows (sized 
   XLA (``kernels/pairwise_device.py``, layout ``"xla"``), where unrolling ``f``'s
   features pays (``pairs.kernel.layout_problem``); its reverse pass the kernel
   engine's below;
-* ``pairwise scan``: x tiles in a chunked ``vmap``, y tiles in a chunked monoid
-  reduction (:func:`batch_vmap` of :func:`batch_map`), each tile rematerialized in a
-  gradient: O(bi * bj) memory forward and backward; every ``f``, and ``shard=True``;
+* ``pairwise scan`` (``pairs.scan``): x tiles in a chunked ``vmap``, y tiles in a
+  chunked monoid reduction (:func:`batch_vmap` of :func:`batch_map`), each tile
+  rematerialized in a gradient: O(bi * bj) memory forward and backward; every ``f``,
+  and ``shard=True``;
 * ``pairwise scan (y over devices)`` for ``shard="y"``: :func:`batch_map` over the y
   rows spread over the devices, each chunk the block of its y rows by every x row,
   the devices' monoid states merged;
@@ -42,20 +43,17 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from ..analysis.validate import resolve_mesh
 from ..core import config as _config
 from ..core.sharding import explicit, sharding_of, typed_mesh
 from ..core.targets import pallas_triton, tpu_vmem_limit
 from ..core.targets import target as device_target
-from ..engines.chunked import chunked
-from ..engines.shard import as_global
 from ..kernels.pairwise_device import Layout
 from ..monoids.base import Monoid, MonoidReduction, is_monoid_tree
-from ..monoids.exponential import SoftmaxWeighted
 from ..plan.base import target_platform
 from . import tiles as _tiles
 from .grad import Pairs, fused
 from .kernel import first_row, layout_problem, recognized
+from .scan import scan, scan_y
 
 __all__ = ["PairwisePlan", "explain_pairwise", "pairwise"]
 
@@ -187,13 +185,13 @@ def _pairwise(
     if plan.engine == _SCAN_Y:  # every device reduces its y rows for every x row,
         # on the mesh x and y are typed on where none is given or set
         with typed_mesh(*([] if mesh else [x, y])):
-            out = _scan_y(f, jax.tree.map(_whole, x), y, red, reduction, plan.tiles[1], mesh)
+            out = scan_y(f, jax.tree.map(_whole, x), y, red, reduction, plan.tiles[1], mesh)
         return jax.tree.map(lambda o: _rows_like(o, x), out)
     y = jax.tree.map(_whole, y)
     if plan.engine == _SCAN and shard:
-        return _scan(f, x, y, reduction, plan.tiles, shard=True, mesh=mesh)
+        return scan(f, x, y, reduction, plan.tiles, shard=True, mesh=mesh)
     if plan.engine == _SCAN:
-        return _scan(f, x, y, reduction, plan.tiles)
+        return scan(f, x, y, reduction, plan.tiles)
     conv, consts = jax.closure_convert(f, first_row(x), first_row(y))
     out = _fused(conv, list(consts), plan, red, layout, x, y, reduction)
     return jax.tree.map(lambda o: _rows_like(o, x), out)
@@ -369,57 +367,6 @@ def _device(
     return layout if problem is None else f"the tile kernel: {problem}"
 
 
-# -- the scan engine -----------------------------------------------------------------------
-def _scan(
-    f: Callable,
-    x: Any,
-    y: Any,
-    reduction: Any,
-    tiles: tuple[int, int],
-    shard: bool = False,
-    mesh: Any = None,
-) -> Any:
-    bi, bj = tiles
-
-    def per_x(xi: Any) -> Any:
-        pairs = lambda yc: jax.vmap(f, (None, 0))(xi, yc)
-        return chunked(pairs, y, bj, reduction=reduction)
-
-    if shard:  # y replicated on the mesh, as the rows of x are spread over it
-        y = jax.tree.map(lambda a: as_global(a, resolve_mesh(mesh)), y)
-    run = lambda: chunked(jax.vmap(per_x), x, bi, shard=shard, mesh=mesh)
-    if target_platform() == "cpu" or _config.current().backend not in ("auto", "pallas"):
-        return run()
-    # not the 1-D kernel over y: it would run vmapped over the x rows, its blocks
-    # batched beyond what its compile probe checked (Mosaic refused them on TPU)
-    with _config.config(backend="scan"):
-        return run()
-
-
-def _scan_y(
-    f: Callable, x: Any, y: Any, red: MonoidReduction, reduction: Any, bj: int, mesh: Any
-) -> Any:
-    """``shard="y"``: :func:`batch_map` over the y rows spread over the devices (each
-    device's monoid states merged across them), each chunk the block of its ``bj`` y
-    rows by every x row, x rows on the minor axis. A result with the monoid's own
-    axes first (top-k's ``(k, N)``) is turned to have the x rows first."""
-    if any(isinstance(leaf.monoid, SoftmaxWeighted) for leaf in red.leaves):
-        # its values are weighed by their own x row's scores only: each x row its own
-        # reduction (vmapped; the x rows then on the major axis)
-        per_x = lambda xi: jax.vmap(lambda yj: f(xi, yj))
-        run = lambda xi: chunked(per_x(xi), y, bj, reduction=reduction, shard=True, mesh=mesh)
-        return jax.vmap(run)(x)
-    block = lambda yc: jax.vmap(lambda yj: jax.vmap(lambda xi: f(xi, yj))(x))(yc)
-    out = chunked(block, y, bj, reduction=reduction, shard=True, mesh=mesh)
-    n = jax.tree.leaves(x)[0].shape[0]
-    per_row = [jax.tree.leaves(leaf.out) for leaf in red.leaves]
-    flat = [
-        o if o.shape == (n, *w.shape) else jnp.moveaxis(o, 1, 0)
-        for o, w in zip(jax.tree.leaves(out), [w for ws in per_row for w in ws], strict=True)
-    ]
-    return jax.tree.unflatten(jax.tree.structure(out), flat)
-
-
 # -- the kernel engine (``pairs.kernel``; its derivatives: ``pairs.grad``) ---------
 def _fused(
     conv: Callable,
@@ -433,5 +380,5 @@ def _fused(
 ) -> Any:
     """The kernel's result; ``red`` the terms :func:`_plan` recognized (from ``f``'s
     output shapes, which ``conv`` shares), ``layout`` the tile kernel's."""
-    scan = lambda c, x, y: _scan(lambda xi, yj: conv(xi, yj, *c), x, y, reduction, plan.tiles)
-    return fused(Pairs(conv, red, plan.tiles, scan, layout), consts, x, y)
+    by_scan = lambda c, x, y: scan(lambda xi, yj: conv(xi, yj, *c), x, y, reduction, plan.tiles)
+    return fused(Pairs(conv, red, plan.tiles, by_scan, layout), consts, x, y)
