@@ -1,24 +1,11 @@
 """The pairwise tile policy: every size ``(bi, bj)`` (x rows by y rows) a pairwise
-engine runs at is chosen here, and checked here when the caller gives it.
-
-* ``"auto"`` (:func:`rows`): ``bj = min(M, 2048)`` y rows and ``bi`` the power of two
-  (or ``N``) that makes a tile of at most 2^18 pairs (1 MiB per float32 output leaf);
-  the scan route's, the interpret kernel's and the CPU tiles';
-* the CPU tiles (``pairwise tiles (xla)``, :func:`xla`): those, but for a top-k ``y``
-  split evenly into tiles of at most 8192 rows and at most 2^20 pairs;
-* the tile kernel on GPU / TPU (:func:`device`): ``DEVICE_TILES``, halved on a TPU of
-  less than 32 MiB of VMEM (v4); given tiles checked against the hardware's rules.
-  ``pairs.roofline`` models the kernel at these;
-* ``shard="y"`` (:func:`shard_y`): chunks of every x row by ``bj`` y rows, "auto" at
-  most 2^18 pairs and a device's share of ``y``;
-* the column pass of ``columns=`` (:func:`swapped`): ``(bj, bi)``;
-* a chunked ``batch_map`` read as pairwise (``pairs.rows_engine``, :func:`chunk`): a
-  chunk's pairs as one tile when fewer than an "auto" tile's;
-* nested ``batch_map`` calls read as pairwise (``batch.nested``, :func:`batch_sizes`):
-  the outer and inner batch sizes.
-
-The choice depends on the target and on whether a monoid sorts (top-k), not on
-``f``'s feature count (the CPU tiles unroll ``f``'s features whatever the tiles).
+engine runs at is chosen here, and checked here when given: the "auto" tiles
+(:func:`rows`), the CPU tiles' (:func:`xla`: larger for a top-k), the GPU/TPU tile
+kernel's (:func:`kernel`, :func:`device`; ``pairs.roofline`` models it at these),
+``shard="y"``'s chunks (:func:`shard_y`), the column pass's (:func:`swapped`), a
+chunked ``batch_map`` read as pairwise (:func:`chunk`, for ``pairs.rows_engine``) and
+nested calls read as pairwise (:func:`batch_sizes`, for ``batch.nested``). The choice
+depends on the target and on whether a monoid sorts (top-k), not on ``f``'s features.
 """
 
 from __future__ import annotations
@@ -28,20 +15,7 @@ from typing import Any
 from ..monoids.base import MonoidReduction
 from ..plan.base import target_platform
 
-__all__ = [
-    "DEVICE_TILES",
-    "SORT_TILE_ELEMENTS",
-    "TILE_ELEMENTS",
-    "batch_sizes",
-    "check",
-    "chunk",
-    "device",
-    "kernel",
-    "rows",
-    "shard_y",
-    "swapped",
-    "xla",
-]
+__all__ = ["batch_sizes", "check", "chunk", "device", "kernel", "rows", "shard_y", "swapped", "xla"]
 
 TILE_ELEMENTS = 1 << 18  # bi * bj of an "auto" tile: 1 MiB per float32 output leaf
 MAX_Y_TILE = 2048  # bj of an "auto" tile
@@ -79,7 +53,7 @@ def rows(tiles: Any, n: int, m: int) -> tuple[int, int]:
     return min(tiles[0], max(n, 1)), min(tiles[1], max(m, 1))
 
 
-def sorts(red: MonoidReduction) -> bool:
+def _sorts(red: MonoidReduction) -> bool:
     """Whether a term of ``red`` sorts (a top-k): the CPU tiles take larger tiles."""
     return any(leaf.monoid.sorts for leaf in red.leaves)
 
@@ -91,7 +65,7 @@ def xla(tiles: Any, n: int, m: int, red: MonoidReduction) -> tuple[int, int]:
     ``lax.top_k`` and each merge another: at N = M = 1e4 and 3e4, D = 3 and 16,
     1.5-1.7x faster than the tiles of :func:`rows` (min of 5). Other monoids gained
     nothing consistent from larger tiles (0.6-1.4x, depending on the sizes' alignment)."""
-    if tiles != "auto" or not sorts(red):
+    if tiles != "auto" or not _sorts(red):
         return rows(tiles, n, m)
     bj = -(-m // -(-m // SORT_MAX_Y_TILE))
     return _fill(SORT_TILE_ELEMENTS, min(m, -(-bj // 8) * 8), n)
@@ -138,7 +112,7 @@ def chunk(
     one tile, when that is fewer than an "auto" tile's (of the CPU tiles); else "auto".
     With ``batch_size="auto"`` (``autotuned``): "auto" (a tile of at most 2^18 pairs
     holds a few MiB, N-body's gradient 5 MiB)."""
-    limit = SORT_TILE_ELEMENTS if sorts(red) else TILE_ELEMENTS
+    limit = SORT_TILE_ELEMENTS if _sorts(red) else TILE_ELEMENTS
     if autotuned or rows_per_chunk * n >= limit:
         return "auto"
     return n, rows_per_chunk
