@@ -47,7 +47,8 @@ lint: $(VENV)/.installed
 # One worker per core, each test file on one worker (module-level caches stay warm).
 # `make test` leaves out the tests marked slow: the rest of the large cross products
 # (engines x reductions x meshes ...), whose covering subsets it runs (every value of
-# every axis at least once); `make test-slow` runs just those, with the same workers.
+# every axis at least once); `make test-slow` runs just those, with the same workers
+# (at 6ada53b: 2020 tests and 71% of the suite's CPU time by default, 210 and 29% slow).
 # PYTEST_MARKERS= (empty) runs everything; PYTEST_FLAGS go to pytest after -m.
 PYTEST_WORKERS ?= auto
 PYTEST_MARKERS ?= not slow
