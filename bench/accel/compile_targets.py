@@ -51,13 +51,13 @@ import time
 import traceback
 import warnings
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import cases as case_lib
 import hlo
 import jax
 import jax.numpy as jnp
 import numpy as np
+from cases import map_reduce as case_lib
 from kinds import KINDS
 
 from adv_jax_math.kernels.fused_reduce.backward import BACKWARD_NAME as BACKWARD

@@ -1,12 +1,15 @@
-"""Cases compiled for real GPUs/TPUs by ``compile_targets.py`` (deviceless).
+"""``batch_map(fun, xs, batch_size, reduction=...)``, the fused map-reduce over rows:
+the cases. ``bench/accel/compile_targets.py`` compiles every one for real GPUs and TPUs
+(deviceless), ``tests/test_lowering.py`` lowers those of ``LOWERING`` for an abstract
+H100 and TPU v5e, ``bench/device_check.py`` times the ``roofline_*`` ones.
 
 Each :class:`Case` is one public call ``adv_jax_math.batch_map(fun, xs, batch_size,
 reduction=..., chunk_reduction=...)`` (or ``reduction=`` a monoid object or a pytree
-of them, with the default ``chunk_reduction``), optionally under ``jax.value_and_grad``.
+of them, with the default ``chunk_reduction``), optionally under ``jax.value_and_grad``;
+its plain-JAX oracle is :attr:`Case.oracle`.
 
-* ``test_*``: the abstract-lowering table and gradient cases of tests/test_lowering.py
-  (there they are only *lowered*; here they are compiled), plus the ``(N, 8, 16)``
-  f32/bf16/int32 blocks.
+* ``test_*``: the abstract-lowering table of tests/test_lowering.py (there only
+  *lowered*: ``LOWERING``), gradients, and the ``(N, 8, 16)`` f32/bf16/int32 blocks.
 * ``issue_*``: the cases reported failing on hardware (VMEM OOM on TPU, Triton
   failure on GPU, "Sublane gather not supported" on TPU v4).
 * ``monoid_*``: the stateful monoids (arg-extrema, top-k, softmax-weighted sums,
@@ -30,6 +33,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import adv_jax_math as ajm
+
+from . import oracle
 
 S = jax.ShapeDtypeStruct
 F32, BF16, I32 = jnp.float32, jnp.bfloat16, jnp.int32
@@ -86,6 +91,31 @@ class Case:
         if isinstance(red, tuple) and len(red) == 2 and not any(map(is_monoid, red)):
             return {"reduction": red[0], "chunk_reduction": red[1]}
         return {"reduction": red}
+
+    def at(self, n: int) -> Case:
+        """This case on ``n`` rows (the benchmarks' sizes, the tests' small ones)."""
+        rows = lambda s: S((n, *s.shape[1:]), s.dtype)
+        return dataclasses.replace(self, inputs=jax.tree.map(rows, self.inputs))
+
+    def arrays(self, seed: int = 0) -> tuple[Any, Any]:
+        """``(params, xs)`` drawn at random as NumPy arrays of the cases' shapes and
+        dtypes: floats standard normal, integers in [-50, 50)."""
+        rng = np.random.default_rng(seed)
+
+        def draw(s):
+            if jnp.issubdtype(s.dtype, jnp.integer):
+                return rng.integers(-50, 50, s.shape).astype(s.dtype)
+            return rng.normal(size=s.shape).astype(s.dtype)
+
+        return jax.tree.map(draw, (self.params, self.inputs))
+
+    @property
+    def oracle(self) -> Callable[..., Any]:
+        """Plain JAX, unchunked: a function of ``(params, xs)`` (``xs`` without params)."""
+        reduce = oracle(self.reduction)
+        if self.params is None:
+            return lambda xs: reduce(self.fun(xs))
+        return lambda params, xs: reduce(self.fun(params, xs))
 
 
 # --------------------------------------------------------------------------- #
@@ -560,6 +590,24 @@ CASES += [
         roofline=True,
     ),
 ]
+
+# tests/test_lowering.py's cases: (GPU, TPU) expectations of the plan on an abstract H100
+# and TPU v5e with the roofline model's veto off: None the kernel, else what the scan
+# engine's reason says (for sort the lowering's own message, naming the primitive)
+LOWERING = {
+    "test_elementwise_1d": (None, None),
+    "test_2p25_rows_looped": (None, None),
+    "test_closure_n4": (None, None),
+    "test_n48_max": (None, None),
+    "test_pytree_bf16_int": (None, None),
+    "test_nbody_field_5000": (None, None),
+    "test_n3_fallback": ("power-of-two", None),
+    "test_f64": (None, "64-bit"),
+    "test_sort": ("sort", "sort"),
+    "test_slice": ("slice", None),
+    "test_bs4_n4": (None, "at least 8"),
+    "test_bs64_1d": (None, "at least 128"),
+}
 
 BY_NAME = {c.name: c for c in CASES}
 assert len(BY_NAME) == len(CASES), "case names must be unique"
