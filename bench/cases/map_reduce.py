@@ -6,7 +6,7 @@ H100 and TPU v5e, ``bench/device_check.py`` times the ``roofline_*`` ones.
 Each :class:`Case` is one public call ``adv_jax_math.batch_map(fun, xs, batch_size,
 reduction=..., chunk_reduction=...)`` (or ``reduction=`` a monoid object or a pytree
 of them, with the default ``chunk_reduction``), optionally under ``jax.value_and_grad``;
-its plain-JAX oracle is :attr:`Case.oracle`.
+its plain-JAX oracle is ``Case.program(plain=True)``.
 
 * ``test_*``: the abstract-lowering table of tests/test_lowering.py (there only
   *lowered*: ``LOWERING``), gradients, and the ``(N, 8, 16)`` f32/bf16/int32 blocks.
@@ -25,6 +25,7 @@ engine with the compiler's message (the dispatch rule), ``{target: text}``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -61,8 +62,6 @@ class Case:
     grad : None (forward only), ``"inputs"``, ``"params"`` or ``"both"``: compile
         ``jax.value_and_grad`` of the sum of the outputs w.r.t. those arguments.
     expect : what tests/test_lowering.py (or the issue) says, for the report only.
-    roofline : the roofline table's cases (``roofline_*``): the scan engine's forward
-        and ``value_and_grad`` programs are compiled too, to count their launches.
     """
 
     name: str
@@ -72,12 +71,20 @@ class Case:
     reduction: Any  # a (reduction, chunk_reduction) pair, a Monoid, or a pytree of them
     params: Any = None
     grad: str | None = None
-    x64: bool = False
     quick: bool = False
     expect: str = ""
     kernel_on: tuple[str, ...] = ()
     fallback_on: dict[str, str] = dataclasses.field(default_factory=dict)
-    roofline: bool = False  # also compile the scan engine's programs (roofline table)
+
+    @property
+    def x64(self) -> bool:
+        return any(s.dtype == jnp.float64 for s in jax.tree.leaves((self.params, self.inputs)))
+
+    @property
+    def roofline(self) -> bool:
+        """The roofline table's cases: the scan engine's forward and ``value_and_grad``
+        programs are compiled too, to count their launches."""
+        return self.name.startswith("roofline_")
 
     @property
     def n(self) -> int:
@@ -109,13 +116,26 @@ class Case:
 
         return jax.tree.map(draw, (self.params, self.inputs))
 
-    @property
-    def oracle(self) -> Callable[..., Any]:
-        """Plain JAX, unchunked: a function of ``(params, xs)`` (``xs`` without params)."""
+    def bind(self, params: Any) -> Callable[..., Any]:
+        """``fun`` of the rows alone, ``params`` closed over (where the case has them)."""
+        return self.fun if self.params is None else functools.partial(self.fun, params)
+
+    def program(self, grad: bool = True, plain: bool = False) -> Callable[..., Any]:
+        """The function of ``(params, xs)`` to compile: the call (``plain``: its plain-JAX
+        oracle, unchunked), or (``grad`` and the case has one) ``jax.value_and_grad`` of
+        the sum of its outputs (in float32) w.r.t. the case's ``grad`` arguments."""
         reduce = oracle(self.reduction)
-        if self.params is None:
-            return lambda xs: reduce(self.fun(xs))
-        return lambda params, xs: reduce(self.fun(params, xs))
+
+        def call(params, xs):
+            if plain:
+                return reduce(self.bind(params)(xs))
+            return ajm.batch_map(self.bind(params), xs, self.batch_size, **self.reduction_kwargs)
+
+        if self.grad is None or not grad:
+            return call
+        argnums = {"inputs": 1, "params": 0, "both": (0, 1)}[self.grad]
+        loss = lambda p, xs: sum(jnp.sum(v.astype(F32)) for v in jax.tree.leaves(call(p, xs)))
+        return jax.value_and_grad(loss, argnums=argnums)
 
 
 # --------------------------------------------------------------------------- #
@@ -225,9 +245,7 @@ CASES: list[Case] = [
         SUM0,
     ),
     Case("test_n3_fallback", jnp.sin, S((1000, 3), F32), 256, LSE_ALL, expect="GPU: power-of-two"),
-    Case(
-        "test_f64", jnp.sin, S((1000, 4), jnp.float64), 256, LSE_ALL, x64=True, expect="TPU: 64-bit"
-    ),
+    Case("test_f64", jnp.sin, S((1000, 4), jnp.float64), 256, LSE_ALL, expect="TPU: 64-bit"),
     Case(
         "test_sort",
         lambda x: jnp.sort(x, axis=1),
@@ -554,7 +572,6 @@ CASES += [
         params=S((16, 32), F32),
         grad="params",
         expect="a layer's weights: the constants' cotangents summed per program",
-        roofline=True,
     ),
     Case(
         "roofline_add_inputs",
@@ -565,7 +582,6 @@ CASES += [
         params=S((16, 32), F32),
         grad="inputs",
         expect="the inputs' cotangents, one row each",
-        roofline=True,
     ),
     Case(
         "roofline_mixture_means",
@@ -576,7 +592,6 @@ CASES += [
         params=S((8, 16), F32),
         grad="params",
         expect="a mixture's means through a logsumexp inside fun",
-        roofline=True,
     ),
     Case(
         "roofline_max_vector",
@@ -587,7 +602,6 @@ CASES += [
         params=S((32,), F32),
         grad="params",
         expect="max over rows: the tied rows tallied first",
-        roofline=True,
     ),
 ]
 
