@@ -1,7 +1,7 @@
 """``ajm.pairwise`` against KeOps, OTT-JAX, dense XLA and the nested ``batch_map`` form.
 
-The cases (:func:`gaussian`, :func:`knn`, :func:`sinkhorn`; sizes in
-``pairwise_report.py``):
+The cases (:func:`gaussian`, :func:`knn`, :func:`sinkhorn`: the workloads of
+``cases/pairwise.py`` with their contenders; sizes in ``pairwise_report.py``):
 
 * ``Gaussian kernel sum``: KeOps' own benchmark (``plot_benchmark_convolutions``:
   ``Exp(-SqDist(X,Y)) * B`` with ``B = Vj(1)``), ``out_i = sum_j exp(-|x_i - y_j|^2) b_j``,
@@ -50,6 +50,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from _timing import compile_fn
+from cases import pairwise
+from cases.pairwise import EPS, KNN, SINKHORN, sinkhorn_pair
 from jax import lax
 from jax.extend import core as jax_core
 
@@ -59,11 +61,11 @@ HERE = Path(__file__).resolve().parent
 # pykeops reads it when first imported: its compiled formulas stay in the git-ignored cache
 os.environ.setdefault("KEOPS_CACHE_FOLDER", str(HERE / ".cache" / "keops"))
 
-K = 10  # neighbours
+GAUSSIAN = pairwise.gaussian()
+K = KNN.reduction.k  # neighbours
 KNN_DIM = 16
 GAUSS_DIM = 3
 SINKHORN_DIM = 3
-EPS = 0.05  # Sinkhorn's entropic regularization
 DENSE_BLOCK = 1024  # x rows per block of the dense k-NN
 OTT_BATCH = 2048  # rows per block of OTT's online PointCloud
 DENSE_MAX_BYTES = 4 << 30  # a dense N x M float32 matrix runs where it fits in this
@@ -254,10 +256,6 @@ def _normal(seed: int, *shapes: tuple[int, ...]) -> tuple:
     return tuple(jax.random.normal(k, s, jnp.float32) for k, s in zip(keys, shapes, strict=True))
 
 
-def _struct(shape: tuple[int, ...]) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(shape, jnp.float32)
-
-
 def _fits(n: int, m: int) -> bool:
     return 4 * n * m <= DENSE_MAX_BYTES
 
@@ -269,10 +267,7 @@ def _skip_dense(n: int, m: int) -> str:
 # -- Gaussian kernel sum ----------------------------------------------------------------------
 
 
-def gauss_pair(xi, yb):
-    """One pair of KeOps' ``Exp(-SqDist(X,Y)) * B``: ``b_j`` a scalar."""
-    yj, bj = yb
-    return jnp.exp(-jnp.sum((xi - yj) ** 2)) * bj
+gauss_pair = GAUSSIAN.f  # one pair of KeOps' ``Exp(-SqDist(X,Y)) * B``: ``b_j`` a scalar
 
 
 def ours_gauss(x, y, b):
@@ -354,8 +349,8 @@ def gaussian(n: int, *, rounds: int = 5, slow_rounds: int | None = None) -> Case
     """The Gaussian kernel sum at ``N = M = n``; ``slow_rounds`` for the nested form,
     pykeops and the ``(M, 1)`` context row (their check call is one more sample where
     0)."""
-    structs = (_struct((n, GAUSS_DIM)), _struct((n, GAUSS_DIM)), _struct((n,)))
-    bi, bj = gauss_plan(*structs).tiles
+    x, (y, b) = GAUSSIAN.inputs(n, n, GAUSS_DIM)
+    bi, bj = gauss_plan(x, y, b).tiles
     contenders = [
         Contender("ours: pairwise", ours_gauss, "", ours=True, plan=gauss_plan),
         Contender(
@@ -412,7 +407,7 @@ def gaussian(n: int, *, rounds: int = 5, slow_rounds: int | None = None) -> Case
         GAUSS_DIM,
         n * n,
         gauss_pair,
-        (_struct((GAUSS_DIM,)), (_struct((GAUSS_DIM,)), _struct(()))),
+        GAUSSIAN.pair_args(GAUSS_DIM),
         "add",
         lambda: _normal(0, (n, GAUSS_DIM), (n, GAUSS_DIM), (n,)),
         tuple(contenders),
@@ -426,16 +421,12 @@ def gaussian(n: int, *, rounds: int = 5, slow_rounds: int | None = None) -> Case
 # -- k-NN -------------------------------------------------------------------------------------
 
 
-def sq_dist_pair(xi, yj):
-    return jnp.sum((xi - yj) ** 2)
-
-
 def ours_knn(x, y):
-    return ajm.pairwise(sq_dist_pair, x, y, ajm.top_k(K, smallest=True))
+    return ajm.pairwise(KNN.f, x, y, KNN.reduction)
 
 
 def knn_plan(x, y) -> ajm.PairwisePlan:
-    return ajm.explain_pairwise(sq_dist_pair, x, y, ajm.top_k(K, smallest=True))
+    return ajm.explain_pairwise(KNN.f, x, y, KNN.reduction)
 
 
 def dense_knn(x, y):
@@ -507,8 +498,8 @@ def knn(n: int, *, rounds: int = 3) -> Case:
         n,
         KNN_DIM,
         n * n,
-        sq_dist_pair,
-        (_struct((KNN_DIM,)), _struct((KNN_DIM,))),
+        KNN.f,
+        KNN.pair_args(KNN_DIM),
         "top_k",
         lambda: _normal(1, (n, KNN_DIM), (n, KNN_DIM)),
         (
@@ -526,12 +517,6 @@ def knn(n: int, *, rounds: int = 3) -> Case:
 
 
 # -- Sinkhorn ---------------------------------------------------------------------------------
-
-
-def sinkhorn_pair(xi, yg):
-    """``(g_j - C_ij) / eps`` for one pair: ``C`` the squared Euclidean cost."""
-    yj, gj = yg
-    return (gj - jnp.sum((xi - yj) ** 2)) / EPS
 
 
 def ours_sinkhorn(iterations: int) -> Callable:
@@ -640,7 +625,7 @@ def sinkhorn(n: int, iterations: int = 50, *, rounds: int = 3) -> Case:
         SINKHORN_DIM,
         2 * iterations * n * n,
         sinkhorn_pair,
-        (_struct((SINKHORN_DIM,)), (_struct((SINKHORN_DIM,)), _struct(()))),
+        SINKHORN.pair_args(SINKHORN_DIM),
         "logsumexp",
         lambda: _uniform_clouds(n, n),
         (

@@ -9,7 +9,7 @@ tests). Workloads, from ``workloads``:
 (b) the N-body field (``nbody(law="gravity", dim=4)``: 4 coordinates, the
     power-of-two layout Triton needs) of N sources at M targets, summed over the
     sources (compute bound: pair interactions per second);
-(c) ``jax.value_and_grad`` of the roofline cases (``accel/cases.py``,
+(c) ``jax.value_and_grad`` of the roofline cases (``cases/map_reduce.py``,
     ``roofline_*``: a sum differentiated with respect to a closed-over matrix and to
     the mapped inputs, a mixture log-likelihood with respect to its means, a max
     with respect to a closed-over vector), ``batch_map[pallas]`` (the backward
@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from _timing import measure
+from cases import map_reduce, pairwise
 
 import adv_jax_math as ajm
 from adv_jax_math.core.devices import DEVICES
@@ -110,34 +111,22 @@ def report(
 
 def gradients(*, interpret: bool, reps: int) -> None:
     """(c): measured value_and_grad times next to the roofline model's."""
-    from accel import cases
-
     kernel = "interpret" if interpret else "pallas"
     print("\n## value_and_grad: measured against the roofline model (forward + backward)")
     print("| case | engine | measured ms | model ms (fwd + bwd) |")
     print("|---|---|---|---|")
-    for case in [c for c in cases.CASES if c.name.startswith("roofline_")]:
-        rng = np.random.default_rng(0)
-        real = lambda s: jnp.asarray(rng.normal(size=s.shape), s.dtype)  # noqa: B023
-        params, xs = jax.tree.map(real, case.params), jax.tree.map(real, case.inputs)
+    for case in [c for c in map_reduce.CASES if c.name.startswith("roofline_")]:
         if interpret:  # tiny: a few blocks
-            xs = jax.tree.map(lambda a, b=case.batch_size: a[: 4 * b], xs)
-        argnums = {"inputs": 1, "params": 0, "both": (0, 1)}[case.grad]
-
-        def loss(params, xs, case=case):
-            fun = lambda x: case.fun(params, x)
-            out = ajm.batch_map(fun, xs, case.batch_size, **case.reduction_kwargs)
-            return sum(jnp.sum(v) for v in jax.tree.leaves(out))
-
-        fun = lambda x, case=case, params=params: case.fun(params, x)
-        plan = ajm.explain(fun, xs, case.batch_size, **case.reduction_kwargs)
+            case = case.at(4 * case.batch_size)
+        params, xs = jax.tree.map(jnp.asarray, case.arrays())
+        plan = ajm.explain(case.bind(params), xs, case.batch_size, **case.reduction_kwargs)
         model = {"pallas": 0.0, "scan": 0.0}
         for v in plan.roofline:
             model["pallas"] += v.kernel.seconds(v.device)
             model["scan"] += v.scan.seconds(v.device)
         for name in (kernel, "scan"):
             with ajm.config(backend=name):
-                f = jax.jit(jax.value_and_grad(loss, argnums=argnums))
+                f = jax.jit(case.program())
                 try:
                     m = measure(f, (params, xs), repeats=reps, warmup=2)
                 except Exception as e:  # one engine failing is a result too
@@ -152,14 +141,14 @@ def pairwise_sums(*, interpret: bool, reps: int) -> None:
     """(d): KeOps' benchmark, the Gaussian kernel sum ``sum_j exp(-|x_i - y_j|^2 / 0.5) b_j``
     (D = 3, float32): ``ajm.pairwise`` (the tile kernel) against plain XLA over blocks
     of x rows (``lax.map`` of the dense block, about 1 GiB of pairs a block)."""
-    f = lambda xi, yj: jnp.exp(-jnp.sum((xi - yj[:3]) ** 2) / 0.5) * yj[3]
+    f = pairwise.gaussian(p=2.0).f  # y: (points, b)
     print("\n## pairwise Gaussian kernel sum, D = 3, float32")
     print("| N = M | engine | ms | Gpairs/s | max rel err |")
     print("|---|---|---|---|---|")
     for n in (1000,) if interpret else (10**5, 10**6):
         rng = np.random.default_rng(0)
-        x = jnp.asarray(rng.normal(size=(n, 3)), jnp.float32)
-        y = jnp.asarray(rng.normal(size=(n, 4)), jnp.float32)
+        x, y, b = (jnp.asarray(rng.normal(size=s), jnp.float32) for s in ((n, 3), (n, 3), (n,)))
+        y = (y, b)
         block = max(1, (1 << 28) // n)
 
         def xla(x, y, block=block):

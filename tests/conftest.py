@@ -1,7 +1,13 @@
-"""Fixtures. Shared helpers live in helpers.py (``from helpers import ...``)."""
+"""Fixtures. Shared helpers live in helpers.py (``from helpers import ...``); the case
+lists shared with the benchmarks in bench/cases/ (``from cases.pairwise import ...``)."""
+
+import pathlib
+import sys
 
 import pytest
 from helpers import enable_x64
+
+sys.path.append(str(pathlib.Path(__file__).resolve().parent.parent / "bench"))
 
 
 @pytest.fixture

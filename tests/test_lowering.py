@@ -13,6 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from cases.map_reduce import BY_NAME, LOWERING
+from cases.map_reduce import field_of_sources as nbody
 from helpers import (
     TraceCounter,
     contains_kernel,
@@ -29,70 +31,13 @@ pytestmark = [needs_kernel, needs_abstract_devices]
 
 S = jax.ShapeDtypeStruct
 W4 = np.array([0.5, -1.0, 2.0, 0.25], np.float32)
-_TG = np.linspace(-1, 1, 128 * 4, dtype=np.float32).reshape(128, 4)
 TARGETS = [pytest.param("cuda", id="H100-triton"), pytest.param("tpu", id="TPUv5e-mosaic")]
 OTHER = {"cuda": "tpu", "tpu": "cuda"}
 
-LSE = dict(reduction=jnp.logaddexp, chunk_reduction=jax.nn.logsumexp)
 SUM0 = dict(reduction=jnp.add, chunk_reduction=lambda t: t.sum(axis=0))  # DESC's spelling
-MAX_ALL = dict(reduction=jnp.maximum, chunk_reduction=jnp.max)
-MAX0 = dict(reduction=ajm.MAX)
 SUM_ALL = dict(reduction=jnp.add, chunk_reduction=jnp.sum)
-
-
-def nbody(src):
-    """Field of sources (positions padded to 4 coordinates, masses) at 128 targets."""
-    d = _TG[None, :, :] - src["pos"][:, None, :]
-    r2 = jnp.sum(d * d, axis=-1, keepdims=True) + 1e-3
-    return d * (src["m"][:, None, None] / (r2 * jnp.sqrt(r2)))
-
-
-# name: (fun, xs, reduction keywords, batch_size, x64, GPU reason, TPU reason); None: kernel
-CASES = {
-    "(N,)": (jnp.sin, S((4096,), jnp.float32), LSE, 4096, False, None, None),
-    "2^25 rows: blocks looped in-kernel": (
-        lambda x: x + 1.0,
-        S((1 << 25,), jnp.float32),
-        LSE,
-        1 << 25,
-        False,
-        None,
-        None,
-    ),
-    "closure (N,4)": (lambda x: x * W4, S((1000, 4), jnp.float32), SUM0, 64, False, None, None),
-    "(N,4,8)": (jnp.cos, S((300, 4, 8), jnp.float32), MAX_ALL, 256, False, None, None),
-    "pytree bf16/int": (
-        lambda d: (d["a"] * 2, d["i"] + 1),
-        {"a": S((999, 4), jnp.bfloat16), "i": S((999, 4), jnp.int32)},
-        MAX0,
-        512,
-        False,
-        None,
-        None,
-    ),
-    "n-body": (
-        nbody,
-        {"pos": S((5000, 4), jnp.float32), "m": S((5000,), jnp.float32)},
-        SUM0,
-        2048,
-        False,
-        None,
-        None,
-    ),
-    "(N,3)": (jnp.sin, S((1000, 3), jnp.float32), LSE, 256, False, "power-of-two", None),
-    "float64": (jnp.sin, S((1000, 4), jnp.float64), LSE, 256, True, None, "64-bit"),
-    "sort": (
-        lambda x: jnp.sort(x, axis=1),
-        S((1000, 4), jnp.float32),
-        LSE,
-        256,
-        False,
-        "sort",  # the lowering's own message names the unsupported primitive
-        "sort",
-    ),
-    "batch_size 4 (N,4)": (jnp.sin, S((100, 4), jnp.float32), LSE, 4, False, None, "at least 8"),
-    "batch_size 64 (N,)": (jnp.sin, S((1000,), jnp.float32), LSE, 64, False, None, "at least 128"),
-}
+# bench/cases/map_reduce.py's LOWERING: (GPU, TPU) reasons, None for the kernel
+CASES = {name: (BY_NAME[name], reasons) for name, reasons in LOWERING.items()}
 
 
 # The cases are small: the roofline model would often send them to the scan engine
@@ -123,9 +68,10 @@ def explain_on(platform, *args, **kw):
 @pytest.mark.parametrize("platform", TARGETS)
 @pytest.mark.parametrize("name", list(CASES))
 def test_kernel_lowered_exactly_when_planned(name, platform):
-    fun, xs, kw, batch_size, x64, gpu, tpu = CASES[name]
-    reason = gpu if platform == "cuda" else tpu
-    with enable_x64(x64):
+    case, reasons = CASES[name]
+    fun, xs, batch_size, kw = case.fun, case.inputs, case.batch_size, case.reduction_kwargs
+    reason = reasons[platform == "tpu"]
+    with enable_x64(case.x64):
         plan = explain_on(platform, fun, xs, batch_size, **kw)
         text = lower(platform, lambda x: ajm.batch_map(fun, x, batch_size, **kw), xs)
     assert plan.platform == platform, str(plan)

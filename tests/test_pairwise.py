@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from cases.pairwise import REDUCTIONS
 from helpers import assert_tree_close, needs_abstract_devices, normal, on_abstract_device
 from jax import lax
 
@@ -46,17 +47,8 @@ def dense(f, x, y):
     return jax.vmap(jax.vmap(f, (None, 0)), (0, None))(x, y)
 
 
-def _softmax_pair(xi, yj):
-    return -sqdist(xi, yj), jnp.stack([yj[0], jnp.sin(yj[1])])
-
-
 def _two_heads(xi, yj):  # two scores per pair (heads), each weighing the same values
     return jnp.stack([-sqdist(xi, yj), -jnp.abs(xi - yj).sum()]), yj[:2]
-
-
-def _two_leaves(xi, yj):
-    d = sqdist(xi, yj)
-    return {"sum": jnp.exp(-d), "near": d}
 
 
 def _top_k(d, k, smallest):
@@ -64,43 +56,8 @@ def _top_k(d, k, smallest):
     return (-v if smallest else v), i
 
 
-CASES = {  # name: (reduction, f, oracle on the dense (N, M, ...) outputs)
-    "add": (ajm.ADD, lambda a, b: jnp.exp(-sqdist(a, b)), lambda d: d.sum(1)),
-    # a vector per pair: KeOps' kernel sum with a signal of dimension 2
-    "vector_add": (ajm.ADD, lambda a, b: jnp.exp(-sqdist(a, b)) * b[:2], lambda d: d.sum(1)),
-    "max": (ajm.MAX, sqdist, lambda d: d.max(1)),
-    "min": (ajm.MIN, sqdist, lambda d: d.min(1)),
-    "logsumexp": (ajm.LOGSUMEXP, lambda a, b: -sqdist(a, b), lambda d: jax.nn.logsumexp(d, 1)),
-    # two values per pair (exponent, weight): OTT-JAX's weighted Sinkhorn step
-    "weighted_logsumexp": (
-        ajm.WEIGHTED_LOGSUMEXP,
-        lambda a, b: (-sqdist(a, b), b[0] ** 2 + 0.1),
-        lambda d: jax.nn.logsumexp(d[0], 1, b=d[1]),
-    ),
-    "argmin": (ajm.ARGMIN, sqdist, lambda d: d.argmin(1)),
-    "argmax": (ajm.ARGMAX, sqdist, lambda d: d.argmax(1)),
-    "min_argmin": (ajm.MIN_ARGMIN, sqdist, lambda d: (d.min(1), d.argmin(1))),
-    "max_argmax": (ajm.MAX_ARGMAX, sqdist, lambda d: (d.max(1), d.argmax(1))),
-    "top_k": (ajm.top_k(3), sqdist, lambda d: _top_k(d, 3, False)),
-    "k_nearest": (ajm.top_k(3, smallest=True), sqdist, lambda d: _top_k(d, 3, True)),
-    "mean": (ajm.MEAN, sqdist, lambda d: d.mean(1)),
-    "var": (ajm.VAR, sqdist, lambda d: d.var(1)),
-    "softmax_weighted": (
-        ajm.SOFTMAX_WEIGHTED,
-        _softmax_pair,
-        lambda d: jnp.einsum("nm,nmk->nk", jax.nn.softmax(d[0], 1), d[1]),
-    ),
-    "softmax_two_heads": (
-        ajm.SOFTMAX_WEIGHTED,
-        _two_heads,
-        lambda d: jnp.einsum("nms,nmk->nsk", jax.nn.softmax(d[0], 1), d[1]),
-    ),
-    "pytree": (
-        {"sum": ajm.ADD, "near": ajm.MIN_ARGMIN},
-        _two_leaves,
-        lambda d: {"sum": d["sum"].sum(1), "near": (d["near"].min(1), d["near"].argmin(1))},
-    ),
-}
+# name: (reduction, f, oracle on the dense (N, M, ...) outputs): bench/cases/pairwise.py
+CASES = {c.name: (c.reduction, c.f, c.oracle) for c in REDUCTIONS}
 
 
 @pytest.mark.parametrize("backend", list(ENGINES))
@@ -115,7 +72,7 @@ def test_values_match_dense_oracle(name, backend):
     assert_tree_close(got, want(dense(f, x, y)), rtol=2e-5, atol=2e-5)
 
 
-DIFFERENTIABLE = [name for name in CASES if name not in ("argmin", "argmax")]
+DIFFERENTIABLE = [c.name for c in REDUCTIONS if c.differentiable]
 
 
 def one_engine_each(names: list[str]) -> list:

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from cases import oracle
 from helpers import assert_tree_close, normal
 from jax import lax
 
@@ -66,11 +67,6 @@ def special(xi, yj):
     return v + jnp.sin(xi[1] * yj[0]) + xi[2] * yj[1]
 
 
-def _top_k(d, k, smallest):
-    v, i = lax.top_k(-d if smallest else d, k)
-    return (-v if smallest else v), i
-
-
 def _values(xi, yj):  # the special column as the values a softmax weighs
     return -((xi[1] - yj[0]) ** 2), jnp.stack([special(xi, yj), yj[1]])
 
@@ -79,33 +75,32 @@ def _scores(xi, yj):  # ... and as its scores
     return special(xi, yj), jnp.stack([yj[0], jnp.cos(xi[2] * yj[1])])
 
 
-def _softmax(d):
-    return jnp.einsum("nm,nmk->nk", jax.nn.softmax(d[0], 1), d[1])
-
-
 def _log_zero(xi, yj):  # -inf where yj[1] <= 0, its tangent t * log(0) (r11 of issue 44)
     return special(xi, yj) + (xi[2] ** 2 + 0.1) * jnp.log(jnp.abs(yj[0]) * (yj[1] > 0))
 
 
-CASES = {  # name: (reduction, f, oracle on the dense (N, M, ...) outputs)
-    "ADD": (ajm.ADD, special, lambda d: d.sum(1)),
-    "MAX": (ajm.MAX, special, lambda d: d.max(1)),
-    "MAX(t log 0)": (ajm.MAX, _log_zero, lambda d: d.max(1)),
-    "MIN": (ajm.MIN, special, lambda d: d.min(1)),
-    "LOGSUMEXP": (ajm.LOGSUMEXP, special, lambda d: jax.nn.logsumexp(d, 1)),
-    "MIN_ARGMIN": (ajm.MIN_ARGMIN, special, lambda d: (d.min(1), d.argmin(1))),
-    "MAX_ARGMAX": (ajm.MAX_ARGMAX, special, lambda d: (d.max(1), d.argmax(1))),
-    "ARGMIN": (ajm.ARGMIN, special, lambda d: d.argmin(1)),
-    "MEAN": (ajm.MEAN, special, lambda d: d.mean(1)),
-    "VAR": (ajm.VAR, special, lambda d: d.var(1)),
-    "top_k(3, smallest)": (ajm.top_k(3, smallest=True), special, lambda d: _top_k(d, 3, True)),
-    "SOFTMAX_WEIGHTED(scores)": (ajm.SOFTMAX_WEIGHTED, _scores, _softmax),
-    "SOFTMAX_WEIGHTED(values)": (ajm.SOFTMAX_WEIGHTED, _values, _softmax),
-    "WEIGHTED_LOGSUMEXP": (
-        ajm.WEIGHTED_LOGSUMEXP,
-        lambda a, b: (special(a, b), b[1] ** 2 + 0.1),
-        lambda d: jax.nn.logsumexp(d[0], 1, b=d[1]),
-    ),
+# name: (reduction, f, oracle on the dense (N, M, ...) outputs: plain JAX, bench/cases)
+CASES = {
+    name: (reduction, f, oracle(reduction, axis=1))
+    for name, (reduction, f) in {
+        "ADD": (ajm.ADD, special),
+        "MAX": (ajm.MAX, special),
+        "MAX(t log 0)": (ajm.MAX, _log_zero),
+        "MIN": (ajm.MIN, special),
+        "LOGSUMEXP": (ajm.LOGSUMEXP, special),
+        "MIN_ARGMIN": (ajm.MIN_ARGMIN, special),
+        "MAX_ARGMAX": (ajm.MAX_ARGMAX, special),
+        "ARGMIN": (ajm.ARGMIN, special),
+        "MEAN": (ajm.MEAN, special),
+        "VAR": (ajm.VAR, special),
+        "top_k(3, smallest)": (ajm.top_k(3, smallest=True), special),
+        "SOFTMAX_WEIGHTED(scores)": (ajm.SOFTMAX_WEIGHTED, _scores),
+        "SOFTMAX_WEIGHTED(values)": (ajm.SOFTMAX_WEIGHTED, _values),
+        "WEIGHTED_LOGSUMEXP": (
+            ajm.WEIGHTED_LOGSUMEXP,
+            lambda a, b: (special(a, b), b[1] ** 2 + 0.1),
+        ),
+    }.items()
 }
 ENGINES = {
     "scan": "pairwise scan",

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from cases import oracle
 from helpers import enable_x64, engine
 from jax import lax
 
@@ -44,35 +45,31 @@ N = 7
 Y = np.array(list(COLUMNS.values()), np.float32).T  # (N, columns)
 
 
-def _top_k(k, smallest=False):
-    def oracle(y):
-        v, i = lax.top_k(jnp.moveaxis(-y if smallest else y, 0, -1), k)
-        return jnp.moveaxis(-v if smallest else v, -1, 0), jnp.moveaxis(i, -1, 0)
-
-    return oracle
-
-
 def _softmax_weighted(sv):
     s, v = sv
     return jnp.tensordot(jax.nn.softmax(s, 0), v, ([0], [0]))
 
 
-# name: (reduction, oracle of fun's output, fun of a row pair (special column, t))
+# name: (reduction, oracle of fun's output (plain JAX: bench/cases), fun of a row pair
+# (special column, t))
 row = lambda r: r[0] * 1.0
 TABLE = {
-    "ADD": (ajm.ADD, lambda y: jnp.sum(y, 0), row),
-    "MAX": (ajm.MAX, lambda y: jnp.max(y, 0), row),
-    "MIN": (ajm.MIN, lambda y: jnp.min(y, 0), row),
-    "LOGSUMEXP": (ajm.LOGSUMEXP, lambda y: jax.nn.logsumexp(y, 0), row),
-    "MIN_ARGMIN": (ajm.MIN_ARGMIN, lambda y: (jnp.min(y, 0), jnp.argmin(y, 0)), row),
-    "MAX_ARGMAX": (ajm.MAX_ARGMAX, lambda y: (jnp.max(y, 0), jnp.argmax(y, 0)), row),
-    "top_k(2)": (ajm.top_k(2), _top_k(2), row),
-    "top_k(2, smallest)": (ajm.top_k(2, smallest=True), _top_k(2, True), row),
-    "MEAN_VAR": (ajm.MEAN_VAR, lambda y: (jnp.mean(y, 0), jnp.var(y, 0)), row),
-    "var(ddof=1)": (ajm.var(ddof=1), lambda y: jnp.var(y, 0, ddof=1), row),
-    # the special columns as scores (values: a ramp), then as values (scores: a ramp)
-    "softmax_weighted(scores)": (ajm.softmax_weighted(), _softmax_weighted, lambda r: r),
-    "softmax_weighted(values)": (ajm.softmax_weighted(), _softmax_weighted, lambda r: r[::-1]),
+    name: (monoid, oracle(monoid), fun)
+    for name, (monoid, fun) in {
+        "ADD": (ajm.ADD, row),
+        "MAX": (ajm.MAX, row),
+        "MIN": (ajm.MIN, row),
+        "LOGSUMEXP": (ajm.LOGSUMEXP, row),
+        "MIN_ARGMIN": (ajm.MIN_ARGMIN, row),
+        "MAX_ARGMAX": (ajm.MAX_ARGMAX, row),
+        "top_k(2)": (ajm.top_k(2), row),
+        "top_k(2, smallest)": (ajm.top_k(2, smallest=True), row),
+        "MEAN_VAR": (ajm.MEAN_VAR, row),
+        "var(ddof=1)": (ajm.var(ddof=1), row),
+        # the special columns as scores (values: a ramp), then as values (scores: a ramp)
+        "softmax_weighted(scores)": (ajm.softmax_weighted(), lambda r: r),
+        "softmax_weighted(values)": (ajm.softmax_weighted(), lambda r: r[::-1]),
+    }.items()
 }
 ENGINES = ["scan", "interpret", "shard"]
 

@@ -51,13 +51,13 @@ import time
 import traceback
 import warnings
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import cases as case_lib
 import hlo
 import jax
 import jax.numpy as jnp
 import numpy as np
+from cases import map_reduce as case_lib
 from kinds import KINDS
 
 from adv_jax_math.kernels.fused_reduce.backward import BACKWARD_NAME as BACKWARD
@@ -217,27 +217,6 @@ def _zeros_like_tree(tree):
     return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), tree)
 
 
-def _build(case: case_lib.Case, grad: bool = True):
-    """The function of (params, xs) to compile: the call, or (``grad`` and the case
-    has one) ``jax.value_and_grad`` of the sum of its outputs."""
-    import adv_jax_math as ajm
-
-    def call(params, xs):
-        fun = case.fun if case.params is None else (lambda x: case.fun(params, x))
-        return ajm.batch_map(fun, xs, case.batch_size, **case.reduction_kwargs)
-
-    if case.grad is None or not grad:
-        return call
-
-    argnums = {"inputs": 1, "params": 0, "both": (0, 1)}[case.grad]
-
-    def loss(params, xs):
-        out = call(params, xs)
-        return sum(jnp.sum(v.astype(jnp.float32)) for v in jax.tree.leaves(out))
-
-    return jax.value_and_grad(loss, argnums=argnums)
-
-
 def explain_case(case: case_lib.Case) -> dict:
     """adv_jax_math.explain on abstract inputs (traced inside eval_shape, under the mesh)."""
     import adv_jax_math as ajm
@@ -245,8 +224,7 @@ def explain_case(case: case_lib.Case) -> dict:
     box = {}
 
     def probe(params, xs):
-        fun = case.fun if case.params is None else (lambda x: case.fun(params, x))
-        box["plan"] = ajm.explain(fun, xs, case.batch_size, **case.reduction_kwargs)
+        box["plan"] = ajm.explain(case.bind(params), xs, case.batch_size, **case.reduction_kwargs)
         return jnp.zeros(())
 
     try:
@@ -358,7 +336,7 @@ def scan_programs(case: case_lib.Case) -> dict:
     with ajm.config(backend="scan"):
         for program, grad in (("forward", False), ("value_and_grad", True)):
             try:
-                compiled = jax.jit(_build(case, grad)).lower(case.params, case.inputs).compile()
+                compiled = jax.jit(case.program(grad)).lower(case.params, case.inputs).compile()
                 out["scan_hlo"][program] = hlo.launches(compiled.as_text() or "")
                 cost = compiled.cost_analysis()
                 out["scan_cost_analysis"][program] = (
@@ -377,7 +355,7 @@ def run_case(case: case_lib.Case, mesh, platform: str) -> dict:
     ctx = jax.enable_x64(True) if case.x64 else contextlib.nullcontext()
     try:
         with ctx, jax.set_mesh(mesh):
-            rec.update(compile_fn(_build(case), (case.params, case.inputs), platform))
+            rec.update(compile_fn(case.program(), (case.params, case.inputs), platform))
             try:
                 rec["explain"] = explain_case(case)
             except Exception as e:

@@ -25,50 +25,36 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the model traces jaxprs only
 
 import argparse
 import pathlib
+import sys
 from collections.abc import Callable
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 from kinds import KINDS
 
-import adv_jax_math as ajm
 from adv_jax_math.pairs.roofline import SPECIAL_FLOPS, PairwiseCost, pairwise_cost
 from adv_jax_math.plan.roofline import DEVICES
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+from cases import pairwise
+
 KEOPS_SECONDS, KEOPS_PEAK = 1.38, 13.4e12  # RTX 2080 Ti: KeOps' figure, its f32 peak
-S, F32 = jax.ShapeDtypeStruct, jnp.float32
-
-
-def gauss(s: float = 0.5) -> Callable:
-    """KeOps' ``Exp(-p * SqNorm2(x - y)) * b`` with ``p = 1 / s``; y rows carry b."""
-    p = 1.0 / s
-    return lambda xi, yj: jnp.exp(-p * jnp.sum((xi - yj[0]) ** 2)) * yj[1]
-
-
-def attention(d: int) -> Callable:
-    scale = 1.0 / d**0.5
-    return lambda q, kv: (jnp.dot(q, kv[0]) * scale, kv[1])
 
 
 def cases() -> list[tuple[str, str, Callable, Any, Any, Any, bool]]:
-    """(workload, sizes, f, x, y, reduction, grad)."""
-    n = 10**6
-    keops = (gauss(), S((n, 3), F32), (S((n, 3), F32), S((n,), F32)), ajm.ADD)
-    out = [
-        ("Gaussian sum (KeOps)", "1e6 x 1e6, D=3", *keops, False),
-        ("Gaussian sum (KeOps)", "1e6 x 1e6, D=3", *keops, True),
+    """(workload, sizes, f, x, y, reduction, grad): the cases of ``bench/cases/pairwise.py``."""
+    n, ce = 10**6, pairwise.CROSS_ENTROPY
+    keops = pairwise.gaussian(p=2.0)  # KeOps' Exp(-p * SqNorm2(x - y)), p = 1 / s, s = 0.5
+    out = [("Gaussian sum (KeOps)", "1e6 x 1e6, D=3", keops, (n, n, 3), g) for g in (False, True)]
+    out += [
+        ("attention, 1 head", f"{t} x {t}, D={d}", pairwise.attention(d), (t, t, d), False)
+        for t in (8192, 32768)
+        for d in (64, 128)
     ]
-    for t in (8192, 32768):
-        for d in (64, 128):
-            kv = (S((t, d), F32), S((t, d), F32))
-            sizes = f"{t} x {t}, D={d}"
-            out.append(("attention, 1 head", sizes, attention(d), S((t, d), F32), kv,
-                        ajm.SOFTMAX_WEIGHTED, False))  # fmt: skip
-    for v in (32768, 128256):
-        out.append(("cross-entropy logsumexp", f"8192 x {v}, D=4096", jnp.dot,
-                    S((8192, 4096), F32), S((v, 4096), F32), ajm.LOGSUMEXP, False))  # fmt: skip
-    return out
+    out += [
+        ("cross-entropy logsumexp", f"8192 x {v}, D=4096", ce, (8192, v, 4096), False)
+        for v in (32768, 128256)
+    ]
+    return [(w, s, c.f, *c.inputs(*size), c.reduction, g) for w, s, c, size, g in out]
 
 
 def fmt_seconds(s: float) -> str:

@@ -1,12 +1,15 @@
-"""Cases compiled for real GPUs/TPUs by ``compile_targets.py`` (deviceless).
+"""``batch_map(fun, xs, batch_size, reduction=...)``, the fused map-reduce over rows:
+the cases. ``bench/accel/compile_targets.py`` compiles every one for real GPUs and TPUs
+(deviceless), ``tests/test_lowering.py`` lowers those of ``LOWERING`` for an abstract
+H100 and TPU v5e, ``bench/device_check.py`` times the ``roofline_*`` ones.
 
 Each :class:`Case` is one public call ``adv_jax_math.batch_map(fun, xs, batch_size,
 reduction=..., chunk_reduction=...)`` (or ``reduction=`` a monoid object or a pytree
-of them, with the default ``chunk_reduction``), optionally under ``jax.value_and_grad``.
+of them, with the default ``chunk_reduction``), optionally under ``jax.value_and_grad``;
+its plain-JAX oracle is ``Case.program(plain=True)``.
 
-* ``test_*``: the abstract-lowering table and gradient cases of tests/test_lowering.py
-  (there they are only *lowered*; here they are compiled), plus the ``(N, 8, 16)``
-  f32/bf16/int32 blocks.
+* ``test_*``: the abstract-lowering table of tests/test_lowering.py (there only
+  *lowered*: ``LOWERING``), gradients, and the ``(N, 8, 16)`` f32/bf16/int32 blocks.
 * ``issue_*``: the cases reported failing on hardware (VMEM OOM on TPU, Triton
   failure on GPU, "Sublane gather not supported" on TPU v4).
 * ``monoid_*``: the stateful monoids (arg-extrema, top-k, softmax-weighted sums,
@@ -22,6 +25,7 @@ engine with the compiler's message (the dispatch rule), ``{target: text}``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -30,6 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import adv_jax_math as ajm
+
+from . import oracle
 
 S = jax.ShapeDtypeStruct
 F32, BF16, I32 = jnp.float32, jnp.bfloat16, jnp.int32
@@ -56,8 +62,6 @@ class Case:
     grad : None (forward only), ``"inputs"``, ``"params"`` or ``"both"``: compile
         ``jax.value_and_grad`` of the sum of the outputs w.r.t. those arguments.
     expect : what tests/test_lowering.py (or the issue) says, for the report only.
-    roofline : the roofline table's cases (``roofline_*``): the scan engine's forward
-        and ``value_and_grad`` programs are compiled too, to count their launches.
     """
 
     name: str
@@ -67,12 +71,20 @@ class Case:
     reduction: Any  # a (reduction, chunk_reduction) pair, a Monoid, or a pytree of them
     params: Any = None
     grad: str | None = None
-    x64: bool = False
     quick: bool = False
     expect: str = ""
     kernel_on: tuple[str, ...] = ()
     fallback_on: dict[str, str] = dataclasses.field(default_factory=dict)
-    roofline: bool = False  # also compile the scan engine's programs (roofline table)
+
+    @property
+    def x64(self) -> bool:
+        return any(s.dtype == jnp.float64 for s in jax.tree.leaves((self.params, self.inputs)))
+
+    @property
+    def roofline(self) -> bool:
+        """The roofline table's cases: the scan engine's forward and ``value_and_grad``
+        programs are compiled too, to count their launches."""
+        return self.name.startswith("roofline_")
 
     @property
     def n(self) -> int:
@@ -86,6 +98,44 @@ class Case:
         if isinstance(red, tuple) and len(red) == 2 and not any(map(is_monoid, red)):
             return {"reduction": red[0], "chunk_reduction": red[1]}
         return {"reduction": red}
+
+    def at(self, n: int) -> Case:
+        """This case on ``n`` rows (the benchmarks' sizes, the tests' small ones)."""
+        rows = lambda s: S((n, *s.shape[1:]), s.dtype)
+        return dataclasses.replace(self, inputs=jax.tree.map(rows, self.inputs))
+
+    def arrays(self, seed: int = 0) -> tuple[Any, Any]:
+        """``(params, xs)`` drawn at random as NumPy arrays of the cases' shapes and
+        dtypes: floats standard normal, integers in [-50, 50)."""
+        rng = np.random.default_rng(seed)
+
+        def draw(s):
+            if jnp.issubdtype(s.dtype, jnp.integer):
+                return rng.integers(-50, 50, s.shape).astype(s.dtype)
+            return rng.normal(size=s.shape).astype(s.dtype)
+
+        return jax.tree.map(draw, (self.params, self.inputs))
+
+    def bind(self, params: Any) -> Callable[..., Any]:
+        """``fun`` of the rows alone, ``params`` closed over (where the case has them)."""
+        return self.fun if self.params is None else functools.partial(self.fun, params)
+
+    def program(self, grad: bool = True, plain: bool = False) -> Callable[..., Any]:
+        """The function of ``(params, xs)`` to compile: the call (``plain``: its plain-JAX
+        oracle, unchunked), or (``grad`` and the case has one) ``jax.value_and_grad`` of
+        the sum of its outputs (in float32) w.r.t. the case's ``grad`` arguments."""
+        reduce = oracle(self.reduction)
+
+        def call(params, xs):
+            if plain:
+                return reduce(self.bind(params)(xs))
+            return ajm.batch_map(self.bind(params), xs, self.batch_size, **self.reduction_kwargs)
+
+        if self.grad is None or not grad:
+            return call
+        argnums = {"inputs": 1, "params": 0, "both": (0, 1)}[self.grad]
+        loss = lambda p, xs: sum(jnp.sum(v.astype(F32)) for v in jax.tree.leaves(call(p, xs)))
+        return jax.value_and_grad(loss, argnums=argnums)
 
 
 # --------------------------------------------------------------------------- #
@@ -195,9 +245,7 @@ CASES: list[Case] = [
         SUM0,
     ),
     Case("test_n3_fallback", jnp.sin, S((1000, 3), F32), 256, LSE_ALL, expect="GPU: power-of-two"),
-    Case(
-        "test_f64", jnp.sin, S((1000, 4), jnp.float64), 256, LSE_ALL, x64=True, expect="TPU: 64-bit"
-    ),
+    Case("test_f64", jnp.sin, S((1000, 4), jnp.float64), 256, LSE_ALL, expect="TPU: 64-bit"),
     Case(
         "test_sort",
         lambda x: jnp.sort(x, axis=1),
@@ -524,7 +572,6 @@ CASES += [
         params=S((16, 32), F32),
         grad="params",
         expect="a layer's weights: the constants' cotangents summed per program",
-        roofline=True,
     ),
     Case(
         "roofline_add_inputs",
@@ -535,7 +582,6 @@ CASES += [
         params=S((16, 32), F32),
         grad="inputs",
         expect="the inputs' cotangents, one row each",
-        roofline=True,
     ),
     Case(
         "roofline_mixture_means",
@@ -546,7 +592,6 @@ CASES += [
         params=S((8, 16), F32),
         grad="params",
         expect="a mixture's means through a logsumexp inside fun",
-        roofline=True,
     ),
     Case(
         "roofline_max_vector",
@@ -557,9 +602,26 @@ CASES += [
         params=S((32,), F32),
         grad="params",
         expect="max over rows: the tied rows tallied first",
-        roofline=True,
     ),
 ]
+
+# tests/test_lowering.py's cases: (GPU, TPU) expectations of the plan on an abstract H100
+# and TPU v5e with the roofline model's veto off: None the kernel, else what the scan
+# engine's reason says (for sort the lowering's own message, naming the primitive)
+LOWERING = {
+    "test_elementwise_1d": (None, None),
+    "test_2p25_rows_looped": (None, None),
+    "test_closure_n4": (None, None),
+    "test_n48_max": (None, None),
+    "test_pytree_bf16_int": (None, None),
+    "test_nbody_field_5000": (None, None),
+    "test_n3_fallback": ("power-of-two", None),
+    "test_f64": (None, "64-bit"),
+    "test_sort": ("sort", "sort"),
+    "test_slice": ("slice", None),
+    "test_bs4_n4": (None, "at least 8"),
+    "test_bs64_1d": (None, "at least 128"),
+}
 
 BY_NAME = {c.name: c for c in CASES}
 assert len(BY_NAME) == len(CASES), "case names must be unique"

@@ -1,0 +1,84 @@
+"""The cases of ``bench/``, one list per operation, shared by the benchmarks, the
+accelerator compile checks (``bench/accel/``) and the tests (``tests/conftest.py`` puts
+``bench/`` on ``sys.path``):
+
+* ``cases.map_reduce``: ``batch_map(fun, xs, batch_size, reduction=...)``, the fused
+  map-reduce over rows, per monoid (the compile checks, ``tests/test_lowering.py``);
+* ``cases.pairwise``: ``pairwise(f, x, y, reduction)``, one case per reduction (the
+  tests, the compile checks) and the KeOps-like workloads (the benchmarks, the
+  roofline model).
+
+Each case names its function, its reduction and its inputs (sizes given by the
+caller: large for the benchmarks, ragged for the compile checks, small for the tests);
+its plain-JAX oracle is :func:`oracle` of its reduction, here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+import adv_jax_math as ajm
+
+
+def _top_k(k: int, smallest: bool) -> Callable:
+    def top_k(y):
+        v, i = lax.top_k(jnp.moveaxis(-y if smallest else y, 0, -1), k)
+        return jnp.moveaxis(-v if smallest else v, -1, 0), jnp.moveaxis(i, -1, 0)
+
+    return top_k
+
+
+def _softmax_weighted(sv):
+    s, v = sv
+    return jnp.tensordot(jax.nn.softmax(s, 0), v, ([0], [0]))
+
+
+_PLAIN: dict[str, Callable] = {  # a monoid's name: plain JAX over axis 0 of fun's output
+    "add": lambda y: jnp.sum(y, 0),
+    "max": lambda y: jnp.max(y, 0),
+    "min": lambda y: jnp.min(y, 0),
+    "logsumexp": lambda y: jax.nn.logsumexp(y, 0),
+    "weighted_logsumexp": lambda y: jax.nn.logsumexp(y[0], 0, b=y[1]),
+    "argmin": lambda y: jnp.argmin(y, 0),
+    "argmax": lambda y: jnp.argmax(y, 0),
+    "min_argmin": lambda y: (jnp.min(y, 0), jnp.argmin(y, 0)),
+    "max_argmax": lambda y: (jnp.max(y, 0), jnp.argmax(y, 0)),
+    "mean": lambda y: jnp.mean(y, 0),
+    "var": lambda y: jnp.var(y, 0),
+    "mean_var": lambda y: (jnp.mean(y, 0), jnp.var(y, 0)),
+    "softmax_weighted": _softmax_weighted,
+    "softmax_weighted(return_lse=True)": lambda y: (
+        _softmax_weighted(y),
+        jax.nn.logsumexp(y[0], 0),
+    ),
+}
+
+
+def oracle(reduction: Any, axis: int = 0) -> Callable:
+    """The plain-JAX expression ``reduction`` equals, reducing ``axis`` of what ``fun``
+    (``f`` of the pairs: ``axis=1`` of the dense ``(N, M, ...)`` outputs) returns.
+
+    ``reduction``: a monoid, a pytree of them (one per output subtree), or a
+    ``(reduction, chunk_reduction)`` pair of ``batch_map``, whose ``chunk_reduction``
+    reduces every row of each leaf at once (``axis`` 0 only)."""
+    if isinstance(reduction, tuple) and not isinstance(reduction[-1], ajm.Monoid | tuple | dict):
+        assert axis == 0, "a chunk_reduction reduces every row: axis 0 only"
+        return lambda y: jax.tree.map(reduction[1], y)
+    if isinstance(reduction, ajm.Monoid):
+        if hasattr(reduction, "k"):  # top_k
+            plain = _top_k(reduction.k, reduction.smallest)
+        elif getattr(reduction, "ddof", 0):  # var(ddof)
+            plain = lambda y: jnp.var(y, 0, ddof=reduction.ddof)
+        else:
+            plain = _PLAIN[reduction.name]
+    else:  # a pytree of monoids
+        leaf = lambda m: isinstance(m, ajm.Monoid)
+        plain = lambda y: jax.tree.map(lambda m, part: oracle(m)(part), reduction, y, is_leaf=leaf)
+    for _ in range(axis):
+        plain = jax.vmap(plain)
+    return plain
