@@ -14,10 +14,10 @@ import types
 from pathlib import Path
 
 import pytest
+from accel import pairwise_model as _roofline_pairwise
 
 from adv_jax_math.core import devices as _devices
 from adv_jax_math.core import targets
-from adv_jax_math.pairs import roofline as _roofline_pairwise
 from adv_jax_math.plan import roofline as _roofline
 
 ROOT = Path(__file__).resolve().parent.parent

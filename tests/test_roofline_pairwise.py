@@ -1,4 +1,4 @@
-"""The pairwise roofline model (``_roofline_pairwise``): its bytes and flops against
+"""The pairwise roofline model (``bench/accel/pairwise_model.py``): its bytes and flops against
 hand arithmetic (how they scale with N and M, y resident in L2 or not, the Gaussian's
 flops per pair), the reverse passes, the default tiles, and its errors."""
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import pytest
+from accel.pairwise_model import pairwise_cost
 
 import adv_jax_math as ajm
-from adv_jax_math.pairs.roofline import pairwise_cost
 
 S, F32 = jax.ShapeDtypeStruct, jnp.float32
 H100, A100, V5E = "NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB", "TPU v5 lite"

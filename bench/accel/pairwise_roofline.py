@@ -3,7 +3,7 @@
     .venv/bin/python bench/accel/pairwise_roofline.py [--out bench/results/pairwise_roofline.md]
 
 For each target of ``compile_targets.py`` (h100 h200 a100 v5e v6e v5p v4),
-``pairs.roofline.pairwise_cost`` of the pairwise tile kernel at the tiles the planner
+``pairwise_model.pairwise_cost`` of the pairwise tile kernel at the tiles the planner
 gives it (``pairs.tiles.kernel``: GPU (64, 64), TPU (512, 256), halved on v4) on:
 
 * KeOps' benchmark, the Gaussian kernel sum ``sum_j exp(-|x_i - y_j|^2 / s) b_j``, D = 3,
@@ -30,8 +30,8 @@ from collections.abc import Callable
 from typing import Any
 
 from kinds import KINDS
+from pairwise_model import SPECIAL_FLOPS, PairwiseCost, pairwise_cost
 
-from adv_jax_math.pairs.roofline import SPECIAL_FLOPS, PairwiseCost, pairwise_cost
 from adv_jax_math.plan.roofline import DEVICES
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
@@ -92,7 +92,7 @@ CAPTION = f"""\
 # Pairwise reductions: the roofline MODEL on GPUs and TPUs
 
 **A model, not a measurement: no GPU or TPU ran any of this.** Every time below is what
-`src/adv_jax_math/_roofline_pairwise.py` (`pairwise_cost`) computes for the pairwise tile
+`bench/accel/pairwise_model.py` (`pairwise_cost`) computes for the pairwise tile
 kernel (`kernels/pairwise_device.py`) at the tiles the planner gives it; generated on a
 CPU-only host by `.venv/bin/python bench/accel/pairwise_roofline.py --out
 bench/results/pairwise_roofline.md`.

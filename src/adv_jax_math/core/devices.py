@@ -2,10 +2,11 @@
 deviceless compile targets and the benchmarks use, one record per kind, each number
 written once (DESIGN.md §13: "one device table").
 
-Read by ``plan.roofline`` and ``pairs.roofline`` (a record *is* their ``Device``),
-``core/targets.py`` (the ``GpuTargetConfig`` protos, the TPU topologies,
-the VMEM limits, the bfloat16 VPUs), ``bench/device_check.py`` (the peak bandwidth the
-measurements are put against) and ``bench/accel/kinds.py`` (the targets' short names).
+Read by the roofline models, ``plan.roofline`` and ``bench/accel/pairwise_model.py`` (a
+record *is* their ``Device``), ``core/targets.py`` (the ``GpuTargetConfig`` protos, the
+TPU topologies, the VMEM limits, the bfloat16 VPUs), ``bench/device_check.py`` (the peak
+bandwidth the measurements are put against) and ``bench/accel/kinds.py`` (the targets'
+short names).
 It imports only the standard library, so any module of the package can import it, and
 so can scripts that must not set up devices.
 
@@ -40,7 +41,7 @@ class Gpu:
 @dataclasses.dataclass(frozen=True)
 class Device:
     """The figures of one device kind: what the roofline models (``plan.roofline``: HBM
-    bandwidth, matmul peak, cores, launch; ``pairs.roofline``: the elementwise
+    bandwidth, matmul peak, cores, launch; the pairwise model: the elementwise
     units, the cache) and the compile targets (``gpu``; ``topology``, VMEM) need."""
 
     kind: str  # jax's device_kind

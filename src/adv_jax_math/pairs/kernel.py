@@ -181,7 +181,7 @@ def _unrolled_problem(pair: Any, kind: str) -> str | None:
     1.6-5x faster unrolled forward, but their ``value_and_grad`` at parity up to 48
     features and 1.1-1.2x slower from 64 (129 values per pair), compiled in 8-12 s
     there (0.7 s on the scan engine). On GPU/TPU the roofline model
-    (``pairs.roofline``) puts unrolled dots over 64+ features 8x and more below the
+    (``bench/accel/pairwise_model.py``) puts unrolled dots over 64+ features 8x and more below the
     matmul units' peak."""
     values, widest = size(pair)
     if widest >= MAX_CONTRACTION:

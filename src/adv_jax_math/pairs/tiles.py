@@ -1,7 +1,7 @@
 """The pairwise tile policy: every size ``(bi, bj)`` (x rows by y rows) a pairwise
 engine runs at is chosen here, and checked here when given: the "auto" tiles
 (:func:`rows`), the CPU tiles' (:func:`xla`: larger for a top-k), the GPU/TPU tile
-kernel's (:func:`kernel`, :func:`device`; ``pairs.roofline`` models it at these),
+kernel's (:func:`kernel`, :func:`device`; ``bench/accel/pairwise_model.py`` models it at these),
 ``shard="y"``'s chunks (:func:`shard_y`), the column pass's (:func:`swapped`), a
 chunked ``batch_map`` read as pairwise (:func:`chunk`, for ``pairs.rows_engine``) and
 nested calls read as pairwise (:func:`batch_sizes`, for ``batch.nested``). The choice

@@ -1,4 +1,6 @@
-"""A roofline model of one pairwise reduction on a device: the tile kernel's passes.
+"""A roofline model of one pairwise reduction on a device: the tile kernel's passes
+(the README's pairwise roofline table, ``pairwise_roofline.py``; it lives with its
+only reader, not in the package).
 
 A model, labelled so wherever it shows; nothing here is measured: :mod:`._roofline`'s,
 for the tile kernel (``kernels/pairwise_device.py``: a program per x tile of ``bi`` rows
@@ -34,11 +36,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..core.trace import sub_jaxprs
-from ..monoids import catalog as _monoids
-from ..monoids.base import Monoid
-from ..plan.roofline import DEVICES, Device, flops, nbytes
-from . import tiles as _tiles
+from adv_jax_math.core.trace import sub_jaxprs
+from adv_jax_math.monoids import catalog as _monoids
+from adv_jax_math.monoids.base import Monoid
+from adv_jax_math.pairs import tiles as _tiles
+from adv_jax_math.plan.roofline import DEVICES, Device, flops, nbytes
 
 __all__ = ["SPECIAL_FLOPS", "PairwiseCost", "PassCost", "pairwise_cost"]
 
