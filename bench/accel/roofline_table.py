@@ -97,7 +97,7 @@ def table(records: dict[str, list[dict]]) -> str:
             rows.append([case, t, *fwd, *bwd, analysis(rec)])
         notes.append(where_time_goes(case, recs))
     legend = (
-        "Modelled microseconds (a roofline model: `src/adv_jax_math/_roofline.py`; no GPU or "
+        "Modelled microseconds (a roofline model: `src/adv_jax_math/plan/roofline.py`; no GPU or "
         "TPU ran these), forward and backward pass of the fused kernels against the scan "
         "engine; the scan engine's compiled programs counted from their HLO (launches in "
         "total, and trips x launches of the main loop)."
