@@ -14,7 +14,7 @@ elementwise. Used by ``analysis.recognize`` and the scan engine.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -29,6 +29,7 @@ __all__ = [
     "INLINE",
     "KEEPDIMS",
     "Node",
+    "bind",
     "deps",
     "elementwise",
     "evaluate",
@@ -39,6 +40,7 @@ __all__ = [
     "same_structure",
     "same_value",
     "subjaxpr",
+    "upstream",
     "walk",
 ]
 
@@ -113,6 +115,16 @@ def walk(
     return [read(v) for v in jaxpr.outvars]
 
 
+def bind(eqn: Any, args: Sequence[Any], params: dict[str, Any] | None = None) -> list:
+    """``eqn``'s primitive (a call or loop too) on ``args``, with ``params`` (default:
+    its own), bound in the current context: never in the one it was traced in, which
+    ``jax.core.eval_jaxpr`` re-enters (its abstract mesh, outside a ``shard_map``)."""
+    bound = eqn.primitive.get_bind_params(eqn.params if params is None else params)
+    subfuns, kwargs = bound if isinstance(bound, tuple) else ((), bound)  # before jax 0.11
+    out = eqn.primitive.bind(*subfuns, *args, **kwargs)
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
 def graph(closed: ClosedJaxpr) -> tuple[list[Node], list[Node], list[Node]]:
     """Flatten ``closed``, inlining call primitives: (inputs, outputs, all nodes)."""
     nodes: list[Node] = []
@@ -122,10 +134,9 @@ def graph(closed: ClosedJaxpr) -> tuple[list[Node], list[Node], list[Node]]:
         nodes.append(node)
         return node
 
-    def rule(eqn: Any, ins: list) -> list[Node]:
-        return [
-            new(Node(eqn.primitive, v.aval, ins, eqn.params, k)) for k, v in enumerate(eqn.outvars)
-        ]
+    rule = lambda eqn, ins: [
+        new(Node(eqn.primitive, v.aval, ins, eqn.params, k)) for k, v in enumerate(eqn.outvars)
+    ]
 
     inputs = [new(Node("in", v.aval, idx=i)) for i, v in enumerate(closed.jaxpr.invars)]
     const = lambda v, c: new(Node("const", v.aval, val=c))
@@ -197,6 +208,17 @@ def deps(n: Node) -> frozenset:
             frozenset({n.idx}) if n.name == "in" else frozenset().union(*(deps(a) for a in n.args))
         )
     return n.deps
+
+
+def upstream(roots: Iterable[Node]) -> Iterator[Node]:
+    """``roots`` and the nodes they are computed from, each once (depth first)."""
+    stack, seen = list(roots), set()
+    while stack:
+        n = stack.pop()
+        if n.k not in seen:
+            seen.add(n.k)
+            yield n
+            stack.extend(n.args)
 
 
 def peel(n: Node, narrow: bool = False) -> Node:

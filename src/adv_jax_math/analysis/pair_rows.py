@@ -36,11 +36,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, jaxpr_as_fun
+from jax.extend.core import ClosedJaxpr, Jaxpr
 
-from ..core.trace import Traced, sub_jaxprs
+from ..core.trace import Traced
 from ..monoids.base import MonoidReduction
-from .jaxpr_graph import CUSTOM_DERIVATIVES, ELEMENTWISE, subjaxpr, walk
+from .jaxpr_graph import CUSTOM_DERIVATIVES, ELEMENTWISE, bind, subjaxpr, walk
 from .separable import (
     _SHAPING,
     Tags,
@@ -221,22 +221,6 @@ def _resized(
     return vals, params
 
 
-def _bind(eqn: Any, vals: list, params: dict, debug: Any) -> list:
-    """``eqn``'s primitive on ``vals``; one with a jaxpr inside (a call, a loop, untouched
-    by the rows) as a jaxpr of that one equation (``debug``: the debug info of the
-    jaxpr it is in, renamed to its inputs and outputs)."""
-    if any(True for _ in sub_jaxprs(params)):
-        ins = [v for v in eqn.invars if not isinstance(v, Literal)]
-        if debug is not None:
-            names = dict(arg_names=("",) * len(ins), result_paths=("",) * len(eqn.outvars))
-            debug = debug._replace(**names)
-        one = Jaxpr([], ins, eqn.outvars, [eqn], eqn.effects, debug_info=debug)
-        args = [a for v, a in zip(eqn.invars, vals, strict=True) if not isinstance(v, Literal)]
-        return list(jaxpr_as_fun(ClosedJaxpr(one, []))(*args))
-    out = eqn.primitive.bind(*vals, **params)
-    return list(out) if eqn.primitive.multiple_results else [out]
-
-
 def evaluate(
     jaxpr: Jaxpr,
     consts: list,
@@ -249,13 +233,11 @@ def evaluate(
     tags) of its outputs (``const_tags`` None: the constants untagged). Raises
     ``_Refused`` where an equation cannot be resized. Each variable holds a (value,
     tags) pair; a call on the rows is entered, one off them bound as it is."""
-    untagged = lambda v: _fix((None,) * len(_shape(v)), _shape(v))
     const_tags = const_tags or [(None,) * len(_shape(v)) for v in jaxpr.constvars]
     paired = lambda vs, xs, ts: [
         (x, _fix(t, _shape(v))) for v, x, t in zip(vs, xs, ts, strict=True)
     ]
     touched = lambda ins: any(t in _ROWS for _, ts in ins for t in ts)
-    debug = getattr(jaxpr, "debug_info", None)
 
     def enter(eqn: Any, ins: list) -> ClosedJaxpr | None:
         body = subjaxpr(eqn) if touched(ins) else None
@@ -271,14 +253,14 @@ def evaluate(
         params = eqn.params
         if touched(ins):
             vals, params = _resized(eqn, vals, tags, want, sizes)
-        outs = _bind(eqn, vals, params, debug)
+        outs = bind(eqn, vals, params)
         for o, w in zip(outs, want, strict=True):
             if tuple(np.shape(o)) != w:
                 raise _Refused(f"{eqn.primitive.name} makes {np.shape(o)}, not {w}")
         return paired(eqn.outvars, outs, outs_t)
 
     ends = paired(jaxpr.constvars, consts, const_tags), paired(jaxpr.invars, args, arg_tags)
-    literal, const = lambda v: (v.val, untagged(v)), lambda v, c: (c, untagged(v))
+    literal, const = lambda v: (v.val, row_tags(v, None)), lambda v, c: (c, row_tags(v, None))
     outs = walk(jaxpr, *ends, rule, literal=literal, const=const, enter=enter)
     return [value for value, _ in outs], [t for _, t in outs]
 

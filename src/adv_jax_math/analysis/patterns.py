@@ -1,14 +1,7 @@
-"""The jaxpr patterns of monoid reductions, matched on graphs of values
-(``analysis.jaxpr_graph``) for ``analysis.recognize``.
-
-:func:`analyze_chunk` matches each output leaf of ``chunk_reduction``'s graph against
-``[elementwise prologue] -> reduce -> [keepdims reshape]`` (``reduce_sum``,
-``reduce_max``, ``reduce_min``, a logsumexp with its max shift, a temperature scaling
-one), the prologue's constants the same at another number of rows;
-:func:`analyze_reduction` matches each leaf of ``reduction``'s graph against the binary
-``add`` / ``max`` / ``min`` / ``logaddexp`` of the chunk's monoid. Anything else raises
-:class:`NotMonoid`, naming a reduction a monoid object computes when it sees one (an
-argmin, a mean).
+"""The jaxpr patterns ``analysis.recognize`` matches (on ``analysis.jaxpr_graph``
+graphs): per leaf, a chunk reduction's ``[elementwise prologue] -> reduce_sum / max /
+min or logsumexp (times a temperature)`` and a combine's ``add / max / min / logaddexp``
+of the same monoid; anything else raises :class:`NotMonoid`, saying why.
 """
 
 from __future__ import annotations
@@ -35,6 +28,7 @@ from .jaxpr_graph import (
     peel,
     same_structure,
     same_value,
+    upstream,
 )
 
 __all__ = ["LOOKALIKES", "NotMonoid", "analyze_chunk", "analyze_reduction"]
@@ -142,9 +136,7 @@ LOOKALIKES = {
 def _describe(n: Node) -> str:
     if n.name in LOOKALIKES:
         return f"computes {n.name}: not a monoid; use reduction=adv_jax_math.{LOOKALIKES[n.name]}"
-    stack, seen = list(n.args), set()
-    while stack:
-        a = stack.pop()
+    for a in upstream(n.args):
         if a.name in LOOKALIKES:
             return f"computes {a.name}: not a monoid; use adv_jax_math.{LOOKALIKES[a.name]}"
         if a.name in _REDUCES:
@@ -155,9 +147,6 @@ def _describe(n: Node) -> str:
                 else ""
             )
             return f"computes {n.name} after {a.name}{mean}: not a monoid"
-        if a.k not in seen:
-            seen.add(a.k)
-            stack.extend(a.args)
     return "returns its input unreduced" if n.name == "in" else f"ends in {n.name}, no reduction"
 
 
@@ -212,13 +201,9 @@ def analyze_chunk(chunk_reduction: Callable, out_shape: Any) -> tuple:
             (a.name, a.idx) == (b.name, b.idx) and same_value(a, b)
             for a, b in zip(nodes, nodes2, strict=True)
         )
-        stack, seen = [nodes[k] for k in free], set()
-        while ok and stack:  # and everything feeding a row-free operand keeps its shape
-            n = stack.pop()
-            if n.k not in seen:
-                seen.add(n.k)
-                ok = nodes2[n.k].aval.shape == n.aval.shape
-                stack.extend(n.args)
+        # and everything feeding a row-free operand keeps its shape
+        feed = upstream(nodes[k] for k in free)
+        ok = ok and all(nodes2[n.k].aval.shape == n.aval.shape for n in feed)
         if not ok:
             raise NotMonoid(
                 "chunk_reduction's prologue changes with the number of rows (or between traces)"

@@ -21,7 +21,7 @@ from typing import Any
 import jax
 
 from ..monoids.base import LeafReduction, Monoid, identity, is_monoid_tree
-from .jaxpr_graph import Node, evaluate
+from .jaxpr_graph import Node, evaluate, upstream
 from .patterns import NotMonoid, analyze_chunk, analyze_reduction
 
 __all__ = ["LeafReduction", "Recognition", "recognize"]
@@ -55,15 +55,8 @@ class Recognition:
     def prologue_captures_arrays(self) -> bool:
         """Whether a prologue closes over array constants (a Pallas kernel cannot
         capture them: pass them as kernel inputs or use another engine)."""
-        stack, seen = [p[0] for p in self._prologues if p is not None], set()
-        while stack:
-            n = stack.pop()
-            if n.name == "const":
-                return True
-            if n.k not in seen:
-                seen.add(n.k)
-                stack.extend(n.args)
-        return False
+        heads = (p[0] for p in self._prologues if p is not None)
+        return any(n.name == "const" for n in upstream(heads))
 
     def prologue(self, ys: Any) -> list[jax.Array]:
         """The arrays the terms read: each term's source leaf of ``ys`` with its

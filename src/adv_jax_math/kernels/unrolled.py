@@ -223,8 +223,7 @@ def _barrier(objs: Sequence[np.ndarray]) -> list:
 
 
 def _fits(eqn: Any, ins: list) -> Any:
-    """``subjaxpr(eqn)`` (a call is unrolled through), once ``eqn``'s per-pair outputs
-    are known to be small enough to unroll."""
+    """``subjaxpr(eqn)`` (calls are unrolled through) if ``eqn``'s outputs are small."""
     for v in eqn.outvars:
         if int(np.prod(v.aval.shape, dtype=np.int64)) > MAX_ELEMENTS:
             raise NotUnrolled(

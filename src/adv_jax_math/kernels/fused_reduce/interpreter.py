@@ -24,9 +24,8 @@ from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
-from jax.extend.core import ClosedJaxpr
 
-from ...analysis.jaxpr_graph import subjaxpr, walk
+from ...analysis.jaxpr_graph import bind, subjaxpr, walk
 
 __all__ = ["UPCAST_ON_TRITON", "evaluate"]
 
@@ -43,13 +42,6 @@ def _is_half(x: Any) -> bool:
     return jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4
 
 
-def _body(eqn: Any, ins: list) -> ClosedJaxpr | None:
-    """The body of a call equation; None for any other, and for a body with constants
-    (a kernel captures none: the call is bound as it is)."""
-    body = subjaxpr(eqn)
-    return None if body is None or len(body.consts) else body
-
-
 def evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], *, upcast: bool) -> list:
     """``jax.core.eval_jaxpr(jaxpr, consts, *args)`` in the current context (the
     abstract mesh of the caller, not of the trace), with 16-bit float operands of
@@ -60,11 +52,8 @@ def evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], *, upcast: 
             return invals
         if upcast and eqn.primitive.name in UPCAST_ON_TRITON and any(map(_is_half, invals)):
             wide = [x.astype(jnp.float32) if _is_half(x) else x for x in invals]
-            out = eqn.primitive.bind(*wide, **eqn.params)
-            return [out.astype(eqn.outvars[0].aval.dtype)]
-        bound = eqn.primitive.get_bind_params(eqn.params)  # (subfuns, params) before jax 0.11
-        subfuns, params = bound if isinstance(bound, tuple) else ((), bound)
-        out = eqn.primitive.bind(*subfuns, *invals, **params)
-        return out if eqn.primitive.multiple_results else [out]
+            return [bind(eqn, wide)[0].astype(eqn.outvars[0].aval.dtype)]
+        return bind(eqn, invals)
 
-    return walk(jaxpr, consts, args, rule, enter=_body)
+    enter = lambda eqn, ins: None if (b := subjaxpr(eqn)) is None or len(b.consts) else b
+    return walk(jaxpr, consts, args, rule, enter=enter)
