@@ -478,7 +478,7 @@ def test_retime_is_bounded(monkeypatch, secs, step, retimed, rounds):
     monkeypatch.setattr(_autotune, "_clock", lambda: clock[0])
     prog = FakeProgram(clock, step)
     before = dict(secs)
-    assert _autotune._retime(prog, 4096, secs) == (retimed, rounds)
+    assert _autotune._retime(prog, secs) == (retimed, rounds)
     assert len(prog.calls) == len(retimed) * rounds
     assert clock[0] <= max(_autotune.RETIME_SECONDS, step * len(retimed)) + 1e-9
     for r in before:

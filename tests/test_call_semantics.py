@@ -82,8 +82,21 @@ def test_closed_over_splat_constant_is_not_folded():
 DTYPES = [jnp.bool_, jnp.uint8, jnp.int8, jnp.int16, jnp.int32, jnp.bfloat16, jnp.float16]
 
 
-@pytest.mark.parametrize("name", list(ENGINES))
-@pytest.mark.parametrize("x64", [False, True], ids=["x32", "x64"])
+# by default half of x32/x64 x engines (a checkerboard: both modes, every engine; 4-6 s
+# each here); the other half slow (make test-slow)
+@pytest.mark.parametrize(
+    "x64, name",
+    [
+        pytest.param(
+            x64,
+            name,
+            id=f"x{64 if x64 else 32}-{name}",
+            marks=pytest.mark.slow if (i + j) % 2 else (),
+        )
+        for i, x64 in enumerate([False, True])
+        for j, name in enumerate(ENGINES)
+    ],
+)
 def test_add_promotes_like_jnp_sum(name, x64):
     if name == "interpret" and jax.__version_info__ < (0, 10, 0):
         pytest.skip(needs_kernel.kwargs["reason"])

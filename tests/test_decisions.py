@@ -205,6 +205,27 @@ def test_strip_dim0_with_batch_size_other_than_one_warns_and_is_ignored():
     assert_tree_close(out, x.sum(1))
 
 
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda x, m: ajm.batch_map(jnp.sin, x, 2, mesh=m),
+        lambda x, m: ajm.batch_map(jnp.sin, x, 2, reduction=ajm.ADD, mesh=m),
+        lambda x, m: ajm.batch_vmap(jnp.sin, batch_size=2, mesh=m)(x),
+        lambda x, m: ajm.explain(jnp.sin, x, 2, mesh=m),
+        lambda x, m: ajm.batch_map(lambda r: r * 2, x, 3, strip_dim0=True),
+    ],
+    ids=["map", "monoid", "vmap", "explain", "strip_dim0"],
+)
+def test_ignored_arguments_warn_at_the_callers_line(call):
+    """A mesh without shard=True, strip_dim0 without batch_size=1: one warning, pointing
+    at the user's line (this file), not inside the package."""
+    x = jnp.arange(6.0).reshape(3, 2)
+    mesh = jax.make_mesh((1,), ("x",))
+    with pytest.warns(UserWarning, match="is ignored") as record:
+        call(x, mesh)
+    assert [w.filename for w in record] == [__file__], [(w.filename, w.lineno) for w in record]
+
+
 def test_strip_dim0_passes_rows_without_leading_axis():
     x = jnp.arange(12.0).reshape(4, 3)
     seen = []

@@ -1,4 +1,4 @@
-"""The device table (``_devices``): one record per device kind, each fact written once.
+"""The device table (``core.devices``): one record per device kind, each fact written once.
 
 The roofline models' devices are its records, the compile targets (GPU protos, TPU
 topologies and VMEM limits) and the benchmarks' kinds and peaks are made from them, and
@@ -87,14 +87,14 @@ def _facts(d: _devices.Device) -> dict[str, float]:
 
 @pytest.mark.parametrize("folder", ["src", "bench"])
 def test_each_figure_is_written_once(folder):
-    """No number literal of src/ or bench/ other than in ``_devices.py`` is one of the
+    """No number literal of src/ or bench/ other than in ``core/devices.py`` is one of the
     table's figures."""
     figures = {v: (kind, k) for kind, d in _devices.DEVICES.items() for k, v in _facts(d).items()}
     figures.pop(0, None)
-    table = ROOT / "src" / "adv_jax_math" / "_devices.py"
+    table = Path(_devices.__file__).resolve()
     copies = [
         (str(path.relative_to(ROOT)), node.lineno, figures[node.value])
-        for path in sorted((ROOT / folder).rglob("*.py"))
+        for path in sorted((ROOT / folder).resolve().rglob("*.py"))
         if path != table
         for node in ast.walk(ast.parse(path.read_text()))
         if isinstance(node, ast.Constant)

@@ -29,7 +29,7 @@ import adv_jax_math as ajm
 from adv_jax_math.analysis.recognize import recognize
 from adv_jax_math.engines import registry as _engines
 from adv_jax_math.kernels.fused_reduce.fused import check, fused_states
-from adv_jax_math.monoids.base import MonoidReduction
+from adv_jax_math.monoids.reduction import MonoidReduction
 from adv_jax_math.plan.base import Call
 
 pytestmark = needs_kernel

@@ -44,6 +44,17 @@ B = 8
 SIZES = [24, 29, 1]  # divisible by B, overlapping chunks, one row
 
 
+def one_engine_each(names: list[str], start: int = 0) -> list:
+    """``(name, engine_name)`` params: by default every name on one engine, the engines
+    in turn from ``start`` (each on a third of the names); the rest of the product
+    marked slow (``make test-slow`` runs it)."""
+    return [
+        pytest.param(name, e, marks=() if j == (i + start) % len(ENGINES) else pytest.mark.slow)
+        for i, name in enumerate(names)
+        for j, e in enumerate(ENGINES)
+    ]
+
+
 def data(n, dtype, seed=0):
     """Values with ties: a few distinct values repeated across rows and columns."""
     rng = np.random.default_rng(seed)
@@ -69,8 +80,7 @@ def check(name, got, want, dtype):
             assert_tree_close(g, w, **tolerance(dtype))
 
 
-@pytest.mark.parametrize("engine_name", ENGINES)
-@pytest.mark.parametrize("name", list(TABLE))
+@pytest.mark.parametrize(("name", "engine_name"), one_engine_each(list(TABLE)))
 def test_matches_plain_jax(name, engine_name):
     monoid, oracle, ints = TABLE[name]
     with engine(engine_name) as kw:
@@ -129,8 +139,7 @@ def test_ties_across_chunk_borders_and_overlapped_rows(engine_name):
 DIFFERENTIABLE = ["MIN_ARGMIN", "MAX_ARGMAX", "top_k(3)", "MEAN", "VAR", "var(ddof=1)", "MEAN_VAR"]
 
 
-@pytest.mark.parametrize("engine_name", ENGINES)
-@pytest.mark.parametrize("name", DIFFERENTIABLE)
+@pytest.mark.parametrize(("name", "engine_name"), one_engine_each(DIFFERENTIABLE, start=1))
 def test_gradients_match_jax_grad(name, engine_name):
     monoid, oracle, _ = TABLE[name]
     x = data(29, jnp.float32, seed=1)

@@ -39,8 +39,16 @@ def test_nested_calls_take_the_pairwise_engine(name, backend):
     assert_tree_close(got, want(dense(f, x, y)), rtol=2e-5, atol=2e-5)
 
 
-@pytest.mark.parametrize("backend", list(ENGINES))
-@pytest.mark.parametrize("name", ["logsumexp", "min"])
+# by default half of names x engines (a checkerboard: both names, every engine; 3-6 s
+# each here); the other half slow (make test-slow)
+@pytest.mark.parametrize(
+    "name, backend",
+    [
+        pytest.param(name, backend, marks=pytest.mark.slow if (i + j) % 2 else ())
+        for i, name in enumerate(["logsumexp", "min"])
+        for j, backend in enumerate(ENGINES)
+    ],
+)
 def test_nested_gradients_match_dense_oracle(name, backend):
     reduction, f, want = CASES[name]
     x, y = inputs()

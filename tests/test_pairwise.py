@@ -118,6 +118,18 @@ def test_values_match_dense_oracle(name, backend):
 DIFFERENTIABLE = [name for name in CASES if name not in ("argmin", "argmax")]
 
 
+def one_engine_each(names: list[str]) -> list:
+    """``(name, backend)`` params: by default every name on one engine, the engines in
+    turn (each on a third of the names); the rest of the product marked slow (``make
+    test-slow`` runs it)."""
+    engines = list(ENGINES)
+    return [
+        pytest.param(name, backend, marks=() if j == i % len(engines) else pytest.mark.slow)
+        for i, name in enumerate(names)
+        for j, backend in enumerate(engines)
+    ]
+
+
 def scaled_loss(f):
     """``loss(run, s, x, y)``: the sum of the sines of ``run(f scaled by s, x, y)``'s
     float leaves, for gradients w.r.t. x, y and a value ``f`` closes over."""
@@ -130,8 +142,7 @@ def scaled_loss(f):
     return loss
 
 
-@pytest.mark.parametrize("backend", list(ENGINES))
-@pytest.mark.parametrize("name", DIFFERENTIABLE)
+@pytest.mark.parametrize(("name", "backend"), one_engine_each(DIFFERENTIABLE))
 def test_gradients_match_dense_oracle(name, backend):
     # w.r.t. x, y and a parameter f closes over; reverse and forward mode
     reduction, f, want = CASES[name]

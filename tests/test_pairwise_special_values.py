@@ -178,6 +178,8 @@ PENDING = {
 }
 
 
+# The default run: every reduction on the scan engine (2-4 s each here), and these on
+# the tiles and the kernel (3-7 s each); the rest of the product is slow (make test-slow).
 QUICK = {("MAX_ARGMAX", "auto"), ("VAR", "auto"), ("VAR", "interpret"), ("MIN", "interpret")}
 
 
@@ -186,7 +188,7 @@ def _cases():
         for backend in ENGINES:
             why = PENDING.get(name, {}).get(backend)
             marks = [pytest.mark.xfail(strict=True, reason=why)] if why else []
-            if (name, backend) not in QUICK:  # 3-7 s each here
+            if backend != "scan" and (name, backend) not in QUICK:
                 marks.append(pytest.mark.slow)
             yield pytest.param(name, backend, marks=marks, id=f"{name}-{backend}")
 
@@ -231,9 +233,20 @@ def test_rows_of_no_features(backend):
 BF16 = [(jnp.bfloat16, jnp.bfloat16), (jnp.bfloat16, jnp.float32), (jnp.float32, jnp.bfloat16)]
 
 
-@pytest.mark.parametrize("backend", list(ENGINES))
+# by default each engine with one of the dtype pairs (a Latin square: every engine and
+# every pair once); the rest of the product slow (make test-slow)
 @pytest.mark.parametrize(
-    "dtypes", [BF16[0], *(pytest.param(d, marks=pytest.mark.slow) for d in BF16[1:])]
+    "backend, dtypes",
+    [
+        pytest.param(
+            b,
+            d,
+            id=f"{b}-{jnp.dtype(d[0]).name}-{jnp.dtype(d[1]).name}",
+            marks=() if i == j else pytest.mark.slow,
+        )
+        for i, d in enumerate(BF16)
+        for j, b in enumerate(ENGINES)
+    ],
 )
 def test_bfloat16_and_mixed_dtypes(backend, dtypes):
     # values, jvp and grad in bfloat16 (x, y or both), dtypes as plain JAX's; the data
@@ -283,8 +296,15 @@ def _large(scale):
     }
 
 
-@pytest.mark.parametrize("name", ["LOGSUMEXP", "WEIGHTED_LOGSUMEXP", "SOFTMAX_WEIGHTED"])
-@pytest.mark.parametrize("backend", list(ENGINES))
+# by default each reduction on one engine (each engine once); the rest slow (make test-slow)
+@pytest.mark.parametrize(
+    "backend, name",
+    [
+        pytest.param(b, name, marks=() if i == j else pytest.mark.slow)
+        for i, name in enumerate(["LOGSUMEXP", "WEIGHTED_LOGSUMEXP", "SOFTMAX_WEIGHTED"])
+        for j, b in enumerate(ENGINES)
+    ],
+)
 def test_large_scores_reverse_mode(backend, name):
     # Scores of 1e4 to 1e30 (issue 39 item 7): the reverse pass computed f again, and
     # XLA contracted its last multiply into the weights' exponent exp(s - top): s

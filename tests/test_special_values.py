@@ -107,9 +107,16 @@ def _dot(out, weights):
     return sum(jnp.sum(o * w) for o, w in zip(leaves, weights, strict=True))
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name", list(TABLE))
-@pytest.mark.parametrize("engine_name", ENGINES)
+# by default every monoid on one engine, the engines in turn (1-3 s each here); the
+# rest of the product slow (make test-slow)
+@pytest.mark.parametrize(
+    "engine_name, name",
+    [
+        pytest.param(e, name, marks=() if j == i % len(ENGINES) else pytest.mark.slow)
+        for i, name in enumerate(TABLE)
+        for j, e in enumerate(ENGINES)
+    ],
+)
 def test_special_columns(name, engine_name):
     monoid, want_of, fun = TABLE[name]
     x = (jnp.asarray(Y), jnp.linspace(-1.0, 1.0, N, dtype=np.float32)[:, None])
@@ -286,11 +293,19 @@ _REVERSE_KERNEL = pytest.mark.xfail(
 )
 
 
-@pytest.mark.parametrize("scale", [1e4, 1e9, 1e30])
-@pytest.mark.parametrize("name", list(SCORED))
+_KINDS = [("scan", "all"), ("interpret", "values and forward mode"), ("interpret", "reverse mode")]
+
+
+# by default 9 of the 27: kind i, reduction j and scale (i + j) mod 3, every pair of two
+# axes' values once (a Latin square); the rest slow (make test-slow)
 @pytest.mark.parametrize(
-    "engine_name, kind",
-    [("scan", "all"), ("interpret", "values and forward mode"), ("interpret", "reverse mode")],
+    "engine_name, kind, name, scale",
+    [
+        pytest.param(*ek, name, scale, marks=() if (i + j) % 3 == k else pytest.mark.slow)
+        for i, ek in enumerate(_KINDS)
+        for j, name in enumerate(SCORED)
+        for k, scale in enumerate([1e4, 1e9, 1e30])
+    ],
 )
 def test_scores_computed_in_fun_far_below_zero(engine_name, kind, name, scale, request):
     if (kind, name) == ("reverse mode", "WEIGHTED_LOGSUMEXP") and scale < 1e30:

@@ -32,8 +32,18 @@ def points(n: int = 203) -> jax.Array:
     return normal(0, (n, 3))
 
 
-@pytest.mark.parametrize("eps", [EPS, 2.0, jnp.float32(0.02)])
-@pytest.mark.parametrize("name", ["scan", "interpret", "shard"])
+# by default each engine with one temperature (a Latin square: every engine and every
+# temperature once); the rest of the product slow (make test-slow)
+@pytest.mark.parametrize(
+    "name, eps",
+    [
+        pytest.param(name, eps, id=f"{name}-{what}", marks=() if i == j else pytest.mark.slow)
+        for i, name in enumerate(["scan", "interpret", "shard"])
+        for j, (what, eps) in enumerate(
+            {"0.05": EPS, "2.0": 2.0, "float32(0.02)": jnp.float32(0.02)}.items()
+        )
+    ],
+)
 def test_values_and_gradients_as_jax(name, eps):
     chunk, combine = tempered(eps)
     x = points()

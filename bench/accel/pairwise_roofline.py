@@ -3,8 +3,8 @@
     .venv/bin/python bench/accel/pairwise_roofline.py [--out bench/results/pairwise_roofline.md]
 
 For each target of ``compile_targets.py`` (h100 h200 a100 v5e v6e v5p v4),
-``_roofline_pairwise.pairwise_cost`` of the pairwise tile kernel at the tiles the planner
-gives it (``_pairwise.DEVICE_TILES``: GPU (64, 64), TPU (512, 256), halved on v4) on:
+``pairs.roofline.pairwise_cost`` of the pairwise tile kernel at the tiles the planner
+gives it (``pairs.tiles.kernel``: GPU (64, 64), TPU (512, 256), halved on v4) on:
 
 * KeOps' benchmark, the Gaussian kernel sum ``sum_j exp(-|x_i - y_j|^2 / s) b_j``, D = 3,
   f32, N = M = 1e6, forward and ``value_and_grad`` (w.r.t. x and y), beside KeOps'

@@ -9,7 +9,7 @@ from .batch.jacobian import batch_jacfwd, batch_jacrev
 from .batch.vectorize import batch_vectorize
 from .core.config import Options, config
 from .core.targets import target_mesh
-from .monoids.base import LeafReduction, Monoid, MonoidReduction, identity
+from .monoids.base import Monoid, identity
 from .monoids.catalog import (
     ADD,
     ARGMAX,
@@ -29,6 +29,7 @@ from .monoids.catalog import (
     var,
     weighted_logsumexp,
 )
+from .monoids.reduction import LeafReduction, MonoidReduction
 from .pairs.api import PairwisePlan, explain_pairwise, pairwise
 from .plan.base import Kind, Plan, Policy
 

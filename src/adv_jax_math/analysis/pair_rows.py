@@ -39,7 +39,7 @@ from jax import lax
 from jax.extend.core import ClosedJaxpr, Jaxpr
 
 from ..core.trace import Traced
-from ..monoids.base import MonoidReduction
+from ..monoids.reduction import MonoidReduction
 from .jaxpr_graph import CUSTOM_DERIVATIVES, ELEMENTWISE, bind, subjaxpr, walk
 from .separable import (
     _SHAPING,

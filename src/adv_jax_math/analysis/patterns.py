@@ -15,8 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..core.trace import fresh_jaxpr
-from ..monoids.base import LeafReduction, Monoid
+from ..monoids.base import Monoid
 from ..monoids.catalog import ADD, LOGSUMEXP, MAX, MIN
+from ..monoids.reduction import LeafReduction
 from ..monoids.scaled import Scaled
 from .jaxpr_graph import (
     ELEMENTWISE,

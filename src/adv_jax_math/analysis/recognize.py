@@ -20,7 +20,8 @@ from typing import Any
 
 import jax
 
-from ..monoids.base import LeafReduction, Monoid, identity, is_monoid_tree
+from ..monoids.base import Monoid, identity, is_monoid_tree
+from ..monoids.reduction import LeafReduction
 from .jaxpr_graph import Node, evaluate, upstream
 from .patterns import NotMonoid, analyze_chunk, analyze_reduction
 

@@ -21,7 +21,7 @@ import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
 from ..core.linear import linear_call
-from ..monoids.base import MonoidReduction
+from ..monoids.reduction import MonoidReduction
 
 __all__ = ["SUPPORTED", "UNSUPPORTED", "Reverse", "nonzero", "reduce"]
 

@@ -1,43 +1,23 @@
-"""Public entry points: validate arguments, plan, hand the plan to an engine."""
+"""Public entry points: ``batch_map``, ``batch_vmap`` and ``explain`` read their
+arguments into a :class:`~.route.Request`; ``batch.route`` runs it or explains it."""
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
 
-from ..analysis.validate import (
-    axes_per_leaf,
-    batch_size_from,
-    check_callable,
-    resolve_mesh,
-)
-from ..engines import registry as _engines
-from ..engines.chunked import check_callables, prepare
-from ..engines.fused import FusedEngine
-from ..engines.scan import ScanEngine
-from ..engines.shard import ShardEngine, as_global
+from ..analysis.validate import axes_per_leaf, batch_size_from, resolve_mesh
+from ..engines.chunked import check_callables
+from ..engines.shard import as_global
 from ..monoids.base import identity, is_monoid_tree
-from ..pairs.api import explain_pairwise, pairwise
-from ..pairs.rows_engine import PairEngine
-from ..plan.base import Call, Plan
-from . import nested as _nested
+from ..plan.base import Plan
+from .route import Request, route
 
 __all__ = ["batch_map", "batch_vmap", "explain"]
-
-# The engines, in the order they are tried (the registry imports none of them).
-_engines.install(
-    ShardEngine(_engines.by_name),
-    FusedEngine(interpret=False),
-    FusedEngine(interpret=True),
-    PairEngine(),
-    ScanEngine(),
-)
 
 # One numpy-style parameter section shared by the three public docstrings.
 _COMMON_PARAMS = """reduction : callable or None
@@ -134,88 +114,34 @@ def batch_map(
     >>> ajm.batch_map(lambda x: x**2, x, 4, reduction=jnp.add, chunk_reduction=jnp.sum)
     Array(285., dtype=float32)
     """
-    stripped = _strip_dim0(fun, batch_size, strip_dim0, kwargs)
-    if stripped is None and chunk_reduction is identity and reduction is None:
-        call, plan, form = _stacking(fun, fun_input, batch_size, shard, mesh, kwargs)
-        if isinstance(form, _nested.Nested):
-            return _pairwise_of_chunks(call, form, mesh)
-        return _engines.run(plan, call)
-
-    def run() -> Any:
-        call = prepare(
-            stripped or fun, fun_input, batch_size, reduction, chunk_reduction, shard, mesh, kwargs
+    return route(
+        _mapping(
+            fun, fun_input, batch_size, reduction, chunk_reduction, strip_dim0, shard, mesh, kwargs
         )
-        return _engines.run(_engines.plan(call), call)
-
-    if stripped is None and chunk_reduction is identity and is_monoid_tree(reduction):
-        leaves, treedef = jax.tree.flatten(fun_input)
-        inner = _nested.Inner(
-            lambda rows: fun(jax.tree.unflatten(treedef, rows)),
-            leaves,
-            [0] * len(leaves),
-            reduction,
-            batch_size,
-            True,
-            shard,
-            chunked=True,
-        )
-        return _nested.as_inner(inner, run)
-    out = run()
-    combined = reduction is not None and chunk_reduction is identity
-    if stripped and combined and not is_monoid_tree(reduction):
-        # Rows of one combined directly (as the original library): drop that axis.
-        # Monoid objects reduce the row axis themselves.
-        out = jax.tree.map(lambda y: y[0], out)
-    return out
-
-
-def _stacking(
-    fun: Callable, fun_input: Any, batch_size: Any, shard: bool, mesh: Any, kwargs: dict
-) -> tuple[Call, Plan, _nested.Nested | str | None]:
-    """The plan of a :func:`batch_map` call that stacks its results, made while
-    listening for a pairwise reduction written as nested calls (the per-chunk form:
-    ``batch.nested``), and that form, or why not (None: no inner call heard)."""
-    check_callable(fun, "fun")  # before it is wrapped
-    leaves, treedef = jax.tree.flatten(fun_input)
-    one = lambda *rows: _nested.heard(lambda: fun(jax.tree.unflatten(treedef, list(rows))))
-    listened = lambda chunk: one(*jax.tree.leaves(chunk))
-    with _nested.listen() as listener:
-        call = prepare(listened, fun_input, batch_size, None, identity, shard, mesh, kwargs)
-        plan = _engines.plan(call)
-    if not any(listener.seen[:1]):  # no nested call: an ordinary stacking call
-        return call, plan, None
-    rows = [jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)) for a in leaves]
-    return call, plan, _nested.find(listener, one, rows, True, plan.rows_per_chunk)
-
-
-def _pairwise_of_chunks(call: Call, form: _nested.Nested, mesh: Any, explain: bool = False) -> Any:
-    """The pairwise reduction of nested per-chunk calls (``_stacking``), run or
-    explained."""
-    x = jax.tree.leaves(call.xs)
-    tiles = _nested.tiles(call.batch_size, form.batch_size, x, form.y)
-    args = (form.pair, x, form.y, form.reduction)
-    if not explain:
-        return pairwise(*args, tiles=tiles, shard=call.shard, mesh=mesh)
-    plan = explain_pairwise(*args, tiles=tiles, shard=call.shard)
-    return dataclasses.replace(plan, reason=f"{plan.reason}; read from nested batch_map calls")
-
-
-def _strip_dim0(fun: Callable, batch_size: Any, strip_dim0: bool, kwargs: Any) -> Any:
-    """``jax.vmap(fun)`` when ``strip_dim0`` applies (``batch_size=1``: chunks of one row,
-    ``fun`` seeing the row without its axis); None otherwise, with a warning if the
-    flag is ignored."""
-    if not strip_dim0:
-        return None
-    if batch_size_from(batch_size, kwargs) == 1:
-        check_callable(fun, "fun")
-        return jax.vmap(fun)
-    warnings.warn(
-        f"strip_dim0=True only works with batch_size=1 (got batch_size={batch_size!r}); "
-        "the flag is ignored",
-        UserWarning,
-        stacklevel=3,
     )
-    return None
+
+
+def _mapping(
+    fun: Callable,
+    fun_input: Any,
+    batch_size: Any,
+    reduction: Any,
+    chunk_reduction: Any,
+    strip_dim0: bool,
+    shard: Any,
+    mesh: Any,
+    kwargs: dict[str, Any],
+) -> Request:
+    """A :func:`batch_map` call (its arguments by name) as a :class:`Request`: an outer
+    call listening for nested calls hears it where it reduces with a :class:`Monoid`."""
+    leaves, treedef = jax.tree.flatten(fun_input)
+    with_rows = lambda rows: fun(jax.tree.unflatten(treedef, rows))
+    options = (batch_size, reduction, chunk_reduction, shard, mesh, kwargs)
+    monoid = chunk_reduction is identity and is_monoid_tree(reduction)
+    heard = (leaves, [0] * len(leaves)) if monoid else None
+    return Request(
+        with_rows, fun_input, *options, chunked=True, fun=fun, heard=heard, strip_dim0=strip_dim0
+    )
 
 
 def explain(fun: Callable, fun_input: Any, /, *args: Any, **kwargs: Any) -> Plan:
@@ -249,50 +175,7 @@ def explain(fun: Callable, fun_input: Any, /, *args: Any, **kwargs: Any) -> Plan
     """
     a = inspect.signature(batch_map).bind(fun, fun_input, *args, **kwargs)
     a.apply_defaults()
-    batch_size, options, extra = a.arguments["batch_size"], a.arguments, a.arguments["kwargs"]
-    stripped = _strip_dim0(fun, batch_size, options["strip_dim0"], extra)
-    reduction, chunk_reduction = options["reduction"], options["chunk_reduction"]
-    shard, mesh = options["shard"], options["mesh"]
-    if stripped is None and chunk_reduction is identity and reduction is None:
-        call, _, form = _stacking(fun, fun_input, batch_size, shard, mesh, extra)
-        if isinstance(form, _nested.Nested):
-            return _pairwise_of_chunks(call, form, mesh, explain=True)
-        plan = _engines.explain(call)
-        if form is None:
-            return plan
-        note = f"pairwise engine: not a pairwise reduction written as nested calls: {form}"
-        return dataclasses.replace(plan, notes=(*plan.notes, note))
-    fun = stripped or fun
-    call = prepare(fun, fun_input, batch_size, reduction, chunk_reduction, shard, mesh, extra)
-    return _engines.explain(call)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Mapped:
-    """One call of a :func:`batch_vmap` function: its argument leaves, their axes,
-    the mapped ones (``mapped``: positions; ``moved``: their mapped axis first)."""
-
-    f: Callable
-    leaves: list
-    treedef: Any
-    axes: list
-    mapped: list[int]
-    moved: list
-
-    def with_rows(self, rows: list) -> Any:
-        """``f`` on one example: ``rows`` for the mapped leaves."""
-        full = list(self.leaves)
-        for i, leaf in zip(self.mapped, rows, strict=True):
-            full[i] = leaf
-        call_args, call_kwargs = jax.tree.unflatten(self.treedef, full)
-        return self.f(*call_args, **call_kwargs)
-
-    def one(self, *rows: Any) -> Any:
-        """``f`` on one example, heard by an outer call listening for nested calls."""
-        return _nested.heard(lambda: self.with_rows(list(rows)))
-
-    def chunk_fun(self, rows: list) -> Any:
-        return jax.vmap(self.one)(*rows)
+    return route(_mapping(**a.arguments), explain=True)
 
 
 def batch_vmap(
@@ -362,7 +245,7 @@ def batch_vmap(
     batch_size_from(batch_size, kwargs)  # fail at definition time, like the original
     check_callables(f, reduction, chunk_reduction)
 
-    def mapped_call(args: tuple, fkwargs: dict) -> _Mapped:
+    def request(args: tuple, fkwargs: dict) -> Request:
         leaves, treedef = jax.tree.flatten((args, fkwargs))
         axes = axes_per_leaf(in_axes, args) + [0] * len(jax.tree.leaves(fkwargs))
         mapped = [i for i, axis in enumerate(axes) if axis is not None]
@@ -387,73 +270,27 @@ def batch_vmap(
                     f"{leaf.shape} (ndim {leaf.ndim})"
                 )
             moved.append(jnp.moveaxis(leaf, axis, 0))
-        return _Mapped(f, leaves, treedef, axes, mapped, moved)
 
-    def stacked(m: _Mapped) -> tuple[Call, Plan, _nested.Nested | str]:
-        """The plan of a call that stacks its results, made while listening for a
-        pairwise reduction written as nested calls, and that form (or why not)."""
-        with _nested.listen() as listener:
-            call = prepare(m.chunk_fun, m.moved, batch_size, None, identity, shard, mesh, kwargs)
-            plan = _engines.plan(call)
-        rows = [jax.ShapeDtypeStruct(a.shape[1:], a.dtype) for a in m.moved]
-        return call, plan, _nested.find(listener, m.one, rows)
+        def with_rows(rows: list) -> Any:
+            """``f`` on one example: ``rows`` for the mapped leaves."""
+            full = list(leaves)
+            for i, leaf in zip(mapped, rows, strict=True):
+                full[i] = leaf
+            call_args, call_kwargs = jax.tree.unflatten(treedef, full)
+            return f(*call_args, **call_kwargs)
 
-    def pairwise_of(call: Call, m: _Mapped, form: _nested.Nested) -> tuple[tuple, dict]:
-        tiles = _nested.tiles(call.batch_size, form.batch_size, m.moved, form.y)
-        return (form.pair, m.moved, form.y, form.reduction), dict(tiles=tiles, shard=shard)
-
-    def reducing(to: Callable, m: _Mapped) -> Any:
-        """``to`` (:func:`batch_map` or :func:`explain`) of a call with a reduction."""
-        return to(
-            m.chunk_fun,
-            m.moved,
-            batch_size,
-            reduction=reduction,
-            chunk_reduction=chunk_reduction,
-            shard=shard,
-            mesh=mesh,
-            **kwargs,
-        )
-
-    def run(m: _Mapped) -> Any:
-        if reduction is not None or chunk_reduction is not identity:
-            return reducing(batch_map, m)
-        call, plan, form = stacked(m)
-        if isinstance(form, str):
-            return _engines.run(plan, call)
-
-        args, options = pairwise_of(call, m, form)
-        return pairwise(*args, **options, mesh=mesh)
+        heard = ([leaves[i] for i in mapped], [axes[i] for i in mapped])
+        options = (batch_size, reduction, chunk_reduction, shard, mesh, kwargs)
+        return Request(with_rows, moved, *options, chunked=False, heard=heard)
 
     def vectorized(*args: Any, **fkwargs: Any) -> Any:
-        m = mapped_call(args, fkwargs)
-        inner = _nested.Inner(
-            m.with_rows,
-            [m.leaves[i] for i in m.mapped],
-            [m.axes[i] for i in m.mapped],
-            reduction,
-            batch_size,
-            chunk_reduction is identity,
-            shard,
-        )
-        return _nested.as_inner(inner, lambda: run(m))
+        return route(request(args, fkwargs))
 
     def explain_call(*args: Any, **fkwargs: Any) -> Any:
         """The plan of this function's call on these arguments (without running it):
         a :class:`PairwisePlan` for a pairwise reduction written as nested calls,
         else :func:`explain`'s plan (with why it is not pairwise, where it stacks)."""
-        m = mapped_call(args, fkwargs)
-        if reduction is not None or chunk_reduction is not identity:
-            return reducing(explain, m)
-        call, plan, form = stacked(m)
-        if isinstance(form, str):
-            note = f"pairwise engine: not a pairwise reduction written as nested calls: {form}"
-            return dataclasses.replace(plan, notes=(*plan.notes, note))
-        args, options = pairwise_of(call, m, form)
-        pairs = explain_pairwise(*args, **options)
-        return dataclasses.replace(
-            pairs, reason=f"{pairs.reason}; read from nested batch_vmap calls"
-        )
+        return route(request(args, fkwargs), explain=True)
 
     vectorized.explain = explain_call  # type: ignore[attr-defined]
     return vectorized

@@ -22,6 +22,7 @@ import numpy as np
 
 from ..analysis.validate import batch_size_from, check_callable, fits_one_chunk, is_int
 from ..core.sharding import explicit, sharding_of
+from . import jacobian_dtypes as _dtypes
 from .api import batch_vmap
 
 __all__ = ["batch_jacfwd", "batch_jacrev"]
@@ -62,8 +63,7 @@ def batch_jacfwd(
 
     def jac_fun(*args: Any, **fun_kwargs: Any) -> Any:
         f_leaves, in_leaves, in_tree = _flat_problem(fun, argnums_tuple, single, args, fun_kwargs)
-        for x in in_leaves:
-            _check_jacfwd_input(x, holomorphic)
+        _dtypes.check_jacfwd_inputs(in_leaves, holomorphic)
         layout = _Layout.of(in_leaves)
         if fits_one_chunk(batch_size, layout.total):
             # Everything fits in one chunk: a single vmap of jvp, no linearization.
@@ -73,14 +73,12 @@ def batch_jacfwd(
             out_axes = (None, 0, None) if has_aux else (None, 0)
             y, tangents, *aux = jax.vmap(push, out_axes=out_axes)(jnp.arange(layout.total))
             y_leaves, out_tree = jax.tree.flatten(y)
-            for leaf in y_leaves:
-                _check_jacfwd_output(leaf, holomorphic)
+            _dtypes.check_jacfwd_outputs(y_leaves, holomorphic)
             cols = [_skip_float0(t) for t in jax.tree.leaves(tangents)]
         else:
             y, f_jvp, aux = _with_aux(jax.linearize, f_leaves, in_leaves, has_aux)
             y_leaves, out_tree = jax.tree.flatten(y)
-            for leaf in y_leaves:
-                _check_jacfwd_output(leaf, holomorphic)
+            _dtypes.check_jacfwd_outputs(y_leaves, holomorphic)
             # Integer/bool outputs have float0 tangents: keep them out of the map.
             keep = [_is_inexact(leaf.dtype) for leaf in y_leaves]
 
@@ -150,12 +148,10 @@ def batch_jacrev(
 
     def jac_fun(*args: Any, **fun_kwargs: Any) -> Any:
         f_leaves, in_leaves, in_tree = _flat_problem(fun, argnums_tuple, single, args, fun_kwargs)
-        for x in in_leaves:
-            _check_jacrev_input(x, holomorphic, allow_int)
+        _dtypes.check_jacrev_inputs(in_leaves, holomorphic, allow_int)
         y, pullback, aux = _with_aux(jax.vjp, f_leaves, in_leaves, has_aux)
         y_leaves, out_tree = jax.tree.flatten(y)
-        for leaf in y_leaves:
-            _check_jacrev_output(leaf, holomorphic)
+        _dtypes.check_jacrev_outputs(y_leaves, holomorphic)
         out_layout = _Layout.of(y_leaves)
         # Integer/bool inputs have float0 cotangents: keep them out of the map.
         keep = [_is_inexact(x.dtype) for x in in_leaves]
@@ -307,71 +303,8 @@ def _is_inexact(dtype: Any) -> bool:
     return jnp.issubdtype(dtype, jnp.inexact)
 
 
-def _is_extended(dtype: Any) -> bool:
-    return jnp.issubdtype(dtype, jax.dtypes.extended)
-
-
 def _skip_float0(t: jax.Array) -> jax.Array | None:
     return None if t.dtype == jax.dtypes.float0 else t
-
-
-def _check_jacfwd_input(x: jax.Array, holomorphic: bool) -> None:
-    if holomorphic and not jnp.issubdtype(x.dtype, jnp.complexfloating):
-        raise TypeError(
-            f"batch_jacfwd with holomorphic=True needs complex inputs, got {x.dtype} "
-            f"(shape {x.shape}); cast the input to a complex dtype or drop holomorphic"
-        )
-    if not holomorphic and (_is_extended(x.dtype) or not jnp.issubdtype(x.dtype, jnp.floating)):
-        raise TypeError(
-            f"batch_jacfwd needs real floating inputs, got {x.dtype} (shape {x.shape}). "
-            "For holomorphic functions of complex inputs pass holomorphic=True; for "
-            "integer inputs or non-holomorphic complex functions use jax.jvp directly"
-        )
-
-
-def _check_jacfwd_output(y: jax.Array, holomorphic: bool) -> None:
-    if holomorphic and not jnp.issubdtype(y.dtype, jnp.complexfloating):
-        raise TypeError(
-            f"batch_jacfwd with holomorphic=True needs complex outputs, got {y.dtype} "
-            f"(shape {y.shape}); return complex values or drop holomorphic"
-        )
-
-
-def _check_jacrev_input(x: jax.Array, holomorphic: bool, allow_int: bool) -> None:
-    if _is_extended(x.dtype):
-        raise TypeError(
-            f"batch_jacrev cannot differentiate with respect to an input of dtype {x.dtype}; "
-            "pass that argument outside argnums"
-        )
-    if holomorphic and not jnp.issubdtype(x.dtype, jnp.complexfloating):
-        raise TypeError(
-            f"batch_jacrev with holomorphic=True needs complex inputs, got {x.dtype} "
-            f"(shape {x.shape}); cast the input to a complex dtype or drop holomorphic"
-        )
-    if jnp.issubdtype(x.dtype, jnp.integer) or jnp.issubdtype(x.dtype, jnp.bool_):
-        if not allow_int:
-            raise TypeError(
-                f"batch_jacrev needs real or complex inputs, got {x.dtype} "
-                f"(shape {x.shape}); pass allow_int=True to get zero Jacobian blocks for "
-                "integer/bool inputs, or cast the input to a float dtype"
-            )
-    elif not _is_inexact(x.dtype):
-        raise TypeError(f"batch_jacrev needs numerical inputs, got {x.dtype} (shape {x.shape})")
-
-
-def _check_jacrev_output(y: jax.Array, holomorphic: bool) -> None:
-    if holomorphic:
-        if not jnp.issubdtype(y.dtype, jnp.complexfloating):
-            raise TypeError(
-                f"batch_jacrev with holomorphic=True needs complex outputs, got {y.dtype} "
-                f"(shape {y.shape}); return complex values or drop holomorphic"
-            )
-    elif _is_extended(y.dtype) or not jnp.issubdtype(y.dtype, jnp.floating):
-        raise TypeError(
-            f"batch_jacrev needs real floating outputs, got {y.dtype} (shape {y.shape}). "
-            "For holomorphic functions pass holomorphic=True; for complex or integer "
-            "outputs of non-holomorphic functions use jax.vjp directly"
-        )
 
 
 def _named(jac_fun: Callable, fun: Callable, name: str, argnums: Any) -> Callable:

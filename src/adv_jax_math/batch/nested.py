@@ -48,7 +48,7 @@ from ..analysis.recognize import recognize
 from ..analysis.separable import Blocks, _Refused, per_x_row, read_blocks
 from ..core import config as _config
 from ..monoids.base import identity, is_monoid_tree
-from ..plan.base import target_platform
+from ..pairs.tiles import batch_sizes as tiles  # the tiles of a pairwise reduction read here
 from ..plan.planner import split_rows
 
 __all__ = ["Inner", "Nested", "as_inner", "find", "heard", "listen", "tiles"]
@@ -278,13 +278,3 @@ def pairs(found: Blocks, g: Callable[[Any, Any], Any]) -> Callable[[list, list],
     except _Refused:
         return again
     return f
-
-
-def tiles(bi: Any, bj: Any, x: list, y: list) -> tuple[int, int] | str:
-    """The pairwise tiles from the outer and inner batch sizes (None: every row;
-    "auto" on either side: "auto"). On GPU/TPU "auto": the tile kernel's own (the batch
-    sizes bound memory; its tiles follow the hardware's rules)."""
-    if bi == "auto" or bj == "auto" or target_platform() != "cpu":
-        return "auto"
-    n, m = x[0].shape[0], y[0].shape[0]
-    return max(1, bi or n), max(1, bj or m)

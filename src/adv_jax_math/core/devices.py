@@ -3,7 +3,7 @@ deviceless compile targets and the benchmarks use, one record per kind, each num
 written once (DESIGN.md §13: "one device table").
 
 Read by ``plan.roofline`` and ``pairs.roofline`` (a record *is* their ``Device``),
-``kernels/fused_reduce/targets.py`` (the ``GpuTargetConfig`` protos, the TPU topologies,
+``core/targets.py`` (the ``GpuTargetConfig`` protos, the TPU topologies,
 the VMEM limits, the bfloat16 VPUs), ``bench/device_check.py`` (the peak bandwidth the
 measurements are put against) and ``bench/accel/kinds.py`` (the targets' short names).
 It imports only the standard library, so any module of the package can import it, and

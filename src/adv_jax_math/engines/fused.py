@@ -17,7 +17,7 @@ from ..core.sharding import Lanes
 from ..core.targets import target
 from ..kernels.fused_reduce.backward import float_positions, plan_reverse, run_reverse
 from ..kernels.fused_reduce.fused import check, fused_states, reverse_blocks
-from ..monoids.base import MonoidReduction
+from ..monoids.reduction import MonoidReduction
 from ..plan import roofline
 from ..plan.base import Call, Kind, Plan, Policy, Rejection
 from . import scan as _scan

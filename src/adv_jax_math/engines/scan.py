@@ -45,7 +45,8 @@ from ..analysis.jaxpr_graph import elementwise
 from ..core.sharding import Lanes, explicit, sharding_of
 from ..core.trace import Traced, size
 from ..kernels import native
-from ..monoids.base import LeafReduction, MonoidReduction, merge_stacked
+from ..monoids.base import merge_stacked
+from ..monoids.reduction import LeafReduction, MonoidReduction
 from ..plan.base import Call, Kind, Plan, Policy, Rejection
 from .scan_chunks import (
     LARGE_FUN,

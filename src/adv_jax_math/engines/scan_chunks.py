@@ -21,7 +21,8 @@ from ..core import config as _config
 from ..core import progress as _progress
 from ..core.sharding import Lanes, on_context_mesh
 from ..core.trace import Traced, size
-from ..monoids.base import LeafReduction, MonoidReduction, index_dtype
+from ..monoids.base import index_dtype
+from ..monoids.reduction import LeafReduction, MonoidReduction
 from ..plan.base import Plan
 
 __all__ = ["LARGE_FUN", "RECOMPUTED"]

@@ -17,7 +17,8 @@ from jax.custom_derivatives import SymbolicZero
 from ..analysis import tangent
 from ..core.sharding import zeros
 from ..core.trace import Traced
-from ..monoids.base import MonoidReduction, merge_stacked
+from ..monoids.base import merge_stacked
+from ..monoids.reduction import MonoidReduction
 from ..plan.base import Plan, Policy
 from .scan_chunks import _items, _place, _Rows, _start, _steps, _weights
 

@@ -6,7 +6,7 @@ an extension module, so :func:`importlib.util.find_spec` finds it in wheels and
 editable installs). It is loaded lazily, once, with :mod:`ctypes`, and registered
 with :func:`jax.ffi.register_ffi_target` for the CPU platform.
 
-Whether :func:`logsumexp` uses it follows ``adv_jax_math._config.current().native``:
+Whether :func:`logsumexp` uses it follows ``core.config.current().native``:
 ``"auto"`` (when it loads), ``"off"`` (never) or ``"require"`` (raise when it cannot
 be loaded). Whether ``batch_map``'s chunk loop calls it for a chunk is
 :func:`decision` (its reason is what ``explain()`` shows): only for chunks large

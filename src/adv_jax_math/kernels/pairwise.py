@@ -23,7 +23,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from ..monoids.base import LeafReduction, index_dtype, merge_stacked
+from ..monoids.base import index_dtype, merge_stacked
+from ..monoids.reduction import LeafReduction
 from .fused_reduce.interpreter import evaluate
 from .fused_reduce.kernel import _load_const, _to_kernel_const, kernel_const_aval
 

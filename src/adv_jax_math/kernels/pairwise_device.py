@@ -35,8 +35,9 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from ..monoids.base import MonoidReduction, index_dtype
-from ..monoids.exponential import SoftmaxWeighted
+from ..monoids.base import index_dtype
+from ..monoids.reduction import MonoidReduction
+from ..monoids.softmax import SoftmaxWeighted
 from .pairwise import _pad_rows
 from .unrolled import NotUnrolled, evaluate
 

@@ -2,9 +2,10 @@
 means and variances. Each is one object of :class:`~adv_jax_math.monoids.base.Monoid`; its
 docstring names the plain-JAX expression it equals. One module per family:
 ``monoids.sums`` (sums, means, variances), ``monoids.extrema`` (max/min and the
-arg-extrema), ``monoids.exponential`` (logsumexp, softmax-weighted sums),
-``monoids.topk`` (top-k); ``monoids.numerics`` holds what they share,
-``monoids.shifted`` the shifted exponentials of the logsumexp family.
+arg-extrema), ``monoids.exponential`` (logsumexp, weighted logsumexp),
+``monoids.softmax`` (softmax-weighted sums), ``monoids.topk`` (top-k);
+``monoids.numerics`` holds what they share, ``monoids.shifted`` the shifted
+exponentials of the logsumexp family.
 
 Written with operations every engine lowers (Pallas kernels included: reductions
 over the rows, elementwise ops, comparisons, ``dot_general``), stable and
@@ -15,14 +16,9 @@ by their running maximum; means and variances merge by Chan's update.
 
 from __future__ import annotations
 
-from .exponential import (
-    LOGSUMEXP,
-    SOFTMAX_WEIGHTED,
-    WEIGHTED_LOGSUMEXP,
-    softmax_weighted,
-    weighted_logsumexp,
-)
+from .exponential import LOGSUMEXP, WEIGHTED_LOGSUMEXP, weighted_logsumexp
 from .extrema import ARGMAX, ARGMIN, MAX, MAX_ARGMAX, MIN, MIN_ARGMIN, nan_weights
+from .softmax import SOFTMAX_WEIGHTED, softmax_weighted
 from .sums import ADD, MEAN, MEAN_VAR, VAR, var
 from .topk import top_k
 

@@ -1,7 +1,9 @@
-"""Exponential families: ``LOGSUMEXP`` (``jax.nn.logsumexp``) and softmax-weighted
-sums (``SOFTMAX_WEIGHTED``, :func:`softmax_weighted`). Both shift by their running
-maximum (an online softmax) and sum compensated; a non-finite maximum finalizes as
-itself, with the derivative ``jax.grad(jax.nn.logsumexp)`` gives."""
+"""The logsumexp family: ``LOGSUMEXP`` (``jax.nn.logsumexp``) and the weighted,
+signed ``WEIGHTED_LOGSUMEXP`` (:func:`weighted_logsumexp`); ``monoids.softmax`` holds
+the softmax-weighted sums, over the same two leaves per row (exponent and
+companion). They shift by their running maximum (an online softmax) and sum
+compensated; a non-finite maximum finalizes as itself, with the derivative
+``jax.grad(jax.nn.logsumexp)`` gives."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import numpy as np
 from jax import lax
 
 from .base import Monoid, _col
-from .numerics import Items, _float, _full, _inexact, _spread, _two_sum, _weigh, _wide
+from .numerics import Items, _float, _full, _inexact, _spread, _weigh, _wide
 from .shifted import (
     _at_least_one,
     _at_most_0,
@@ -22,11 +24,11 @@ from .shifted import (
     _drop,
     _finite_or_zero,
     _log_shifted,
+    _merge_sums,
     _native_top,
     _own_init,
     _own_merge,
     _own_softmax,
-    _rescale,
     _shifted,
     _softmax,
     _top,
@@ -35,17 +37,13 @@ from .shifted import (
 
 __all__ = [
     "LOGSUMEXP",
-    "SOFTMAX_WEIGHTED",
     "WEIGHTED_LOGSUMEXP",
     "LogSumExp",
-    "SoftmaxWeighted",
     "WeightedLogSumExp",
-    "softmax_weighted",
     "weighted_logsumexp",
 ]
 
 
-# -- logsumexp --------------------------------------------------------------------------
 class LogSumExp(Monoid):
     """``jax.nn.logsumexp(y, 0)``: shifted by the running maximum, compensated; ints
     become floats. The scan engine may fold a chunk with the native CPU kernel
@@ -80,7 +78,7 @@ class LogSumExp(Monoid):
         return top, jnp.ones_like(top), jnp.zeros_like(top)
 
     def fold_fast(self, ys, idx, w, again=None) -> Any:
-        if again is None:  # the rows computed once (SoftmaxWeighted.fold_fast)
+        if again is None:  # the rows computed once (_ExponentAndCompanion.fold_fast)
             return self.fold([lax.optimization_barrier(ys[0])], idx, w)
         # two passes, each reading the rows as fun makes them
         top, s = _two_passes(self._rows(ys, w), self._rows(again, w))
@@ -93,9 +91,7 @@ class LogSumExp(Monoid):
         return top, _at_least_one(s, top), jnp.zeros_like(s)
 
     def merge(self, a: Any, b: Any) -> Any:
-        top, (ea, eb) = _rescale([a[0], b[0]])
-        t, lost = _two_sum(a[1] * ea, b[1] * eb)
-        return top, t, a[2] * ea + b[2] * eb + lost
+        return _merge_sums(a, b)
 
     def finalize(self, state: Any, items: Items) -> Any:
         m, s, c = state
@@ -122,7 +118,6 @@ class LogSumExp(Monoid):
         return d * jnp.where(ok, 1 / jnp.where(ok, norm, 1), jnp.nan).astype(d.dtype)
 
 
-# -- softmax-weighted sums --------------------------------------------------------------
 class _ExponentAndCompanion(Monoid):
     """A monoid over two leaves per row, an exponent and what it weighs (softmax
     scores and values; logsumexp exponents and weights): a row that does not exist
@@ -137,145 +132,18 @@ class _ExponentAndCompanion(Monoid):
     def encode(self, keep: Any, dtype: Any, xp: Any = np) -> Any:
         return _drop(keep, _wide(_float(dtype)), xp)
 
-
-class SoftmaxWeighted(_ExponentAndCompanion):
-    """``jnp.tensordot(jax.nn.softmax(scores, 0), values, ([0], [0]))`` for ``fun``
-    returning ``(scores (n, *s), values (n, *v))``: the result is ``(*s, *v)``
-    (attention for ``s = (queries,)``); with ``return_lse=True`` also
-    ``jax.nn.logsumexp(scores, 0)``, to combine partial results across calls. An
-    online softmax (Milakov & Gimelshein 2018), compensated."""
-
-    def __init__(self, return_lse: bool = False):
-        self.return_lse = bool(return_lse)
-        self.name = "softmax_weighted" + ("(return_lse=True)" if return_lse else "")
-
-    def __repr__(self) -> str:
-        return "adv_jax_math." + (
-            "softmax_weighted(return_lse=True)" if self.return_lse else "SOFTMAX_WEIGHTED"
-        )
-
-    def _dtypes(self, items: Items) -> tuple[np.dtype, np.dtype]:
-        out = _float(jnp.result_type(items[0].dtype, items[1].dtype))
-        return out, _wide(out)
-
-    def init(self, items: Items) -> Any:
-        _, acc = self._dtypes(items)
-        s, v = items
-        both = jax.ShapeDtypeStruct(s.shape + v.shape, acc)
-        zero = lambda it: _full(it, 0, acc)
-        return _full(s, -np.inf, acc), zero(s), zero(s), zero(both), zero(both)
-
-    def fold(self, ys, idx, w) -> Any:
-        acc = self._dtypes([jax.ShapeDtypeStruct((), y.dtype) for y in ys])[1]
-        s, v = (y.astype(acc) for y in ys)
-        if w is not None:
-            s = _bound(s, _col(w, s))
-            if w.ndim == 1 or w.shape == v.shape:  # a dropped row's inf value: 0, not NaN
-                v = jnp.where(_col(w, v) == np.inf, v, jnp.zeros_like(v))
-        top = _top(s)  # (as LogSumExp.fold's: the lse's NaN derivative at an infinite top)
-        # an infinite top is not shifted away: exp(inf - inf) is NaN, as jax.nn.softmax
-        e = jnp.exp(s - _finite_or_zero(top)[None])
-        weighted = self._weigh(e, v)
-        return top, jnp.sum(e, axis=0), jnp.zeros_like(top), weighted, jnp.zeros_like(weighted)
-
     def fold_fast(self, ys, idx, w, again=None) -> Any:
-        # The scores computed once: XLA fuses a cheap fun into both passes (the
+        # The exponents computed once: XLA fuses a cheap fun into both passes (the
         # maximum, the exponentials), where it may round differently (contracted
         # multiply-adds); at scores of 1e9 an ulp (128) is beyond exp's range, and
         # every row's weight came out 0 (0 / 0) or inf (inf / inf).
         return self.fold([lax.optimization_barrier(ys[0]), ys[1]], idx, w)
 
     @staticmethod
-    def _weigh(e: jax.Array, v: jax.Array) -> jax.Array:
-        """The values summed with the weights ``e`` over the rows: items ``(*s, *v)``."""
-        if e.ndim == 1 or v.ndim == 1:  # one score or one value per row: no matvec
-            # (Pallas Triton's dot takes 2-D operands only; Mosaic's fails on vectors)
-            ev = e if e.ndim > 1 or v.ndim == 1 else lax.broadcast_in_dim(e, v.shape, (0,))
-            ve = v if v.ndim > 1 or e.ndim == 1 else lax.broadcast_in_dim(v, e.shape, (0,))
-            return jnp.sum(ev * ve, axis=0)
-        return jnp.tensordot(e, v, axes=([0], [0]))
-
-    def paired(self) -> SoftmaxWeighted:
-        """This sum with values that share the scores' items (each item's score
-        weighs its own value, not every item's): the tile kernels' fold of one score
-        and one value per pair, the x rows the items of both."""
-        return _Paired(self.return_lse)
-
-    def merge(self, a: Any, b: Any) -> Any:
-        top, (ea, eb) = _rescale([a[0], b[0]])
-        spread = lambda e, x: e.reshape(e.shape + (1,) * (x.ndim - e.ndim))
-        norm, lost = _two_sum(a[1] * ea, b[1] * eb)
-        acc, lost2 = _two_sum(a[3] * spread(ea, a[3]), b[3] * spread(eb, b[3]))
-        lc = a[2] * ea + b[2] * eb + lost
-        ac = a[4] * spread(ea, a[4]) + b[4] * spread(eb, b[4]) + lost2
-        return top, norm, lc, acc, ac
-
-    def _parts(self, state: Any) -> tuple[jax.Array, jax.Array]:
-        m, norm, lc, acc, ac = state
-        total = norm + lc
-        out = (acc + ac) / total.reshape(total.shape + (1,) * (acc.ndim - total.ndim))
-        lse = _log_shifted(total, m)
-        return out, lse
-
-    def finalize(self, state: Any, items: Items) -> Any:
-        dtype = self._dtypes(items)[0]
-        out, lse = self._parts(state)
-        return (out.astype(dtype), lse.astype(dtype)) if self.return_lse else out.astype(dtype)
-
-    def empty(self, items: Items) -> Any:
-        dtype = self._dtypes(items)[0]
-        out = jnp.zeros(items[0].shape + items[1].shape, dtype)  # a sum over no rows
-        return (out, jnp.full(items[0].shape, -jnp.inf, dtype)) if self.return_lse else out
-
-    def cotangent(self, ct, ys, idx, keep, state, items, tally=None) -> tuple:
-        out, _ = self._parts(state)
-        s, v = (y.astype(out.dtype) for y in ys)
-        ct_out, ct_lse = ct if self.return_lse else (ct, None)
-        p = _softmax(s, state[0], state[1] + state[2])
-        if keep is not None:
-            p = p * _col(keep, p).astype(p.dtype)
-        ns, nv = s.ndim - 1, v.ndim - 1
-        # out[S, V] = sum_i p_i[S] v_i[V]: d/dv_i = sum over S of p_i ct, and
-        # d/ds_i = p_i (<ct, v_i - out> over V + ct_lse)
-        ct_v = jnp.tensordot(p, ct_out, axes=(list(range(1, ns + 1)), list(range(ns))))
-        spread = lambda a, k: a.reshape(a.shape + (1,) * k)
-        centered = v.reshape(v.shape[:1] + (1,) * ns + v.shape[1:]) - out[None]
-        ct_s = p * jnp.sum(
-            spread(ct_out, 0)[None] * centered, axis=tuple(range(ns + 1, ns + nv + 1))
-        )
-        if ct_lse is not None:
-            ct_s = ct_s + p * ct_lse[None]
-        cast = lambda c, y: c.astype(y.dtype) if _inexact(y.dtype) else None
-        return cast(ct_s, ys[0]), cast(ct_v, ys[1])
-
-    def tangent(self, ys, dys, idx, keep, state, items) -> Any:
-        out, _ = self._parts(state)
-        s, v = (y.astype(out.dtype) for y in ys)
-        ds, dv = (d.astype(out.dtype) for d in dys)
-        p = _softmax(s, state[0], state[1] + state[2])
-        if keep is not None:
-            p = p * _col(keep, p).astype(p.dtype)
-        pds = p * ds
-        # d out = sum_i p_i (dv_i + ds_i (v_i - out)), each row's value centered
-        # first: sum_i p_i ds_i v_i - d_lse * out cancels (a peaked softmax at scores
-        # of 1e4: an error of 1e-3 where the derivative is 0)
-        ns, nv = s.ndim - 1, v.ndim - 1
-        centered = v.reshape(v.shape[:1] + (1,) * ns + v.shape[1:]) - out[None]
-        via_s = jnp.sum(pds.reshape(pds.shape + (1,) * nv) * centered, axis=0)
-        return jnp.tensordot(p, dv, axes=([0], [0])) + via_s, jnp.sum(pds, axis=0)
-
-    def tangent_finish(self, raw: Any, state: Any, items: Items) -> Any:
-        d_out, d_lse = raw
-        return (d_out, d_lse) if self.return_lse else d_out
-
-
-class _Paired(SoftmaxWeighted):
-    """:meth:`SoftmaxWeighted.paired`: items ``s`` (the values' as well); in the tile
-    kernels, the x rows of a tile's scores and of one of its values."""
-
-    @staticmethod
-    def _weigh(e: jax.Array, v: jax.Array) -> jax.Array:
-        return jnp.sum(e * v, axis=0)
+    def _cotangents(cts: tuple, ys: Sequence[jax.Array]) -> tuple:
+        """The rows' cotangents in their dtypes (None for integer leaves)."""
+        pairs = zip(cts, ys, strict=True)
+        return tuple(c.astype(y.dtype) if _inexact(y.dtype) else None for c, y in pairs)
 
 
 class WeightedLogSumExp(_ExponentAndCompanion):
@@ -324,16 +192,8 @@ class WeightedLogSumExp(_ExponentAndCompanion):
         s = jnp.sum(b * jnp.exp(a - _finite_or_zero(top)[None]), axis=0)
         return top, s, jnp.zeros_like(s)
 
-    def fold_fast(self, ys, idx, w, again=None) -> Any:
-        # the exponents computed once, as SoftmaxWeighted.fold_fast's scores
-        return self.fold([lax.optimization_barrier(ys[0]), ys[1]], idx, w)
-
     def merge(self, a: Any, b: Any) -> Any:
-        # (a state of non-finite top summed with a shift of 0, as jax does: _rescale
-        # keeps it whole, factor 1, and drops the others)
-        top, (ea, eb) = _rescale([a[0], b[0]])
-        t, lost = _two_sum(a[1] * ea, b[1] * eb)
-        return top, t, a[2] * ea + b[2] * eb + lost
+        return _merge_sums(a, b)
 
     def _parts(self, state: Any) -> tuple[jax.Array, jax.Array]:
         top, s, c = state
@@ -379,38 +239,11 @@ class WeightedLogSumExp(_ExponentAndCompanion):
         p, b, none = self._weights(ys, keep, state)
         ct = jnp.where(none, 0, ct[0] if self.return_sign else ct)
         g = _spread(ct, p) * p
-        cast = lambda c, y: c.astype(y.dtype) if _inexact(y.dtype) else None
-        return cast(jnp.where(b != 0, g * b, 0), ys[0]), cast(g, ys[1])
+        return self._cotangents((jnp.where(b != 0, g * b, 0), g), ys)
 
 
 LOGSUMEXP = LogSumExp()
-SOFTMAX_WEIGHTED = SoftmaxWeighted()
 WEIGHTED_LOGSUMEXP = WeightedLogSumExp()
-
-
-def softmax_weighted(return_lse: bool = False) -> SoftmaxWeighted:
-    """Softmax-weighted sums of ``fun``'s ``(scores, values)`` over the rows, as
-    ``jnp.tensordot(jax.nn.softmax(scores, 0), values, ([0], [0]))``.
-
-    ``fun`` returns ``scores`` of shape ``(n, *s)`` and ``values`` of ``(n, *v)``; the
-    result has shape ``(*s, *v)`` (attention over keys for ``s = (queries,)``), computed
-    as an online softmax without the ``(n, *s)`` weights. With ``return_lse=True`` the
-    result is ``(weighted sum, jax.nn.logsumexp(scores, 0))``, so that partial results
-    of several calls or devices can be combined. ``SOFTMAX_WEIGHTED`` is
-    ``softmax_weighted()``.
-
-    Examples
-    --------
-    >>> import jax, jax.numpy as jnp
-    >>> import adv_jax_math as ajm
-    >>> scores = jnp.log(jnp.array([1.0, 1.0, 2.0]))     # weights 1/4, 1/4, 1/2
-    >>> values = jnp.array([4.0, 8.0, 2.0])
-    >>> out, lse = ajm.batch_map(lambda r: r, (scores, values), 2,
-    ...                          reduction=ajm.softmax_weighted(return_lse=True))
-    >>> print(round(float(out), 4), round(float(jnp.exp(lse)), 4))
-    4.0 4.0
-    """
-    return SOFTMAX_WEIGHTED if not return_lse else SoftmaxWeighted(return_lse=True)
 
 
 def weighted_logsumexp(return_sign: bool = False) -> WeightedLogSumExp:

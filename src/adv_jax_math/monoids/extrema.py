@@ -61,8 +61,21 @@ def _scalar_safe(y: jax.Array) -> jax.Array:
     return y.astype(np.float32 if _inexact(dtype) else np.int32)
 
 
+class _Ordered(Monoid):
+    """A monoid of the largest (``largest``) or smallest rows: ``_join`` and ``_pick``
+    the elementwise and the reducing max (or min); rows that do not exist hold the
+    lowest (highest) value of their dtype."""
+
+    def __init__(self, largest: bool, name: str):
+        self.largest, self.name = largest, name
+        self._join, self._pick = (jnp.maximum, jnp.max) if largest else (jnp.minimum, jnp.min)
+
+    def fill(self, dtype: Any) -> Any:
+        return np.asarray(_lowest(dtype) if self.largest else _highest(dtype), dtype)[()]
+
+
 # -- max / min --------------------------------------------------------------------------
-class Extremum(Monoid):
+class Extremum(_Ordered):
     """``jnp.max(y, 0)`` (``largest``) or ``jnp.min(y, 0)``; the derivative is shared
     evenly by every tied row, as ``jax.grad(jnp.max)``, and is NaN everywhere when
     the result is NaN."""
@@ -74,16 +87,11 @@ class Extremum(Monoid):
     selects, axes_all, halves = True, True, True
 
     def __init__(self, largest: bool):
-        self.largest = largest
-        self.name = "max" if largest else "min"
-        self._join, self._pick = (jnp.maximum, jnp.max) if largest else (jnp.minimum, jnp.min)
+        super().__init__(largest, "max" if largest else "min")
         self.combine, self.reduce = self._join, self._pick
 
     def result_dtype(self, dtype: Any) -> np.dtype:
         return np.dtype(dtype)
-
-    def fill(self, dtype: Any) -> Any:
-        return np.asarray(_lowest(dtype) if self.largest else _highest(dtype), dtype)[()]
 
     def init(self, items: Items) -> Any:
         return (_full(items[0], self.fill(items[0].dtype)),)
@@ -163,7 +171,7 @@ def _merge_ties(join: Any, a: Any, b: Any) -> tuple:
     return top, _times(sa, in_a) + _times(sb, in_b), na * in_a + nb * in_b
 
 
-class Tally(Monoid):
+class Tally(_Ordered):
     """Per element, the extremum of the rows, the first row holding it and how many
     rows do: what a max/min's reverse pass selects rows by (``Monoid.tally``). A
     row is selected by its index when it alone holds the extremum, and only among
@@ -171,12 +179,7 @@ class Tally(Monoid):
     see :meth:`selected`)."""
 
     def __init__(self, largest: bool):
-        self.largest = largest
-        self.name = "tally_max" if largest else "tally_min"
-        self._join, self._pick = (jnp.maximum, jnp.max) if largest else (jnp.minimum, jnp.min)
-
-    def fill(self, dtype: Any) -> Any:
-        return np.asarray(_lowest(dtype) if self.largest else _highest(dtype), dtype)[()]
+        super().__init__(largest, "tally_max" if largest else "tally_min")
 
     def init(self, items: Items) -> Any:
         big = np.iinfo(index_dtype()).max
@@ -242,20 +245,16 @@ class Tally(Monoid):
 
 
 # -- argmin / argmax --------------------------------------------------------------------
-class ArgExtremum(Monoid):
+class ArgExtremum(_Ordered):
     """``jnp.argmin(y, 0)`` / ``jnp.argmax`` (indices: global rows, the first on
     ties, the first NaN if any), with ``values`` also ``(jnp.min(y, 0), indices)``."""
 
     selects, halves = True, True  # halves: as Extremum's (the values ignore repeats)
 
     def __init__(self, largest: bool, values: bool):
-        self.largest, self.values = largest, values
         base = "max" if largest else "min"
-        self.name = f"{base}_arg{base}" if values else f"arg{base}"
-        self._join, self._pick = (jnp.maximum, jnp.max) if largest else (jnp.minimum, jnp.min)
-
-    def fill(self, dtype: Any) -> Any:
-        return np.asarray(_lowest(dtype) if self.largest else _highest(dtype), dtype)[()]
+        super().__init__(largest, f"{base}_arg{base}" if values else f"arg{base}")
+        self.values = values
 
     def init(self, items: Items) -> Any:
         big = np.iinfo(index_dtype()).max

@@ -1,8 +1,8 @@
-"""Shifted exponentials, what the logsumexp family (``monoids.exponential``) folds,
-merges and differentiates by: sums of ``exp(y - top)`` for the maximum ``top`` of
-the rows, never NaN or overflowing where a maximum is infinite or a row computed
-again rounds a few ulps off it, and softmax weights from a state or from the rows
-as a derivative pass computes them."""
+"""Shifted exponentials, what the logsumexp family (``monoids.exponential``,
+``monoids.softmax``) folds, merges and differentiates by: sums of ``exp(y - top)``
+for the maximum ``top`` of the rows, never NaN or overflowing where a maximum is
+infinite or a row computed again rounds a few ulps off it, and softmax weights from
+a state or from the rows as a derivative pass computes them."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import numpy as np
 from jax import lax
 
 from .base import _col
-from .numerics import _spread
+from .numerics import _spread, _two_sum
 
 __all__ = [
     "_at_least_one",
@@ -26,6 +26,7 @@ __all__ = [
     "_finite_or_zero",
     "_join",
     "_log_shifted",
+    "_merge_sums",
     "_native_top",
     "_own_init",
     "_own_merge",
@@ -247,6 +248,16 @@ def _own_init(raw: tuple) -> tuple:
 def _own_merge(a: tuple, b: tuple) -> tuple:
     top, (ea, eb) = _rescale([a[0], b[0]])
     return top, a[1] * ea + b[1] * eb, a[2] * ea + b[2] * eb
+
+
+def _merge_sums(a: tuple, b: tuple) -> tuple:
+    """Two ``(top, shifted sum, its rounding error)`` states merged: each rescaled onto
+    the larger top, the sums added compensated (TwoSum). A state of non-finite top
+    (summed with a shift of 0, as jax does) is kept whole, factor 1, and the others
+    dropped (:func:`_rescale`)."""
+    top, (ea, eb) = _rescale([a[0], b[0]])
+    t, lost = _two_sum(a[1] * ea, b[1] * eb)
+    return top, t, a[2] * ea + b[2] * eb + lost
 
 
 def _drop(keep: Any, dtype: Any, xp: Any) -> Any:

@@ -3,16 +3,17 @@
 ``pairwise(f, x, y, reduction)`` takes ``f`` written for one pair (KeOps' lazy
 reductions, in JAX). The reduction over ``j`` has :func:`batch_map`'s semantics
 for a Monoid object reducing the mapped axis (global ``j`` indices, ties and NaN
-as plain JAX); it is computed in tiles of ``bi`` x rows by ``bj`` y rows, each x
-row's monoid state carried across the y tiles. The engines:
+as plain JAX); it is computed in tiles of ``bi`` x rows by ``bj`` y rows (sized by
+``pairs.tiles``), each x row's monoid state carried across the y tiles. The engines:
 
 * ``pairwise tiles (xla)``, the default on CPU: the GPU tile kernel's loops in plain
   XLA (``kernels/pairwise_device.py``, layout ``"xla"``), where unrolling ``f``'s
   features pays (``pairs.kernel.layout_problem``); its reverse pass the kernel
   engine's below;
-* ``pairwise scan``: x tiles in a chunked ``vmap``, y tiles in a chunked monoid
-  reduction (:func:`batch_vmap` of :func:`batch_map`), each tile rematerialized in a
-  gradient: O(bi * bj) memory forward and backward; every ``f``, and ``shard=True``;
+* ``pairwise scan`` (``pairs.scan``): x tiles in a chunked ``vmap``, y tiles in a
+  chunked monoid reduction (:func:`batch_vmap` of :func:`batch_map`), each tile
+  rematerialized in a gradient: O(bi * bj) memory forward and backward; every ``f``,
+  and ``shard=True``;
 * ``pairwise scan (y over devices)`` for ``shard="y"``: :func:`batch_map` over the y
   rows spread over the devices, each chunk the block of its y rows by every x row,
   the devices' monoid states merged;
@@ -42,25 +43,22 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from ..analysis.validate import resolve_mesh
 from ..core import config as _config
 from ..core.sharding import explicit, sharding_of, typed_mesh
 from ..core.targets import pallas_triton, tpu_vmem_limit
 from ..core.targets import target as device_target
-from ..engines.chunked import chunked
-from ..engines.shard import as_global
 from ..kernels.pairwise_device import Layout
-from ..monoids.base import Monoid, MonoidReduction, is_monoid_tree
-from ..monoids.exponential import SoftmaxWeighted
+from ..monoids.base import Monoid, is_monoid_tree
+from ..monoids.reduction import MonoidReduction
 from ..plan.base import target_platform
+from . import tiles as _tiles
 from .grad import Pairs, fused
 from .kernel import first_row, layout_problem, recognized
+from .scan import scan, scan_y
 
 __all__ = ["PairwisePlan", "explain_pairwise", "pairwise"]
 
-TILE_ELEMENTS = 1 << 18  # bi * bj of an "auto" tile: 1 MiB per float32 output leaf
-MAX_Y_TILE = 2048  # bj of an "auto" tile
-SORT_TILE_ELEMENTS, SORT_MAX_Y_TILE = 1 << 20, 8192  # the same for top-k on the CPU tiles
+INTERPRET_LAYOUT = "gpu"  # the tile kernel backend="interpret" runs (tests set "tpu" too)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,8 +174,8 @@ def pairwise(
     rows = _pairwise(f, x, y, reduction, tiles, shard, mesh)
     if columns is None:
         return rows
-    swapped, col_tiles = _column_pass(f, tiles)
-    return rows, _pairwise(swapped, y, x, columns, col_tiles, shard, mesh)
+    swapped = lambda yj, xi: f(xi, yj)  # the column pass: x and y swapped
+    return rows, _pairwise(swapped, y, x, columns, _tiles.swapped(tiles), shard, mesh)
 
 
 def _pairwise(
@@ -188,13 +186,13 @@ def _pairwise(
     if plan.engine == _SCAN_Y:  # every device reduces its y rows for every x row,
         # on the mesh x and y are typed on where none is given or set
         with typed_mesh(*([] if mesh else [x, y])):
-            out = _scan_y(f, jax.tree.map(_whole, x), y, red, reduction, plan.tiles[1], mesh)
+            out = scan_y(f, jax.tree.map(_whole, x), y, red, reduction, plan.tiles[1], mesh)
         return jax.tree.map(lambda o: _rows_like(o, x), out)
     y = jax.tree.map(_whole, y)
     if plan.engine == _SCAN and shard:
-        return _scan(f, x, y, reduction, plan.tiles, shard=True, mesh=mesh)
+        return scan(f, x, y, reduction, plan.tiles, shard=True, mesh=mesh)
     if plan.engine == _SCAN:
-        return _scan(f, x, y, reduction, plan.tiles)
+        return scan(f, x, y, reduction, plan.tiles)
     conv, consts = jax.closure_convert(f, first_row(x), first_row(y))
     out = _fused(conv, list(consts), plan, red, layout, x, y, reduction)
     return jax.tree.map(lambda o: _rows_like(o, x), out)
@@ -218,18 +216,13 @@ def explain_pairwise(
     plan = _plan(f, x, y, reduction, tiles, shard)[0]
     if columns is None:
         return plan
-    swapped, col_tiles = _column_pass(f, tiles)
-    return dataclasses.replace(plan, columns=_plan(swapped, y, x, columns, col_tiles, shard)[0])
+    swapped = lambda yj, xi: f(xi, yj)
+    columns_plan = _plan(swapped, y, x, columns, _tiles.swapped(tiles), shard)[0]
+    return dataclasses.replace(plan, columns=columns_plan)
 
 
 _SCAN, _KERNEL, _TILES = "pairwise scan", "pairwise kernel (interpret)", "pairwise tiles (xla)"
 _SCAN_Y = "pairwise scan (y over devices)"
-
-
-def _column_pass(f: Callable, tiles: Any) -> tuple[Callable, Any]:
-    """``f`` and ``tiles`` of the column pass (``columns=``): x and y swapped. Called
-    after the row pass has checked ``tiles``."""
-    return (lambda yj, xi: f(xi, yj)), tiles if tiles == "auto" else tuple(tiles)[::-1]
 
 
 def _check_monoids(tree: Any, name: str) -> None:
@@ -270,33 +263,6 @@ def _rows(tree: Any, name: str) -> int:
     return int(sizes.pop()[0])
 
 
-def _tiles(tiles: tuple[int, int] | str, n: int, m: int) -> tuple[int, int]:
-    if tiles == "auto":
-        bj = max(1, min(m, MAX_Y_TILE))
-        bi = 1 << (TILE_ELEMENTS // bj).bit_length() - 1  # a power of two
-        return max(1, min(n, bi)), bj
-    if (
-        not isinstance(tiles, tuple | list)
-        or len(tiles) != 2
-        or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 1 for t in tiles)
-    ):
-        raise ValueError(f"pairwise: tiles={tiles!r}; pass (bi, bj), two ints >= 1, or 'auto'")
-    return min(tiles[0], max(n, 1)), min(tiles[1], max(m, 1))
-
-
-def _sort_tiles(n: int, m: int) -> tuple[int, int]:
-    """The CPU tiles' "auto" tiles for a top-k: the y rows split evenly into tiles of
-    at most 8192 (a multiple of 8: no last tile mostly padding), ``bi`` the power of
-    two that makes a tile of at most 2^20 pairs. Each tile is one ``lax.top_k`` and
-    each merge another: at N = M = 1e4 and 3e4, D = 3 and 16, 1.5-1.7x faster than
-    the tiles of :func:`_tiles` (min of 5). Other monoids gained nothing consistent
-    from larger tiles (0.6-1.4x, depending on the sizes' alignment)."""
-    bj = -(-m // -(-m // SORT_MAX_Y_TILE))
-    bj = min(m, -(-bj // 8) * 8)
-    bi = 1 << (SORT_TILE_ELEMENTS // bj).bit_length() - 1
-    return max(1, min(n, bi)), bj
-
-
 def _plan(
     f: Callable, x: Any, y: Any, reduction: Any, tiles: Any, shard: bool | str
 ) -> tuple[PairwisePlan, MonoidReduction, Layout | None]:
@@ -306,7 +272,7 @@ def _plan(
         raise TypeError(f"pairwise: shard={shard!r}; pass False, True (or 'x'), or 'y'")
     _check_monoids(reduction, "reduction")
     n, m = _rows(x, "x"), _rows(y, "y")
-    bi, bj = _tiles(tiles, n, m)
+    bi, bj = _tiles.rows(tiles, n, m)
     red = recognized(f, x, y, reduction, max(bj, 1))
     red.check_rows(m)
     what = ", ".join(dict.fromkeys(leaf.monoid.name for leaf in red.leaves))
@@ -340,8 +306,7 @@ def _plan(
         kernel_why = found
     elif backend == "auto":
         kernel_why = f"only on request on {platform} (backend='interpret')"
-        if tiles == "auto" and any(leaf.monoid.sorts for leaf in red.leaves):
-            bi, bj = _sort_tiles(n, m)
+        bi, bj = _tiles.xla(tiles, n, m, red)
         tiled = Layout("xla", (bi, bj))
         problem = layout_problem(f, x, y, red, tiled)
         if problem is None:
@@ -369,18 +334,13 @@ def _plan(
 def _plan_y(n: int, m: int, tiles: Any, what: str) -> PairwisePlan:
     """The plan for ``shard="y"``: chunks of ``bj`` y rows by every x row on each
     device (``tiles``' ``bj``; "auto": at most 2^18 pairs and a device's share)."""
-    d = jax.device_count()
-    bj = max(1, min(-(-m // d), TILE_ELEMENTS // n)) if tiles == "auto" else tiles[1]
+    bj = _tiles.shard_y(tiles, n, m, jax.device_count())
     why = (
         f"the y rows spread over the devices (shard='y'): each reduces every x row over its "
         f"own y rows, in chunks of {bj} y rows by all {n} x rows; the devices' states merged"
     )
     lost = (("pairwise kernel", "shard='y': the kernel does not spread over devices yet"),)
     return PairwisePlan(n, m, (n, bj), what, _SCAN_Y, why, lost)
-
-
-DEVICE_TILES = {"gpu": (64, 64), "tpu": (512, 256)}  # (bi, bj) of an "auto" tile kernel
-INTERPRET_LAYOUT = "gpu"  # the tile kernel backend="interpret" runs (tests set "tpu" too)
 
 
 def _device(
@@ -390,76 +350,22 @@ def _device(
     or why not."""
     kind = "tpu" if platform == "tpu" else "gpu"
     target = device_target(platform)
-    bi, bj = DEVICE_TILES[kind] if tiles == "auto" else tiles
-    if tiles == "auto" and kind == "tpu" and tpu_vmem_limit(target.device_kind) < 32 << 20:
-        bi, bj = bi // 2, bj // 2  # TPU v4 (16 MiB of VMEM): the reverse pass's D sums overflow
-    if kind == "gpu" and (bi & (bi - 1) or bj & (bj - 1)):
-        return f"tiles={tiles!r}: Triton needs powers of two (default {DEVICE_TILES['gpu']})"
-    if kind == "tpu" and (bi % 128 or bj % 128):
-        return f"tiles={tiles!r}: on TPU bi and bj are multiples of 128 (x and y rows on lanes)"
+    vmem = tpu_vmem_limit(target.device_kind)
+    chosen = _tiles.device(kind, tiles, vmem)
+    if isinstance(chosen, str):
+        return chosen
     if kind == "tpu":
         from jax.experimental.pallas import tpu as pltpu
 
         params: Any = pltpu.CompilerParams(
             dimension_semantics=("parallel", "arbitrary"),
-            vmem_limit_bytes=tpu_vmem_limit(target.device_kind),
+            vmem_limit_bytes=vmem,
         )
     else:
         params = pallas_triton().CompilerParams(num_warps=4)
-    layout = Layout(kind, (bi, bj), params=params)
+    layout = Layout(kind, chosen, params=params)
     problem = layout_problem(f, x, y, red, layout, target)
     return layout if problem is None else f"the tile kernel: {problem}"
-
-
-# -- the scan engine -----------------------------------------------------------------------
-def _scan(
-    f: Callable,
-    x: Any,
-    y: Any,
-    reduction: Any,
-    tiles: tuple[int, int],
-    shard: bool = False,
-    mesh: Any = None,
-) -> Any:
-    bi, bj = tiles
-
-    def per_x(xi: Any) -> Any:
-        pairs = lambda yc: jax.vmap(f, (None, 0))(xi, yc)
-        return chunked(pairs, y, bj, reduction=reduction)
-
-    if shard:  # y replicated on the mesh, as the rows of x are spread over it
-        y = jax.tree.map(lambda a: as_global(a, resolve_mesh(mesh)), y)
-    run = lambda: chunked(jax.vmap(per_x), x, bi, shard=shard, mesh=mesh)
-    if target_platform() == "cpu" or _config.current().backend not in ("auto", "pallas"):
-        return run()
-    # not the 1-D kernel over y: it would run vmapped over the x rows, its blocks
-    # batched beyond what its compile probe checked (Mosaic refused them on TPU)
-    with _config.config(backend="scan"):
-        return run()
-
-
-def _scan_y(
-    f: Callable, x: Any, y: Any, red: MonoidReduction, reduction: Any, bj: int, mesh: Any
-) -> Any:
-    """``shard="y"``: :func:`batch_map` over the y rows spread over the devices (each
-    device's monoid states merged across them), each chunk the block of its ``bj`` y
-    rows by every x row, x rows on the minor axis. A result with the monoid's own
-    axes first (top-k's ``(k, N)``) is turned to have the x rows first."""
-    if any(isinstance(leaf.monoid, SoftmaxWeighted) for leaf in red.leaves):
-        # its values are weighed by their own x row's scores only: each x row its own
-        # reduction (vmapped; the x rows then on the major axis)
-        per_x = lambda xi: jax.vmap(lambda yj: f(xi, yj))
-        run = lambda xi: chunked(per_x(xi), y, bj, reduction=reduction, shard=True, mesh=mesh)
-        return jax.vmap(run)(x)
-    block = lambda yc: jax.vmap(lambda yj: jax.vmap(lambda xi: f(xi, yj))(x))(yc)
-    out = chunked(block, y, bj, reduction=reduction, shard=True, mesh=mesh)
-    n = jax.tree.leaves(x)[0].shape[0]
-    per_row = [jax.tree.leaves(leaf.out) for leaf in red.leaves]
-    flat = [
-        o if o.shape == (n, *w.shape) else jnp.moveaxis(o, 1, 0)
-        for o, w in zip(jax.tree.leaves(out), [w for ws in per_row for w in ws], strict=True)
-    ]
-    return jax.tree.unflatten(jax.tree.structure(out), flat)
 
 
 # -- the kernel engine (``pairs.kernel``; its derivatives: ``pairs.grad``) ---------
@@ -475,5 +381,5 @@ def _fused(
 ) -> Any:
     """The kernel's result; ``red`` the terms :func:`_plan` recognized (from ``f``'s
     output shapes, which ``conv`` shares), ``layout`` the tile kernel's."""
-    scan = lambda c, x, y: _scan(lambda xi, yj: conv(xi, yj, *c), x, y, reduction, plan.tiles)
-    return fused(Pairs(conv, red, plan.tiles, scan, layout), consts, x, y)
+    by_scan = lambda c, x, y: scan(lambda xi, yj: conv(xi, yj, *c), x, y, reduction, plan.tiles)
+    return fused(Pairs(conv, red, plan.tiles, by_scan, layout), consts, x, y)

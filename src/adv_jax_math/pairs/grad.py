@@ -34,7 +34,8 @@ from jax import lax
 from ..analysis.tangent import nonzero
 from ..core.linear import linear_call
 from ..kernels.pairwise_device import Layout
-from ..monoids.base import LeafReduction, MonoidReduction, index_dtype
+from ..monoids.base import index_dtype
+from ..monoids.reduction import LeafReduction, MonoidReduction
 from .kernel import kernel_states, kernel_sums, like, struct
 
 __all__ = ["Pairs", "fused"]

@@ -29,7 +29,8 @@ from ..kernels.fused_reduce.probe import probe
 from ..kernels.pairwise import states
 from ..kernels.pairwise_device import Layout, device_states
 from ..kernels.unrolled import NotUnrolled, size
-from ..monoids.base import MonoidReduction, identity, merge_stacked
+from ..monoids.base import identity, merge_stacked
+from ..monoids.reduction import MonoidReduction
 from ..monoids.sums import ADD
 
 __all__ = ["Prepared", "first_row", "kernel_states", "kernel_sums", "like", "recognized", "struct"]

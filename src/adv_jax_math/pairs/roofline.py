@@ -38,7 +38,7 @@ from ..core.trace import sub_jaxprs
 from ..monoids import catalog as _monoids
 from ..monoids.base import Monoid
 from ..plan.roofline import DEVICES, Device, flops, nbytes
-from .api import DEVICE_TILES
+from . import tiles as _tiles
 
 __all__ = ["SPECIAL_FLOPS", "PairwiseCost", "PassCost", "pairwise_cost"]
 
@@ -219,7 +219,7 @@ def pairwise_cost(f: Callable, x: Any, y: Any, reduction: Monoid | str | float,
     reduction : Monoid, str or float
         The monoid, its name (``"logsumexp"``), or the fold's flops per pair.
     tiles : (int, int) or None
-        ``(bi, bj)``; None: the kernel's on ``device``, as ``pairs.api`` plans them.
+        ``(bi, bj)``; None: the kernel's on ``device`` (``pairs.tiles.device``).
     device : Device or str
         A :class:`plan.roofline.Device` or its ``device_kind`` (a key of ``core.devices.DEVICES``).
     grad : bool
@@ -234,13 +234,9 @@ def pairwise_cost(f: Callable, x: Any, y: Any, reduction: Monoid | str | float,
     if d is None:
         known = list(DEVICES)
         raise ValueError(f"pairwise_cost: device {device!r} is not modelled; known: {known}")
-    if tiles is None:  # the kernel's, as pairs.api._device plans them (halved on TPU v4)
-        tpu = d.platform == "tpu"
-        bi, bj = DEVICE_TILES["tpu" if tpu else "gpu"]
-        tiles = (bi // 2, bj // 2) if tpu and d.vmem_limit < 32 << 20 else (bi, bj)
-    ok = isinstance(tiles, tuple | list) and len(tiles) == 2
-    if not ok or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 1 for t in tiles):
-        raise ValueError(f"pairwise_cost: tiles={tiles!r}; pass (bi, bj), two ints >= 1")
+    if tiles is None:  # the kernel's, as pairwise plans them (halved on TPU v4)
+        tiles = _tiles.kernel("tpu" if d.platform == "tpu" else "gpu", d.vmem_limit)
+    _tiles.check(tiles, "pairwise_cost", auto=False)
     red, (bi, bj) = _monoid(reduction), tuple(tiles)
     (n, xr, xb, xf), (m, yr, yb, yf) = _rows(x, "x"), _rows(y, "y")
     out = [S(a.shape, a.dtype) for a in jax.tree.leaves(jax.eval_shape(f, xr, yr))]

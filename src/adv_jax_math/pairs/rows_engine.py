@@ -33,7 +33,8 @@ from ..plan import autotune as _autotune
 from ..plan.base import Call, Kind, Plan, Policy, Rejection, target_platform
 from ..plan.measure import budget_in_force
 from ..plan.planner import make_plan
-from .api import SORT_TILE_ELEMENTS, TILE_ELEMENTS, explain_pairwise, pairwise
+from . import tiles as _tile_policy
+from .api import explain_pairwise, pairwise
 
 __all__ = ["PairEngine"]
 
@@ -53,15 +54,10 @@ def _args(plan: Plan, call: Call, found: Pairing) -> tuple:
 
 
 def _tiles(plan: Plan, found: Pairing) -> tuple[int, int] | str:
-    """A chunk's pairs (``batch_size`` rows by every x row) as one tile, when that is
-    fewer than an "auto" tile's; else "auto". With ``batch_size="auto"``: "auto" (a
-    tile of at most 2^18 pairs holds a few MiB, N-body's gradient 5 MiB)."""
+    """``pairwise``'s tiles for ``plan``'s chunks (``pairs.tiles.chunk``)."""
     assert plan.reduction is not None
-    if plan.autotune is not None:
-        return "auto"
-    sorts = any(leaf.monoid.sorts for leaf in plan.reduction.leaves)
-    limit = SORT_TILE_ELEMENTS if sorts else TILE_ELEMENTS
-    return (found.n, plan.rows_per_chunk) if plan.rows_per_chunk * found.n < limit else "auto"
+    auto = plan.autotune is not None
+    return _tile_policy.chunk(found.n, plan.rows_per_chunk, plan.reduction, auto)
 
 
 class PairEngine:

@@ -20,8 +20,8 @@ import jax
 from ..core.call import Call
 from ..core.sharding import Lanes
 from ..core.trace import Traced, rebind
-from ..monoids.base import MonoidReduction
-from . import autotune as _autotune
+from ..monoids.reduction import MonoidReduction
+from .decision import Decision
 
 __all__ = [
     "Call",
@@ -206,7 +206,7 @@ class Plan:
     platform: str = ""
     notes: tuple[str, ...] = ()
     shard: ShardLayout | None = None
-    autotune: _autotune.Decision | None = None
+    autotune: Decision | None = None
     lanes: Lanes | None = None
     derivatives: Plan | None = None
     traced: Traced | None = field(default=None, repr=False, compare=False)

@@ -34,7 +34,6 @@ from ..core.trace import rows_aval
 __all__ = [
     "BUDGET_FRACTION",
     "ChunkProgram",
-    "autodiff_leaves",
     "budget_in_force",
     "default_budget",
     "fmt_bytes",

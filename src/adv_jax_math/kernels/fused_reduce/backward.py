@@ -38,7 +38,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from ...core.targets import TPU_F32_MATH, Target, tpu_vmem_limit
-from ...monoids.base import LeafReduction, MonoidReduction
+from ...monoids.reduction import LeafReduction, MonoidReduction
 from .backward_kernel import BACKWARD_NAME, Backward, _block_args, _block_vjp, _partial
 from .blocks import tpu_block
 from .build import block_terms, build_kernel

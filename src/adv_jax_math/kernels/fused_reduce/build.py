@@ -12,7 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from ...core.targets import Target
-from ...monoids.base import MonoidReduction, index_dtype
+from ...monoids.base import index_dtype
+from ...monoids.reduction import MonoidReduction
 from .kernel import Kernel, Term
 
 __all__ = ["block_terms", "build_kernel", "fold_jaxpr", "trace_block", "traced_at"]

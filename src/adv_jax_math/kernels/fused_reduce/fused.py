@@ -37,7 +37,7 @@ from ...core.targets import (
     tpu_vmem_limit,
     triton_problem,
 )
-from ...monoids.base import MonoidReduction
+from ...monoids.reduction import MonoidReduction
 from .backward import reverse_rows
 from .blocks import choose_block, choose_steps, row_stats, tpu_block, tpu_legal_rows
 from .build import block_terms, build_kernel, fold_jaxpr, traced_at

@@ -23,7 +23,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from ...core.targets import KERNEL_NAME, Target, pallas_triton, tpu_vmem_limit
-from ...monoids.base import LeafReduction, index_dtype, merge_stacked
+from ...monoids.base import index_dtype, merge_stacked
+from ...monoids.reduction import LeafReduction
 from .interpreter import evaluate
 
 __all__ = ["Kernel", "Term", "compiler_params", "forward", "kernel_const_aval", "pallas_call"]

@@ -1,0 +1,128 @@
+"""The pairwise tile policy: every size ``(bi, bj)`` (x rows by y rows) a pairwise
+engine runs at is chosen here, and checked here when given: the "auto" tiles
+(:func:`rows`), the CPU tiles' (:func:`xla`: larger for a top-k), the GPU/TPU tile
+kernel's (:func:`kernel`, :func:`device`; ``pairs.roofline`` models it at these),
+``shard="y"``'s chunks (:func:`shard_y`), the column pass's (:func:`swapped`), a
+chunked ``batch_map`` read as pairwise (:func:`chunk`, for ``pairs.rows_engine``) and
+nested calls read as pairwise (:func:`batch_sizes`, for ``batch.nested``). The choice
+depends on the target and on whether a monoid sorts (top-k), not on ``f``'s features.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..monoids.reduction import MonoidReduction
+from ..plan.base import target_platform
+
+__all__ = ["batch_sizes", "check", "chunk", "device", "kernel", "rows", "shard_y", "swapped", "xla"]
+
+TILE_ELEMENTS = 1 << 18  # bi * bj of an "auto" tile: 1 MiB per float32 output leaf
+MAX_Y_TILE = 2048  # bj of an "auto" tile
+SORT_TILE_ELEMENTS, SORT_MAX_Y_TILE = 1 << 20, 8192  # the same for top-k on the CPU tiles
+DEVICE_TILES = {"gpu": (64, 64), "tpu": (512, 256)}  # (bi, bj) of an "auto" tile kernel
+SMALL_VMEM = 32 << 20  # a TPU with less (v4: 16 MiB) takes half the "auto" kernel tiles
+
+
+def check(tiles: Any, who: str, auto: bool = True) -> None:
+    """Raise unless ``tiles`` is ``(bi, bj)``, two ints >= 1 (or ``"auto"``)."""
+    if auto and tiles == "auto":
+        return
+    if (
+        not isinstance(tiles, tuple | list)
+        or len(tiles) != 2
+        or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 1 for t in tiles)
+    ):
+        raise ValueError(
+            f"{who}: tiles={tiles!r}; pass (bi, bj), two ints >= 1" + (", or 'auto'" * auto)
+        )
+
+
+def _fill(elements: int, bj: int, n: int) -> tuple[int, int]:
+    """``bi`` the power of two that makes tiles of ``bj`` y rows hold at most
+    ``elements`` pairs, at most ``n`` (and at least 1); and ``bj``."""
+    return max(1, min(n, 1 << (elements // bj).bit_length() - 1)), bj
+
+
+def rows(tiles: Any, n: int, m: int) -> tuple[int, int]:
+    """The tiles of ``n`` x rows by ``m`` y rows: "auto" (at most 2^18 pairs, at most
+    2048 y rows), or the given ones (checked) no larger than the rows."""
+    if tiles == "auto":
+        return _fill(TILE_ELEMENTS, max(1, min(m, MAX_Y_TILE)), n)
+    check(tiles, "pairwise")
+    return min(tiles[0], max(n, 1)), min(tiles[1], max(m, 1))
+
+
+def _sorts(red: MonoidReduction) -> bool:
+    """Whether a term of ``red`` sorts (a top-k): the CPU tiles take larger tiles."""
+    return any(leaf.monoid.sorts for leaf in red.leaves)
+
+
+def xla(tiles: Any, n: int, m: int, red: MonoidReduction) -> tuple[int, int]:
+    """The CPU tiles': :func:`rows`', but for a top-k's "auto" the y rows split evenly
+    into tiles of at most 8192 (a multiple of 8: no last tile mostly padding), ``bi``
+    the power of two that makes a tile of at most 2^20 pairs. Each tile is one
+    ``lax.top_k`` and each merge another: at N = M = 1e4 and 3e4, D = 3 and 16,
+    1.5-1.7x faster than the tiles of :func:`rows` (min of 5). Other monoids gained
+    nothing consistent from larger tiles (0.6-1.4x, depending on the sizes' alignment)."""
+    if tiles != "auto" or not _sorts(red):
+        return rows(tiles, n, m)
+    bj = -(-m // -(-m // SORT_MAX_Y_TILE))
+    return _fill(SORT_TILE_ELEMENTS, min(m, -(-bj // 8) * 8), n)
+
+
+def kernel(kind: str, vmem: int) -> tuple[int, int]:
+    """The tile kernel's "auto" tiles on ``kind`` (``"gpu"``, ``"tpu"``) with ``vmem``
+    bytes of VMEM (a TPU's): halved on TPU v4 (16 MiB), where the reverse pass's D
+    sums overflow."""
+    bi, bj = DEVICE_TILES[kind]
+    return (bi // 2, bj // 2) if kind == "tpu" and vmem < SMALL_VMEM else (bi, bj)
+
+
+def device(kind: str, tiles: Any, vmem: int) -> tuple[int, int] | str:
+    """The tile kernel's tiles on ``kind``: "auto" :func:`kernel`'s, or the given
+    ``tiles``; or why those cannot be: on GPU powers of two, on TPU multiples of 128
+    (x and y rows on lanes)."""
+    if tiles == "auto":
+        return kernel(kind, vmem)
+    bi, bj = tiles
+    if kind == "gpu" and (bi & (bi - 1) or bj & (bj - 1)):
+        return f"tiles={tiles!r}: Triton needs powers of two (default {DEVICE_TILES['gpu']})"
+    if kind == "tpu" and (bi % 128 or bj % 128):
+        return f"tiles={tiles!r}: on TPU bi and bj are multiples of 128 (x and y rows on lanes)"
+    return bi, bj
+
+
+def shard_y(tiles: Any, n: int, m: int, devices: int) -> int:
+    """``bj`` of ``shard="y"``'s chunks (each every x row by ``bj`` y rows): the given
+    tiles', or "auto": at most 2^18 pairs and a device's share of the ``m`` y rows."""
+    return max(1, min(-(-m // devices), TILE_ELEMENTS // n)) if tiles == "auto" else tiles[1]
+
+
+def swapped(tiles: Any) -> Any:
+    """The column pass's tiles (x and y swapped): ``(bj, bi)``; "auto" stays "auto".
+    Called after the row pass has checked ``tiles``."""
+    return tiles if tiles == "auto" else tuple(tiles)[::-1]
+
+
+def chunk(
+    n: int, rows_per_chunk: int, red: MonoidReduction, autotuned: bool
+) -> tuple[int, int] | str:
+    """A chunk's pairs (``rows_per_chunk`` y rows by every one of the ``n`` x rows) as
+    one tile, when that is fewer than an "auto" tile's (of the CPU tiles); else "auto".
+    With ``batch_size="auto"`` (``autotuned``): "auto" (a tile of at most 2^18 pairs
+    holds a few MiB, N-body's gradient 5 MiB)."""
+    limit = SORT_TILE_ELEMENTS if _sorts(red) else TILE_ELEMENTS
+    if autotuned or rows_per_chunk * n >= limit:
+        return "auto"
+    return n, rows_per_chunk
+
+
+def batch_sizes(bi: Any, bj: Any, x: list, y: list) -> tuple[int, int] | str:
+    """The pairwise tiles from the outer and inner batch sizes of nested calls (None:
+    every row; "auto" on either side: "auto"). On GPU/TPU "auto": the tile kernel's own
+    (the batch sizes bound memory; its tiles follow the hardware's rules)."""
+    if bi == "auto" or bj == "auto" or target_platform() != "cpu":
+        return "auto"
+    n, m = x[0].shape[0], y[0].shape[0]
+    return max(1, bi or n), max(1, bj or m)
