@@ -60,6 +60,16 @@ def test_closed_over_constants_and_features_unrolled(kind):
     assert_tree_close(got, jax.nn.logsumexp(score, 1, b=weight), rtol=2e-5, atol=2e-5)
 
 
+def test_calls_are_unrolled_through():
+    # jit, a custom derivative and jax.checkpoint (remat2): one list of calls entered
+    x, y = inputs()
+    dist = jax.custom_jvp(lambda u, v: jnp.sum((u - v) ** 2))
+    dist.defjvps(lambda t, _, u, v: 2 * jnp.sum((u - v) * t), None)
+    f = lambda a, b: jax.checkpoint(jax.jit(dist))(a, b)
+    got = run(f, x, y, ajm.MIN, "tpu")
+    assert_tree_close(got, jnp.min(dense(f, x, y), 1), rtol=2e-5, atol=2e-5)
+
+
 def test_what_is_not_tiled_is_refused_by_name():
     x, y = inputs()
     with pytest.raises(NotUnrolled, match="cumsum"):

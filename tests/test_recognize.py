@@ -77,6 +77,7 @@ RECOGNIZED = [
     ("lax.add/t.sum(axis=0)", S(4), lax.add, lambda t: t.sum(axis=0), [(ADD, 0, (4,))]),
     ("lambda/add.reduce", S(4), lambda a, b: a + b, jnp.add.reduce, [(ADD, 0, (4,))]),
     ("def/partial", S(4), add, functools.partial(jnp.sum, axis=0), [(ADD, 0, (4,))]),
+    ("jax.checkpoint(def)", S(4), add, jax.checkpoint(sum0), [(ADD, 0, (4,))]),
     (
         "sum keepdims",
         S(4),
@@ -444,6 +445,7 @@ def test_elementwise_tells_what_may_run_twice():
     seen = lambda f: elementwise(jax.make_jaxpr(f)(x))
     assert seen(lambda v: jnp.cos(3 * v) - 0.5 * v**2)
     assert seen(lambda v: jax.nn.relu(jax.jit(jnp.tanh)(v)).reshape(12))  # calls inlined
+    assert seen(lambda v: jax.checkpoint(jnp.sin)(v) * 2)  # remat too
     assert seen(lambda v: jnp.broadcast_to(v[:, :, None], (4, 3, 5)) * 2)
     assert not seen(lambda v: v @ jnp.ones((3, 3)))
     assert not seen(lambda v: v - v.sum(1, keepdims=True))

@@ -19,7 +19,7 @@ import numpy as np
 
 from ..core.trace import fresh_jaxpr
 from .jaxpr_graph import KEEPDIMS, Node, deps, graph, node_value, peel
-from .recognize import _LOOKALIKES
+from .patterns import LOOKALIKES
 
 __all__ = ["check_combine"]
 
@@ -28,7 +28,7 @@ __all__ = ["check_combine"]
 # binary function that combines two of its results. Hand-written look-alikes of
 # monoids (argmin ...) too: what explain() suggests for them.
 _HINTS = {
-    **_LOOKALIKES,
+    **LOOKALIKES,
     "sum": "ADD (or combine chunk sums with reduction=jnp.add)",
     "max": "MAX (or combine chunk maxima with reduction=jnp.maximum)",
     "min": "MIN (or combine chunk minima with reduction=jnp.minimum)",

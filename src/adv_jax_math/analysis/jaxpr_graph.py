@@ -1,14 +1,20 @@
 """Jaxprs as graphs of values, for reading what a traced function computes.
 
-:func:`graph` flattens a closed jaxpr (calls such as ``jit`` and custom-derivative
-wrappers inlined) into :class:`Node` values; helpers peel casts and reshapes, read
-literal values, compare two graphs by structure, and evaluate an elementwise
-subgraph again at another number of rows, tell whether a function is elementwise.
-Used by ``analysis.recognize`` and the scan engine.
+:data:`INLINE` is the one list of call primitives whose bodies the package's readers
+and evaluators of jaxprs enter in place of the call (the cost models and effect checks
+read every jaxpr inside an equation instead: ``core.trace.sub_jaxprs``), and
+:func:`walk` the one equation walker the evaluators plug their rules into (the abstract
+interpretations of ``analysis.separable`` and ``analysis.pair_rows``, the kernels'
+``fused_reduce.interpreter`` and ``unrolled``).
+:func:`graph` flattens a closed jaxpr with it into :class:`Node` values; helpers peel
+casts and reshapes, read literal values, compare two graphs by structure, evaluate an
+elementwise subgraph again at another number of rows, and tell whether a function is
+elementwise. Used by ``analysis.recognize`` and the scan engine.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -17,11 +23,13 @@ import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 
 __all__ = [
+    "CUSTOM_DERIVATIVES",
     "ELEMENTWISE",
     "IDENTITY",
     "INLINE",
     "KEEPDIMS",
     "Node",
+    "bind",
     "deps",
     "elementwise",
     "evaluate",
@@ -32,12 +40,19 @@ __all__ = [
     "same_structure",
     "same_value",
     "subjaxpr",
+    "upstream",
+    "walk",
 ]
 
+# Call-like primitives: one body, the equation's operands in and its results out. The
+# names across jax versions (``remat2`` is ``jax.checkpoint``'s primitive).
 INLINE = frozenset(
     {"pjit", "jit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call"}
-    | {"custom_vjp_call_jaxpr", "remat", "checkpoint"}
+    | {"custom_vjp_call_jaxpr", "remat", "remat2", "checkpoint"}
 )
+# Those whose body is only the primal: entered for values, but a rewrite of the body
+# (``analysis.pair_rows`` resizing its rows) leaves their derivative rules behind.
+CUSTOM_DERIVATIVES = frozenset(name for name in INLINE if name.startswith("custom_"))
 KEEPDIMS = frozenset({"reshape", "broadcast_in_dim", "squeeze", "expand_dims"})
 # primitives returning their operands' values (as far as values go)
 IDENTITY = ("copy", "copy_p", "reshard", "sharding_constraint", "optimization_barrier")
@@ -69,6 +84,47 @@ class Node:
         return self.prim if isinstance(self.prim, str) else self.prim.name
 
 
+def walk(
+    jaxpr: Jaxpr,
+    consts: Sequence[Any],
+    args: Sequence[Any],
+    rule: Callable[[Any, list], Sequence[Any]],
+    *,
+    literal: Callable[[Literal], Any] = lambda v: v.val,
+    const: Callable[[Any, Any], Any] = lambda v, c: c,
+    enter: Callable[[Any, list], ClosedJaxpr | None] = lambda eqn, ins: subjaxpr(eqn),
+) -> list:
+    """Evaluate ``jaxpr`` on values of the caller's kind (arrays, tags, graph nodes):
+    its constants ``consts`` and inputs ``args``; a literal's value is ``literal(v)``.
+    Each equation's outputs are ``rule(eqn, ins)`` (``ins``: its operands' values),
+    but a call (``enter(eqn, ins)``, by default :func:`subjaxpr`: the body of an
+    :data:`INLINE` call) is walked in its place with the same rule, the body's
+    constants' values ``const(var, value)``. Returns the values of the outputs."""
+    env = dict(zip(jaxpr.constvars, consts, strict=True))
+    env.update(zip(jaxpr.invars, args, strict=True))
+    read = lambda v: literal(v) if isinstance(v, Literal) else env[v]
+    for eqn in jaxpr.eqns:
+        ins = [read(v) for v in eqn.invars]
+        body = enter(eqn, ins)
+        if body is None:
+            outs = rule(eqn, ins)
+        else:
+            inner = [const(v, c) for v, c in zip(body.jaxpr.constvars, body.consts, strict=True)]
+            outs = walk(body.jaxpr, inner, ins, rule, literal=literal, const=const, enter=enter)
+        env.update(zip(eqn.outvars, outs, strict=True))
+    return [read(v) for v in jaxpr.outvars]
+
+
+def bind(eqn: Any, args: Sequence[Any], params: dict[str, Any] | None = None) -> list:
+    """``eqn``'s primitive (a call or loop too) on ``args``, with ``params`` (default:
+    its own), bound in the current context: never in the one it was traced in, which
+    ``jax.core.eval_jaxpr`` re-enters (its abstract mesh, outside a ``shard_map``)."""
+    bound = eqn.primitive.get_bind_params(eqn.params if params is None else params)
+    subfuns, kwargs = bound if isinstance(bound, tuple) else ((), bound)  # before jax 0.11
+    out = eqn.primitive.bind(*subfuns, *args, **kwargs)
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
 def graph(closed: ClosedJaxpr) -> tuple[list[Node], list[Node], list[Node]]:
     """Flatten ``closed``, inlining call primitives: (inputs, outputs, all nodes)."""
     nodes: list[Node] = []
@@ -78,27 +134,15 @@ def graph(closed: ClosedJaxpr) -> tuple[list[Node], list[Node], list[Node]]:
         nodes.append(node)
         return node
 
-    def run(jaxpr: Jaxpr, consts: Any, args: list) -> list[Node]:
-        env = {
-            v: new(Node("const", v.aval, val=c))
-            for v, c in zip(jaxpr.constvars, consts, strict=True)
-        }
-        env.update(zip(jaxpr.invars, args, strict=True))
-
-        def read(a):
-            return new(Node("lit", a.aval, val=a.val)) if isinstance(a, Literal) else env[a]
-
-        for eqn in jaxpr.eqns:
-            ins, sub, eo = [read(a) for a in eqn.invars], subjaxpr(eqn), enumerate(eqn.outvars)
-            if sub is not None:
-                outs = run(sub.jaxpr, sub.consts, ins)
-            else:
-                outs = [new(Node(eqn.primitive, v.aval, ins, eqn.params, k)) for k, v in eo]
-            env.update(zip(eqn.outvars, outs, strict=True))
-        return [read(v) for v in jaxpr.outvars]
+    rule = lambda eqn, ins: [
+        new(Node(eqn.primitive, v.aval, ins, eqn.params, k)) for k, v in enumerate(eqn.outvars)
+    ]
 
     inputs = [new(Node("in", v.aval, idx=i)) for i, v in enumerate(closed.jaxpr.invars)]
-    return inputs, run(closed.jaxpr, closed.consts, inputs), nodes
+    const = lambda v, c: new(Node("const", v.aval, val=c))
+    consts = [const(v, c) for v, c in zip(closed.jaxpr.constvars, closed.consts, strict=True)]
+    literal = lambda a: new(Node("lit", a.aval, val=a.val))
+    return inputs, walk(closed.jaxpr, consts, inputs, rule, literal=literal, const=const), nodes
 
 
 def elementwise(closed: ClosedJaxpr) -> bool:
@@ -164,6 +208,17 @@ def deps(n: Node) -> frozenset:
             frozenset({n.idx}) if n.name == "in" else frozenset().union(*(deps(a) for a in n.args))
         )
     return n.deps
+
+
+def upstream(roots: Iterable[Node]) -> Iterator[Node]:
+    """``roots`` and the nodes they are computed from, each once (depth first)."""
+    stack, seen = list(roots), set()
+    while stack:
+        n = stack.pop()
+        if n.k not in seen:
+            seen.add(n.k)
+            yield n
+            stack.extend(n.args)
 
 
 def peel(n: Node, narrow: bool = False) -> Node:

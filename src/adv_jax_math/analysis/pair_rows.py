@@ -36,15 +36,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, jaxpr_as_fun
+from jax.extend.core import ClosedJaxpr, Jaxpr
 
-from ..core.trace import Traced, sub_jaxprs
+from ..core.trace import Traced
 from ..monoids.reduction import MonoidReduction
-from .jaxpr_graph import ELEMENTWISE
+from .jaxpr_graph import CUSTOM_DERIVATIVES, ELEMENTWISE, bind, subjaxpr, walk
 from .separable import (
     _SHAPING,
     Tags,
-    _body,
     _fix,
     _Refused,
     _rule,
@@ -57,7 +56,6 @@ from .separable import (
 __all__ = ["Pairing", "evaluate", "find", "pair", "results", "row_tags"]
 
 _ROWS = ("i", "j")
-_CUSTOM = ("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr")
 
 
 @dataclass(frozen=True)
@@ -223,22 +221,6 @@ def _resized(
     return vals, params
 
 
-def _bind(eqn: Any, vals: list, params: dict, debug: Any) -> list:
-    """``eqn``'s primitive on ``vals``; one with a jaxpr inside (a call, a loop, untouched
-    by the rows) as a jaxpr of that one equation (``debug``: the debug info of the
-    jaxpr it is in, renamed to its inputs and outputs)."""
-    if any(True for _ in sub_jaxprs(params)):
-        ins = [v for v in eqn.invars if not isinstance(v, Literal)]
-        if debug is not None:
-            names = dict(arg_names=("",) * len(ins), result_paths=("",) * len(eqn.outvars))
-            debug = debug._replace(**names)
-        one = Jaxpr([], ins, eqn.outvars, [eqn], eqn.effects, debug_info=debug)
-        args = [a for v, a in zip(eqn.invars, vals, strict=True) if not isinstance(v, Literal)]
-        return list(jaxpr_as_fun(ClosedJaxpr(one, []))(*args))
-    out = eqn.primitive.bind(*vals, **params)
-    return list(out) if eqn.primitive.multiple_results else [out]
-
-
 def evaluate(
     jaxpr: Jaxpr,
     consts: list,
@@ -249,38 +231,38 @@ def evaluate(
 ) -> tuple[list, list[Tags]]:
     """``jaxpr`` with its axes tagged rows at ``sizes`` (default: one row each): (values,
     tags) of its outputs (``const_tags`` None: the constants untagged). Raises
-    ``_Refused`` where an equation cannot be resized."""
-    env: dict[Any, Any] = {}
-    tags: dict[Any, Tags] = {}
-    if const_tags is None:
-        const_tags = [(None,) * len(_shape(v)) for v in jaxpr.constvars]
-    for vs, values, ts in ((jaxpr.constvars, consts, const_tags), (jaxpr.invars, args, arg_tags)):
-        for v, value, t in zip(vs, values, ts, strict=True):
-            env[v], tags[v] = value, _fix(t, _shape(v))
-    read = lambda v: v.val if isinstance(v, Literal) else env[v]
-    tag = lambda v: _fix((None,) * len(_shape(v)), _shape(v)) if isinstance(v, Literal) else tags[v]
-    for eqn in jaxpr.eqns:
-        vals, ins = [read(v) for v in eqn.invars], [tag(v) for v in eqn.invars]
-        touched = any(t in _ROWS for ts in ins for t in ts)
-        body = _body(eqn)
-        if touched and body is not None:
-            if eqn.primitive.name in _CUSTOM:
-                raise _Refused(f"{eqn.primitive.name} on rows: its derivative rule is not resized")
-            outs, outs_t = evaluate(body.jaxpr, list(body.consts), vals, None, ins, sizes)
-        else:
-            outs_t = _rule(eqn, ins)
-            want = [_want(v, t, sizes) for v, t in zip(eqn.outvars, outs_t, strict=True)]
-            if touched:
-                vals, params = _resized(eqn, vals, ins, want, sizes)
-            else:
-                params = eqn.params
-            outs = _bind(eqn, vals, params, getattr(jaxpr, "debug_info", None))
-            for o, w in zip(outs, want, strict=True):
-                if tuple(np.shape(o)) != w:
-                    raise _Refused(f"{eqn.primitive.name} makes {np.shape(o)}, not {w}")
-        for v, o, t in zip(eqn.outvars, outs, outs_t, strict=True):
-            env[v], tags[v] = o, _fix(t, _shape(v))
-    return [read(v) for v in jaxpr.outvars], [tag(v) for v in jaxpr.outvars]
+    ``_Refused`` where an equation cannot be resized. Each variable holds a (value,
+    tags) pair; a call on the rows is entered, one off them bound as it is."""
+    const_tags = const_tags or [(None,) * len(_shape(v)) for v in jaxpr.constvars]
+    paired = lambda vs, xs, ts: [
+        (x, _fix(t, _shape(v))) for v, x, t in zip(vs, xs, ts, strict=True)
+    ]
+    touched = lambda ins: any(t in _ROWS for _, ts in ins for t in ts)
+
+    def enter(eqn: Any, ins: list) -> ClosedJaxpr | None:
+        body = subjaxpr(eqn) if touched(ins) else None
+        if body is not None and eqn.primitive.name in CUSTOM_DERIVATIVES:
+            raise _Refused(f"{eqn.primitive.name} on rows: its derivative rule is not resized")
+        return body
+
+    def rule(eqn: Any, ins: list) -> list:
+        vals, tags = [value for value, _ in ins], [t for _, t in ins]
+        body = subjaxpr(eqn)
+        outs_t = _rule(eqn, tags) if body is None else _run(body.jaxpr, tags)
+        want = [_want(v, t, sizes) for v, t in zip(eqn.outvars, outs_t, strict=True)]
+        params = eqn.params
+        if touched(ins):
+            vals, params = _resized(eqn, vals, tags, want, sizes)
+        outs = bind(eqn, vals, params)
+        for o, w in zip(outs, want, strict=True):
+            if tuple(np.shape(o)) != w:
+                raise _Refused(f"{eqn.primitive.name} makes {np.shape(o)}, not {w}")
+        return paired(eqn.outvars, outs, outs_t)
+
+    ends = paired(jaxpr.constvars, consts, const_tags), paired(jaxpr.invars, args, arg_tags)
+    literal, const = lambda v: (v.val, row_tags(v, None)), lambda v, c: (c, row_tags(v, None))
+    outs = walk(jaxpr, *ends, rule, literal=literal, const=const, enter=enter)
+    return [value for value, _ in outs], [t for _, t in outs]
 
 
 def pair(traced: Traced, reduction: MonoidReduction, found: Pairing) -> Any:

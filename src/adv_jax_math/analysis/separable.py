@@ -54,13 +54,12 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 
 from ..core.trace import fresh_jaxpr
 from ..monoids.base import Monoid, index_dtype
-from .jaxpr_graph import ELEMENTWISE, IDENTITY, subjaxpr
+from .jaxpr_graph import ELEMENTWISE, IDENTITY, subjaxpr, walk
 
 __all__ = ["Blocks", "per_x_row", "read_blocks"]
 
 Tags = tuple[str | None, ...]
 _ROWS = {"i": "x rows", "j": "y rows"}
-_REMAT = ("remat2", "remat", "checkpoint")
 _REDUCE = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and"})
 _REDUCE |= {"reduce_or", "argmax", "argmin"}
 # primitives mixing the elements along one axis (param naming it; top_k: last by default)
@@ -121,22 +120,13 @@ def _reshape(tags: Tags, old: Sequence[int], new: Sequence[int]) -> Tags:
     return tuple(out)
 
 
-def _body(eqn: Any) -> ClosedJaxpr | None:
-    """The jaxpr a call-like equation (a jit, a custom derivative, a remat) runs."""
-    body = eqn.params.get("jaxpr")
-    if eqn.primitive.name in _REMAT and isinstance(body, Jaxpr) and not body.constvars:
-        return ClosedJaxpr(body, ())
-    return subjaxpr(eqn)
-
-
 def _rule(eqn: Any, ins: list[Tags]) -> list[Tags]:
-    """The tags of ``eqn``'s results from its operands' (see the module docstring)."""
+    """The tags of ``eqn``'s results from its operands' (see the module docstring);
+    not for a call (:func:`_run` walks its body)."""
     name, p, n_out = eqn.primitive.name, eqn.params, len(eqn.outvars)
     old = _shape(eqn.invars[0]) if eqn.invars else ()
     new = _shape(eqn.outvars[0]) if eqn.outvars else ()
     a = ins[0] if ins else ()
-    if (body := _body(eqn)) is not None:
-        return _run(body.jaxpr, ins)
     if name in IDENTITY:
         return ins[:n_out]
     if name in ELEMENTWISE or name == "add_any":
@@ -222,17 +212,13 @@ def _rule(eqn: Any, ins: list[Tags]) -> list[Tags]:
 
 def _run(jaxpr: Jaxpr, args: Sequence[Tags], consts: Sequence[Tags] | None = None) -> list[Tags]:
     """The tags of ``jaxpr``'s outputs from its inputs' and its constants' (default:
-    untagged)."""
-    untagged = lambda v: _fix((None,) * len(_shape(v)), _shape(v))
-    env: dict[Any, Tags] = {v: untagged(v) for v in jaxpr.constvars}
-    if consts is not None:
-        env.update((v, _fix(t, _shape(v))) for v, t in zip(jaxpr.constvars, consts, strict=True))
-    env.update(zip(jaxpr.invars, args, strict=True))
-    read = lambda v: untagged(v) if isinstance(v, Literal) else env[v]
-    for eqn in jaxpr.eqns:
-        outs = _rule(eqn, [read(v) for v in eqn.invars])
-        env.update((v, _fix(t, _shape(v))) for v, t in zip(eqn.outvars, outs, strict=True))
-    return [read(v) for v in jaxpr.outvars]
+    untagged), calls entered."""
+    untagged = lambda v, *_: _fix((None,) * len(_shape(v)), _shape(v))
+    if consts is None:
+        consts = [(None,) * len(_shape(v)) for v in jaxpr.constvars]
+    fixed = lambda vs, ts: [_fix(t, _shape(v)) for v, t in zip(vs, ts, strict=True)]
+    rule = lambda eqn, ins: fixed(eqn.outvars, _rule(eqn, ins))
+    return walk(jaxpr, fixed(jaxpr.constvars, consts), args, rule, literal=untagged, const=untagged)
 
 
 def _rows(tree: Any, what: str) -> int:
@@ -253,7 +239,7 @@ def _signature(jaxpr: Jaxpr, skip: frozenset = frozenset()) -> list:
     sizes (``x / xc.shape[0]``; a Python branch on them)."""
     out: list = []
     for eqn in jaxpr.eqns:
-        body = _body(eqn)
+        body = subjaxpr(eqn)
         if eqn.primitive.name not in skip:
             out.append(eqn.primitive.name)
             out += [repr(v.val) for v in eqn.invars if isinstance(v, Literal)]

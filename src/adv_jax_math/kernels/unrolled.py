@@ -26,14 +26,12 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.extend.core import ClosedJaxpr, Literal
+from jax.extend.core import Literal
 
-from ..analysis.jaxpr_graph import ELEMENTWISE, IDENTITY
+from ..analysis.jaxpr_graph import ELEMENTWISE, IDENTITY, subjaxpr, walk
 
 __all__ = ["NotUnrolled", "evaluate", "size", "stack", "unstack"]
 
-_CALLS = ("pjit", "jit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call")
-_BODIES = ("jaxpr", "call_jaxpr", "fun_jaxpr")
 _REDUCE: dict[str, Callable[[Any, Any], Any]] = {
     "reduce_sum": lax.add,
     "reduce_max": lax.max,
@@ -187,12 +185,6 @@ def _pad(a: np.ndarray, fill: Any, config: Sequence[tuple[int, int, int]]) -> np
     return out
 
 
-def _body(eqn: Any) -> ClosedJaxpr | None:
-    """The jaxpr a call-like equation runs, if any."""
-    bodies = (eqn.params.get(b) for b in _BODIES)
-    return next((b for b in bodies if isinstance(b, ClosedJaxpr)), None)
-
-
 def size(jaxpr: Any) -> tuple[int, int]:
     """What unrolling ``jaxpr`` makes: the number of per-pair values its live equations
     produce (each one operation on a tile; dead ones XLA drops), and the widest
@@ -203,7 +195,7 @@ def size(jaxpr: Any) -> tuple[int, int]:
         if not eqn.effects and live.isdisjoint(eqn.outvars):
             continue
         live.update(v for v in eqn.invars if not isinstance(v, Literal))
-        if (body := _body(eqn)) is not None:
+        if (body := subjaxpr(eqn)) is not None:
             inner, wide = size(body.jaxpr)
             values, widest = values + inner, max(widest, wide)
             continue
@@ -230,6 +222,16 @@ def _barrier(objs: Sequence[np.ndarray]) -> list:
     return out
 
 
+def _fits(eqn: Any, ins: list) -> Any:
+    """``subjaxpr(eqn)`` (calls are unrolled through) if ``eqn``'s outputs are small."""
+    for v in eqn.outvars:
+        if int(np.prod(v.aval.shape, dtype=np.int64)) > MAX_ELEMENTS:
+            raise NotUnrolled(
+                f"{eqn.primitive.name} makes a per-pair array of shape {v.aval.shape}"
+            )
+    return subjaxpr(eqn)
+
+
 def evaluate(
     jaxpr: Any, consts: Sequence[np.ndarray], args: Sequence[np.ndarray], barriers: bool = False
 ) -> list:
@@ -237,46 +239,32 @@ def evaluate(
     ``barriers``: an ``optimization_barrier`` holds its elements (plain XLA, interpret
     mode; a compiled kernel cannot lower one, and computes each value once anyway),
     else it is dropped."""
-    env: dict[Any, np.ndarray] = {}
 
-    def read(v: Any) -> np.ndarray:
-        if isinstance(v, Literal):  # in its own dtype (a bfloat16 literal stays one)
-            value = np.asarray(v.val, dtype=getattr(v.aval, "dtype", None))
-            return unstack(value, value.shape)
-        return env[v]
-
-    env.update(zip(jaxpr.constvars, consts, strict=True))
-    env.update(zip(jaxpr.invars, args, strict=True))
-    for eqn in jaxpr.eqns:
+    def rule(eqn: Any, invals: list) -> list:
         name = eqn.primitive.name
-        for v in eqn.outvars:
-            if int(np.prod(v.aval.shape, dtype=np.int64)) > MAX_ELEMENTS:
-                raise NotUnrolled(f"{name} makes a per-pair array of shape {v.aval.shape}")
-        invals = [read(v) for v in eqn.invars]
-        body = _body(eqn)
-        if name in _CALLS and body is not None:
-            const_objs = [unstack(c, np.shape(c)) for c in body.consts]
-            outs = evaluate(body.jaxpr, const_objs, invals[-len(body.jaxpr.invars) :], barriers)
-        elif name == "optimization_barrier" and barriers:
-            outs = _barrier(invals)
-        elif name in IDENTITY:
-            outs = invals
-        elif name in ELEMENTWISE or name == "add_any":  # add_any: sums of cotangents
-            outs = _elementwise(eqn, invals)
-        elif name in _REDUCE:
-            dtype = eqn.outvars[0].aval.dtype
-            outs = [_reduce(name, invals[0], eqn.params["axes"], dtype)]
-        elif name == "dot_general":
-            outs = [_dot(eqn, *invals)]
-        elif name == "unstack":  # (of a cotangent's rows: softmax-weighted sums)
+        if name == "optimization_barrier" and barriers:
+            return _barrier(invals)
+        if name in IDENTITY:
+            return invals
+        if name in ELEMENTWISE or name == "add_any":  # add_any: sums of cotangents
+            return _elementwise(eqn, invals)
+        if name in _REDUCE:
+            return [_reduce(name, invals[0], eqn.params["axes"], eqn.outvars[0].aval.dtype)]
+        if name == "dot_general":
+            return [_dot(eqn, *invals)]
+        if name == "unstack":  # (of a cotangent's rows: softmax-weighted sums)
             a, axis = invals[0], eqn.params["axis"]
-            outs = [np.squeeze(s, axis) for s in np.split(a, a.shape[axis], axis)]
-        elif name == "split":  # (a softmax-weighted sum's reverse pass)
+            return [np.squeeze(s, axis) for s in np.split(a, a.shape[axis], axis)]
+        if name == "split":  # (a softmax-weighted sum's reverse pass)
             at = np.cumsum(eqn.params["sizes"])[:-1]
-            outs = np.split(invals[0], at, eqn.params["axis"])
-        elif (out := _structural(name, eqn, invals)) is not None:
-            outs = [out]
-        else:
-            raise NotUnrolled(f"{name} is not unrolled over the per-pair axes")
-        env.update(zip(eqn.outvars, outs, strict=True))
-    return [read(v) for v in jaxpr.outvars]
+            return np.split(invals[0], at, eqn.params["axis"])
+        if (out := _structural(name, eqn, invals)) is not None:
+            return [out]
+        raise NotUnrolled(f"{name} is not unrolled over the per-pair axes")
+
+    def literal(v: Literal) -> np.ndarray:  # in its own dtype (a bfloat16 literal stays one)
+        value = np.asarray(v.val, dtype=getattr(v.aval, "dtype", None))
+        return unstack(value, value.shape)
+
+    const = lambda v, c: unstack(c, np.shape(c))
+    return walk(jaxpr, consts, args, rule, literal=literal, const=const, enter=_fits)
