@@ -25,6 +25,8 @@ __all__ = ["check_callables", "chunked", "prepare"]
 
 
 def check_callables(fun: Any, reduction: Any, chunk_reduction: Any) -> None:
+    """A clear error unless ``fun`` and ``chunk_reduction`` are callable and
+    ``reduction`` is None, a binary callable or a pytree of monoids."""
     check_callable(fun, "fun")
     check_reduction(reduction)
     check_callable(chunk_reduction, "chunk_reduction")
