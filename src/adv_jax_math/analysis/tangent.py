@@ -101,14 +101,7 @@ def reduce(
         out = None
         for plan, xs, (_, _, offset) in zip(plans, xss, parts, strict=True):
             part = states_of(plan, xs, offset)
-            out = (
-                part
-                if out is None
-                else [
-                    leaf.monoid.merge_fast(a, b)
-                    for leaf, a, b in zip(reduction.leaves, out, part, strict=True)
-                ]
-            )
+            out = reduction.merge_states(out, part)
         assert out is not None
         return out
 

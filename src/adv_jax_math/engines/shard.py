@@ -139,14 +139,7 @@ class ShardEngine:
         merged: list | None = None
         for p, rows, first in self._parts(plan, xs):
             part = self.engine_of(p.engine).states(p, rows, offset + first)
-            merged = (
-                part
-                if merged is None
-                else [
-                    leaf.monoid.merge_fast(a, b)
-                    for leaf, a, b in zip(reduction.leaves, merged, part, strict=True)
-                ]
-            )
+            merged = reduction.merge_states(merged, part)
         assert merged is not None
         return merged
 

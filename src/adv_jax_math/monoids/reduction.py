@@ -143,6 +143,13 @@ class MonoidReduction:
         for leaf in self.leaves:
             leaf.monoid.check_rows(n)
 
+    def merge_states(self, a: list | None, b: list) -> list:
+        """Each term's states ``a`` and ``b`` merged (``merge_fast``), ``a`` over the
+        rows before ``b``'s; ``a`` None: ``b``, the first part's states."""
+        if a is None:
+            return b
+        return [leaf.monoid.merge_fast(s, t) for leaf, s, t in zip(self.leaves, a, b, strict=True)]
+
     def finish(self, results: Sequence[Any]) -> Any:
         """Each term's result (see :meth:`LeafReduction.result`) in the result tree."""
         return jax.tree.unflatten(self.out_tree, list(results))
