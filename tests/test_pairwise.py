@@ -214,18 +214,21 @@ def test_explain_names_engine_tiles_and_rejections():
         assert knn(10_000, 5_000) == (128, 2048)
 
 
+MATMUL = "pairwise tiles (matmul)"
+
+
 @pytest.mark.parametrize(
     ("d", "f", "engine", "why"),
     [
         (3, lambda a, b: -sqdist(a, b), "pairwise tiles (xla)", "pairwise scan: f on tiles"),
         (48, lambda a, b: -sqdist(a, b), "pairwise tiles (xla)", "pairwise scan: f on tiles"),
         (8, lambda a, b: a @ b, "pairwise tiles (xla)", "pairwise scan: f on tiles"),
-        (16, lambda a, b: a @ b, "pairwise scan", "f contracts 16 features in a dot product"),
-        (64, lambda a, b: -sqdist(a, b), "pairwise scan", "values per pair (over 128"),
+        (16, lambda a, b: a @ b, MATMUL, "f contracts 16 features in a dot product"),
+        (64, lambda a, b: -sqdist(a, b), MATMUL, "values per pair (over 128"),
     ],
 )
 def test_cpu_tiles_where_unrolling_pays(d, f, engine, why):
-    # measured on XLA:CPU: a dot over 16+ features is a matmul on the scan engine
+    # measured on XLA:CPU: a dot over 16+ features is a matmul on the matmul tiles
     x, y = jnp.ones((300, d)), jnp.ones((200, d))
     plan = ajm.explain_pairwise(f, x, y, ajm.LOGSUMEXP)
     assert plan.engine == engine and why in str(plan), str(plan)
@@ -303,10 +306,11 @@ def test_gpu_and_tpu_plans_take_the_tile_kernel(platform):
     kind = "gpu" if platform == "cuda" else "tpu"
     assert plan.engine == f"pairwise kernel ({kind})", str(plan)
     assert plan.tiles == {"gpu": (64, 64), "tpu": (512, 256)}[kind], str(plan)
-    assert refused.engine == "pairwise scan" and "tiles=(48, 100)" in str(refused), str(refused)
+    # where the kernel refuses: the matmul tiles' loops in plain XLA
+    assert refused.engine == MATMUL and "tiles=(48, 100)" in str(refused), str(refused)
     assert vector.engine == f"pairwise kernel ({kind})", str(vector)  # (2,) values per pair
     assert scores.engine == f"pairwise kernel ({kind})", str(scores)  # two heads
-    assert dots.engine == "pairwise scan" and "contracts 64 features" in str(dots), str(dots)
+    assert dots.engine == MATMUL and "contracts 64 features" in str(dots), str(dots)
 
 
 @pytest.mark.parametrize("backend", list(ENGINES))

@@ -48,14 +48,16 @@ DEVICE_KERNEL_NAME = "adv_jax_math_pairwise_tiles"
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """How the kernel is built: ``kind`` (``"gpu"``, ``"tpu"``, ``"xla"``), tiles
-    ``(bi, bj)``, ``interpret`` on CPU, and the compiler parameters (None in interpret
-    mode and for ``"xla"``)."""
+    """How the kernel is built: ``kind`` (``"gpu"``, ``"tpu"``, ``"xla"``; ``"matmul"``:
+    ``kernels/matmul_tiles.py``), tiles ``(bi, bj)``, ``interpret`` on CPU, the
+    compiler parameters (None in interpret mode and for ``"xla"``), and for
+    ``"matmul"`` which of ``f``'s values stay one per y row (``per_y``)."""
 
     kind: str
     tiles: tuple[int, int]
     interpret: bool = False
     params: Any = None
+    per_y: tuple[bool, ...] = ()
 
 
 def _features(a: jax.Array) -> int:

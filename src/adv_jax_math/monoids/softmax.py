@@ -120,7 +120,15 @@ class SoftmaxWeighted(_ExponentAndCompanion):
         # out[S, V] = sum_i p_i[S] v_i[V]: d/dv_i = sum over S of p_i ct, and
         # d/ds_i = p_i (<ct, v_i - out> over V + ct_lse)
         ct_v = jnp.tensordot(p, ct_out, axes=(list(range(1, ns + 1)), list(range(ns))))
-        ct_s = p * jnp.sum(ct_out[None] * centered, axis=tuple(range(p.ndim, centered.ndim)))
+        nv = centered.ndim - p.ndim
+        if ns and nv:  # every score with every value: <ct, v_i> - <ct, out> as matmuls
+            # (flash attention's dO V^T - delta), not (rows, *s, *v) centered values
+            v = ys[1].astype(p.dtype)
+            over_v = list(range(ns, ns + nv))
+            delta = jnp.sum(ct_out * self._parts(state)[0], axis=tuple(over_v))
+            ct_s = p * (jnp.tensordot(v, ct_out, axes=(list(range(1, nv + 1)), over_v)) - delta)
+        else:
+            ct_s = p * jnp.sum(ct_out[None] * centered, axis=tuple(range(p.ndim, centered.ndim)))
         if ct_lse is not None:
             ct_s = ct_s + p * ct_lse[None]
         return self._cotangents((ct_s, ct_v), ys)

@@ -54,6 +54,7 @@ from ..plan.base import target_platform
 from . import tiles as _tiles
 from .grad import Pairs, fused
 from .kernel import first_row, layout_problem, recognized
+from .matmul import blocks
 from .scan import scan, scan_y
 
 __all__ = ["PairwisePlan", "explain_pairwise", "pairwise"]
@@ -223,6 +224,7 @@ def explain_pairwise(
 
 _SCAN, _KERNEL, _TILES = "pairwise scan", "pairwise kernel (interpret)", "pairwise tiles (xla)"
 _SCAN_Y = "pairwise scan (y over devices)"
+_MATMUL = "pairwise tiles (matmul)"
 
 
 def _check_monoids(tree: Any, name: str) -> None:
@@ -320,14 +322,27 @@ def _plan(
         tiles_why = problem
     else:
         kernel_why = f"not requested (backend={backend!r})"
+    rejected: tuple[tuple[str, str], ...] = (("pairwise kernel", kernel_why),)
+    if tiles_why is not None:
+        rejected += ((_TILES, tiles_why),)
+    if backend == "auto" and n and m and not shard:
+        per_y = blocks(f, x, y, red)
+        if not isinstance(per_y, str):
+            bi, bj = _tiles.xla(tiles, n, m, red)
+            why = (
+                f"a loop over tiles of {bi} x rows, each over tiles of {bj} y rows, each tile "
+                f"one chunk of the reduction with the x rows as its items: f's dot products "
+                f"over a tile one matmul"
+            )
+            scan_why = "f mapped over one x row at a time: matrix-vector products"
+            plan = PairwisePlan(n, m, (bi, bj), what, _MATMUL, why, (*rejected, (_SCAN, scan_why)))
+            return plan, red, Layout("matmul", (bi, bj), per_y=per_y)
+        rejected += ((_MATMUL, per_y),)
     why = "x tiles in a chunked vmap, y tiles in a chunked monoid reduction"
     if shard:
         why += "; the x rows spread over the devices (shard=True)"
     elif backend == "auto":
         why += f" (default on {platform})"
-    rejected: tuple[tuple[str, str], ...] = (("pairwise kernel", kernel_why),)
-    if tiles_why is not None:
-        rejected += ((_TILES, tiles_why),)
     return PairwisePlan(n, m, (bi, bj), what, _SCAN, why, rejected), red, None
 
 

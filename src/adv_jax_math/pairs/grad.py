@@ -37,6 +37,8 @@ from ..kernels.pairwise_device import Layout
 from ..monoids.base import index_dtype
 from ..monoids.reduction import LeafReduction, MonoidReduction
 from .kernel import kernel_states, kernel_sums, like, struct
+from .matmul import reverse as matmul_reverse
+from .matmul import states as matmul_states
 
 __all__ = ["Pairs", "fused"]
 
@@ -56,6 +58,12 @@ class Pairs:
 
     def sources(self, c: list, xi: Any, yj: Any) -> list:
         return self.red.prologue(self.conv(xi, yj, *c))
+
+    def states(self, c: list, x: Any, y: Any) -> tuple[list, list]:
+        """Each term's state for every x row, and its items (one row's)."""
+        if self.layout is not None and self.layout.kind == "matmul":
+            return matmul_states(self.conv, c, self.red, x, y, self.layout)
+        return kernel_states(self.conv, c, self.red, x, y, self.tiles, layout=self.layout)
 
     def results(self, states: list, items: list) -> Any:
         """The result (every x row) from each term's per-row states."""
@@ -88,11 +96,11 @@ def fused(p: Pairs, consts: list, x: Any, y: Any) -> Any:
 
     @jax.custom_jvp
     def run(c: list, x: Any, y: Any) -> Any:
-        return p.results(*kernel_states(p.conv, c, p.red, x, y, p.tiles, layout=p.layout))
+        return p.results(*p.states(c, x, y))
 
     def rule(primals: tuple, tangents: tuple) -> tuple:
         c, x, y = primals
-        per_term, items = kernel_states(p.conv, c, p.red, x, y, p.tiles, layout=p.layout)
+        per_term, items = p.states(c, x, y)
         out = p.results(per_term, items)
         # The nonzero float tangents, per argument (c, x, y): what the reverse pass
         # computes cotangents for (none for an empty leaf: rows of no features).
@@ -170,6 +178,21 @@ def _tally_leaf(leaf: LeafReduction) -> LeafReduction:
 def _reverse(p: Pairs, cts: list, res: tuple, items: list, pos: list) -> tuple:
     """The cotangents of the nonzero tangents (``pos`` per argument) from the result's
     (``cts``: per term, its float leaves; None for integer ones)."""
+    if p.layout is not None and p.layout.kind == "matmul":
+        dc, dx, dy, wrong = matmul_reverse(p.conv, p.red, p.layout, res, cts, pos)
+    else:
+        dc, dx, dy, wrong = _kernel_reverse(p, cts, res, items, pos)
+    spoil = lambda a, primal: like(jnp.where(wrong, jnp.asarray(jnp.nan, a.dtype), a), primal)
+    c, x, y, _ = res
+    return tuple(
+        [spoil(a, primal) for a, primal in zip(part, _pick(arg, ks), strict=True)]
+        for part, arg, ks in zip((dc, dx, dy), (c, x, y), pos, strict=True)
+    )
+
+
+def _kernel_reverse(p: Pairs, cts: list, res: tuple, items: list, pos: list) -> tuple:
+    """:func:`_reverse` on the tile or interpret kernel: ``(dc, dx, dy, wrong)``, where
+    ``wrong`` says a max/min's selected pairs differ from its tally."""
     c, x, y, per_term = res
     red, (bi, bj) = p.red, p.tiles
     tallied = [
@@ -232,8 +255,4 @@ def _reverse(p: Pairs, cts: list, res: tuple, items: list, pos: list) -> tuple:
     for n, t in zip(got, tallied, strict=True):
         count, share = tallies[t][2], tallies[t][3]
         wrong = wrong | jnp.any((n != count) & (share > 0))
-    spoil = lambda a, primal: like(jnp.where(wrong, jnp.asarray(jnp.nan, a.dtype), a), primal)
-    return tuple(
-        [spoil(a, primal) for a, primal in zip(part, pick(arg, ks), strict=True)]
-        for part, arg, ks in zip((dc, dx, dy), (c, x, y), pos, strict=True)
-    )
+    return dc, dx, dy, wrong

@@ -1,7 +1,8 @@
 """The pairwise tile policy: every size ``(bi, bj)`` (x rows by y rows) a pairwise
 engine runs at is chosen here, and checked here when given: the "auto" tiles
-(:func:`rows`), the CPU tiles' (:func:`xla`: larger for a top-k), the GPU/TPU tile
-kernel's (:func:`kernel`, :func:`device`; ``bench/accel/pairwise_model.py`` models it at these),
+(:func:`rows`), the CPU tiles' and the matmul tiles' (:func:`xla`: larger for a top-k),
+the GPU/TPU tile kernel's (:func:`kernel`, :func:`device`;
+``bench/accel/pairwise_model.py`` models it at these),
 ``shard="y"``'s chunks (:func:`shard_y`), the column pass's (:func:`swapped`), a
 chunked ``batch_map`` read as pairwise (:func:`chunk`, for ``pairs.rows_engine``) and
 nested calls read as pairwise (:func:`batch_sizes`, for ``batch.nested``). The choice
@@ -59,8 +60,9 @@ def _sorts(red: MonoidReduction) -> bool:
 
 
 def xla(tiles: Any, n: int, m: int, red: MonoidReduction) -> tuple[int, int]:
-    """The CPU tiles': :func:`rows`', but for a top-k's "auto" the y rows split evenly
-    into tiles of at most 8192 (a multiple of 8: no last tile mostly padding), ``bi``
+    """The CPU tiles' and the matmul tiles': :func:`rows`', but for a top-k's "auto"
+    the y rows split evenly into tiles of at most 8192 (a multiple of 8: no last tile
+    mostly padding), ``bi``
     the power of two that makes a tile of at most 2^20 pairs. Each tile is one
     ``lax.top_k`` and each merge another: at N = M = 1e4 and 3e4, D = 3 and 16,
     1.5-1.7x faster than the tiles of :func:`rows` (min of 5). Other monoids gained

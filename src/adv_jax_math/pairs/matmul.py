@@ -1,0 +1,201 @@
+"""The matmul tiles (``pairwise tiles (matmul)``): ``f`` on a tile of pairs as one
+chunk of a monoid reduction over the y rows whose items are the tile's x rows
+(``kernels/matmul_tiles.py``), so that ``f``'s dot products over a tile are one
+matmul.
+
+A tile's values are ``f`` mapped over its y rows (the rows) and its x rows (the
+items), ``(bj, bi, *t)``; a softmax-weighted sum's values that depend on the y row
+only (attention's ``v_j``) stay ``(bj, *v)``, and
+:class:`~adv_jax_math.monoids.softmax.SoftmaxWeighted` weighs them with every x row's
+scores (its ``(*s, *v)`` result): ``P @ V``. :func:`blocks` reads which values those
+are from ``f``'s jaxpr, or says why the tiles cannot take ``f``.
+
+The kernels keep a tile's states with its x rows where the monoid puts its items
+(top-k's ``(k, bi)``); :func:`states` and :func:`reverse` turn them to and from one
+state per x row, as the other pairwise kernels give them (``pairs.grad``).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from ..analysis.jaxpr_graph import deps, graph
+from ..kernels.matmul_tiles import tile_cotangents, tile_states
+from ..kernels.pairwise import _pad_rows
+from ..kernels.pairwise_device import Layout
+from ..monoids.reduction import LeafReduction, MonoidReduction
+from ..monoids.softmax import SoftmaxWeighted
+from .kernel import first_row
+
+__all__ = ["blocks", "reverse", "states"]
+
+
+def _per_y(red: MonoidReduction, y_only: tuple[bool, ...]) -> tuple[bool, ...]:
+    """Per value of ``f``: whether a tile keeps it one per y row (a softmax-weighted
+    sum's values that do not depend on the x row)."""
+    weighs = lambda leaf: isinstance(leaf.monoid, SoftmaxWeighted)
+    return tuple(
+        y_only[s] and any(weighs(leaf) and s in leaf.sources[1:] for leaf in red.leaves)
+        for s in range(len(y_only))
+    )
+
+
+def blocks(f: Callable, x: Any, y: Any, red: MonoidReduction) -> tuple[bool, ...] | str:
+    """Per value of ``f``, whether a matmul tile keeps it one per y row; or why the
+    tiles cannot take ``f``."""
+    closed = jax.make_jaxpr(lambda xi, yj: jax.tree.leaves(f(xi, yj)))(first_row(x), first_row(y))
+    nx = len(jax.tree.leaves(x))
+    y_only = tuple(not any(i < nx for i in deps(o)) for o in graph(closed)[1])
+    per_y = _per_y(red, y_only)
+    for leaf in red.leaves:
+        weighs = isinstance(leaf.monoid, SoftmaxWeighted)
+        if leaf.axis != 0:
+            return f"{leaf.monoid.name} reduces every axis of f's values, not the y rows"
+        if weighs and not all(y_only[s] for s in leaf.sources[1:]):
+            return (
+                "f's values of the softmax-weighted sum depend on the x row: each x row "
+                "weighs values of its own"
+            )
+        values = leaf.sources[1:] if weighs else ()
+        if any(per_y[s] for s in leaf.sources if s not in values):
+            return "a value of f is read both per y row and per pair"
+    return per_y
+
+
+def _sources(conv: Callable, x: Any, y: Any, red: MonoidReduction, per_y: tuple) -> Callable:
+    """``sources(consts, x tile leaves, y tile leaves)`` of ``kernels.matmul_tiles``."""
+    xdef, ydef = jax.tree.structure(x), jax.tree.structure(y)
+
+    def sources(c: list, xs: list, ys: list) -> list:
+        xt, yt = jax.tree.unflatten(xdef, xs), jax.tree.unflatten(ydef, ys)
+        f = lambda xi, yj: red.prologue(conv(xi, yj, *c))
+        out = jax.vmap(lambda yj: jax.vmap(lambda xi: f(xi, yj))(xt))(yt)
+        if any(per_y):
+            row0 = jax.tree.map(lambda a: a[0], xt)
+            own = jax.vmap(lambda yj: f(row0, yj))(yt)
+            out = [o if p else a for a, o, p in zip(out, own, per_y, strict=True)]
+        return out
+
+    return sources
+
+
+def _items(
+    red: MonoidReduction, row: list, per_y: tuple, b: int
+) -> list[list[jax.ShapeDtypeStruct]]:
+    """Each term's items in a tile of ``b`` x rows (``row``: one row's)."""
+    return [
+        [
+            it if per_y[s] else jax.ShapeDtypeStruct((b, *it.shape), it.dtype)
+            for s, it in zip(leaf.sources, items, strict=True)
+        ]
+        for leaf, items in zip(red.leaves, row, strict=True)
+    ]
+
+
+def _x_axes(fn: Callable, red: MonoidReduction, row: list, per_y: tuple) -> list[list[int]]:
+    """Per term, per leaf of ``fn(leaf, items)``: the axis of a tile's x rows (top-k's
+    ``(k, bi)``: 1), the one that differs between tiles of two sizes."""
+
+    def shapes(b: int) -> list[list[tuple]]:
+        tile = zip(red.leaves, _items(red, row, per_y, b), strict=True)
+        out = [jax.eval_shape(functools.partial(fn, leaf, it)) for leaf, it in tile]
+        return [[a.shape for a in jax.tree.leaves(o)] for o in out]
+
+    differs = lambda u, v: next(k for k, (p, q) in enumerate(zip(u, v, strict=True)) if p != q)
+    return [
+        [differs(u, v) for u, v in zip(s, t, strict=True)]
+        for s, t in zip(shapes(2), shapes(3), strict=True)
+    ]
+
+
+def _init(leaf: LeafReduction, items: list) -> Any:
+    return leaf.monoid.init(items)
+
+
+def _finalize(leaf: LeafReduction, items: list) -> Any:
+    return leaf.monoid.finalize(leaf.monoid.init(items), items)
+
+
+def _row_items(conv: Callable, consts: list, red: MonoidReduction, x: Any, y: Any) -> list:
+    one = lambda xi, yj: red.prologue(conv(xi, yj, *consts))
+    out = jax.eval_shape(one, first_row(x), first_row(y))
+    return [[out[s] for s in leaf.sources] for leaf in red.leaves]
+
+
+def _to_rows(state: Any, axes: list[int], n: int) -> Any:
+    """Tile states (leading axis: the x tiles) as one state per x row (``n`` rows)."""
+    leaves, tree = jax.tree.flatten(state)
+    rows = [jnp.moveaxis(a, 1 + k, 1) for a, k in zip(leaves, axes, strict=True)]
+    return jax.tree.unflatten(tree, [a.reshape(-1, *a.shape[2:])[:n] for a in rows])
+
+
+def _to_tiles(per_row: Any, axes: list[int], bi: int, pad: Callable) -> Any:
+    """One value per x row (``None`` kept) as the tiles' (leading axis: the x tiles)."""
+
+    def one(a: jax.Array | None, k: int) -> jax.Array | None:
+        if a is None:
+            return None
+        a = pad(a)
+        return jnp.moveaxis(a.reshape(-1, bi, *a.shape[1:]), 1, 1 + k)
+
+    leaves, tree = jax.tree.flatten(per_row, is_leaf=lambda a: a is None)
+    return jax.tree.unflatten(tree, [one(a, k) for a, k in zip(leaves, axes, strict=True)])
+
+
+def states(
+    conv: Callable, consts: list, red: MonoidReduction, x: Any, y: Any, layout: Layout
+) -> tuple[list, list]:
+    """Each term's state for every x row and its items (one row's), as
+    ``pairs.kernel.kernel_states`` gives them, from the matmul tiles."""
+    row = _row_items(conv, consts, red, x, y)
+    sources = _sources(conv, x, y, red, layout.per_y)
+    out = tile_states(sources, red, consts, jax.tree.leaves(x), jax.tree.leaves(y), layout.tiles)
+    axes = _x_axes(_init, red, row, layout.per_y)
+    n = jax.tree.leaves(x)[0].shape[0]
+    per_row = [_to_rows(s, a, n) for s, a in zip(out, axes, strict=True)]
+    return per_row, [leaf.items(r) for leaf, r in zip(red.leaves, row, strict=True)]
+
+
+def reverse(
+    conv: Callable, red: MonoidReduction, layout: Layout, res: tuple, cts: list, pos: list
+) -> tuple[list, list, list, jax.Array]:
+    """``pairs.grad``'s reverse pass on the matmul tiles: ``(dc, dx, dy, wrong)`` for
+    the leaves numbered in ``pos`` (``res``: constants, x, y, the per-row states;
+    ``cts``: each term's result cotangents, per x row)."""
+    c, x, y, per_term = res
+    bi, xs, ys = layout.tiles[0], jax.tree.leaves(x), jax.tree.leaves(y)
+    n = xs[0].shape[0]
+    row = _row_items(conv, c, red, x, y)
+    sources = _sources(conv, x, y, red, layout.per_y)
+    state_axes = _x_axes(_init, red, row, layout.per_y)
+    result_axes = _x_axes(_finalize, red, row, layout.per_y)
+    whole = -(-n // bi) * bi
+    copies = lambda a: _pad_rows(a, whole)
+    zeros = lambda a: jnp.pad(a, [(0, whole - n)] + [(0, 0)] * (a.ndim - 1))
+    tile_st = [_to_tiles(s, a, bi, copies) for s, a in zip(per_term, state_axes, strict=True)]
+    tile_ct = [_to_tiles(t, a, bi, zeros) for t, a in zip(cts, result_axes, strict=True)]
+    # a max/min's tied pairs, tallied by the forward tiles (``Monoid.tally``)
+    tallies: list = [None] * len(red.leaves)
+    tallied = [
+        t
+        for t, leaf in enumerate(red.leaves)
+        if leaf.monoid.tally is not None and jax.tree.leaves(cts[t])  # (float results)
+    ]
+    if tallied:
+        leaves = tuple(
+            LeafReduction(red.leaves[t].sources, red.leaves[t].monoid.tally, 0, red.leaves[t].out)
+            for t in tallied
+        )
+        sums = MonoidReduction(leaves, jax.tree.structure(list(leaves)), red.prologue)
+        found = tile_states(sources, sums, list(c), xs, ys, layout.tiles)
+        for t, state in zip(tallied, found, strict=True):
+            shares = lambda s, m=red.leaves[t].monoid: m.tally.shares(s, False)
+            tallies[t] = jax.vmap(shares)(state)
+    items = _items(red, row, layout.per_y, bi)
+    args = (list(c), xs, ys, layout.tiles, tile_st, tile_ct, tallies, tuple(pos))
+    return tile_cotangents(sources, red, items, *args)

@@ -1,0 +1,156 @@
+"""The matmul tiles (``pairwise tiles (matmul)``, the CPU engine for ``f`` with wide
+dot products or many values per pair) against the dense oracle.
+
+Every reduction of the shared case list (``bench/cases/pairwise.py``) at D = 64
+features, where the unrolled CPU tiles decline (131 values per pair); ragged N and M,
+a tie across a y tile border; values, reverse and forward mode with respect to x, y
+and a value ``f`` closes over; attention as the dot product it is, its second order
+and bfloat16 inputs.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from cases.pairwise import REDUCTIONS, attention
+from helpers import assert_tree_close, normal
+
+import adv_jax_math as ajm
+
+N, M, D, TILES = 37, 53, 64, (8, 16)
+MATMUL = "pairwise tiles (matmul)"
+CASES = {c.name: c for c in REDUCTIONS}
+
+
+def inputs(d: int = D):
+    x, y = 0.2 * normal(0, (N, d)), 0.2 * normal(1, (M, d))
+    return x, y.at[16].set(y[15])  # a tie across the border of the first two y tiles
+
+
+def dense(f, x, y):
+    return jax.vmap(jax.vmap(f, (None, 0)), (0, None))(x, y)
+
+
+@pytest.mark.parametrize("tiles", [TILES, "auto"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_values_match_dense_oracle(name, tiles):
+    case = CASES[name]
+    x, y = inputs()
+    plan = ajm.explain_pairwise(case.f, x, y, case.reduction, tiles=tiles)
+    assert plan.engine == MATMUL, str(plan)
+    got = jax.jit(lambda x, y: ajm.pairwise(case.f, x, y, case.reduction, tiles=tiles))(x, y)
+    assert_tree_close(got, case.oracle(dense(case.f, x, y)), rtol=2e-5, atol=2e-5)
+
+
+def loss_of(f):
+    """``loss(run, s, x, y)``: the sum of the sines of ``run(f scaled by s, x, y)``'s
+    float leaves."""
+    scaled = lambda s: lambda a, b: jax.tree.map(lambda v: v * s, f(a, b))
+
+    def loss(run, s, x, y):
+        out = run(scaled(s), x, y)
+        return sum(jnp.sum(jnp.sin(v)) for v in jax.tree.leaves(out) if v.dtype.kind == "f")
+
+    return loss
+
+
+DIFFERENTIABLE = [c.name for c in REDUCTIONS if c.differentiable]
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(n, marks=() if i % 2 == 0 else pytest.mark.slow)
+        for i, n in enumerate(DIFFERENTIABLE)
+    ],
+)
+def test_gradients_match_dense_oracle(name):
+    # w.r.t. a value f closes over, x and y; reverse and forward mode
+    case = CASES[name]
+    x, y = inputs()
+    loss = loss_of(case.f)
+    ours = lambda g, x, y: ajm.pairwise(g, x, y, case.reduction, tiles=TILES)
+    oracle = lambda g, x, y: case.oracle(dense(g, x, y))
+    got = jax.jit(jax.grad(lambda *a: loss(ours, *a), argnums=(0, 1, 2)))(0.7, x, y)
+    want = jax.jit(jax.grad(lambda *a: loss(oracle, *a), argnums=(0, 1, 2)))(0.7, x, y)
+    assert_tree_close(got, want, rtol=2e-4, atol=2e-4)
+    fwd = jax.jit(lambda s: jax.jvp(lambda s: loss(ours, s, x, y), (s,), (1.0,)))(0.7)
+    want_fwd = jax.jit(lambda s: jax.jvp(lambda s: loss(oracle, s, x, y), (s,), (1.0,)))(0.7)
+    assert_tree_close(fwd, want_fwd, rtol=2e-4)
+
+
+def _attention_inputs(d: int, dtype=jnp.float32):
+    q, k, v = (normal(i, (n, d)).astype(dtype) for i, n in enumerate((N, M, M)))
+    return q, (k, v)
+
+
+def _dense_attention(q, kv):
+    k, v = kv
+    s = (q.astype(jnp.float32) @ k.astype(jnp.float32).T) / q.shape[1] ** 0.5
+    return (jax.nn.softmax(s, axis=1) @ v.astype(jnp.float32)).astype(q.dtype)
+
+
+def test_attention_reverse_and_second_order():
+    f = attention(32).f
+    q, kv = _attention_inputs(32)
+    plan = ajm.explain_pairwise(f, q, kv, ajm.SOFTMAX_WEIGHTED, tiles=TILES)
+    assert plan.engine == MATMUL and "f contracts 32 features" in str(plan), str(plan)
+    ours = lambda q, kv: ajm.pairwise(f, q, kv, ajm.SOFTMAX_WEIGHTED, tiles=TILES)
+    loss = lambda run: lambda q, kv: jnp.sum(jnp.sin(run(q, kv)))
+    assert_tree_close(jax.jit(ours)(q, kv), _dense_attention(q, kv), rtol=1e-5, atol=1e-6)
+    grad = lambda run: jax.jit(jax.grad(loss(run), argnums=(0, 1)))
+    assert_tree_close(grad(ours)(q, kv), grad(_dense_attention)(q, kv), rtol=1e-4, atol=1e-5)
+    # the reverse pass differentiated again (a Hessian-vector product)
+    tangent = (0.3 * q, jax.tree.map(lambda a: 0.1 * a, kv))
+    hvp = lambda run: jax.jit(lambda q, kv: jax.jvp(grad(run), (q, kv), tangent)[1])
+    assert_tree_close(hvp(ours)(q, kv), hvp(_dense_attention)(q, kv), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_attention_in_half_precision(dtype):
+    # half inputs, f32 accumulation: the result in the inputs' dtype, as close to the
+    # f32 computation on the same (rounded) inputs as one rounding of the result
+    f = attention(64).f
+    q, kv = _attention_inputs(64, dtype)
+    got = jax.jit(lambda q, kv: ajm.pairwise(f, q, kv, ajm.SOFTMAX_WEIGHTED, tiles=TILES))(q, kv)
+    want = _dense_attention(q, kv)
+    assert got.dtype == dtype
+    np.testing.assert_allclose(np.float32(got), np.float32(want), rtol=2e-2, atol=2e-2)
+    loss = lambda q, kv: jnp.sum(ajm.pairwise(f, q, kv, ajm.SOFTMAX_WEIGHTED, tiles=TILES))
+    dq, (dk, dv) = jax.jit(jax.grad(loss, argnums=(0, 1)))(q, kv)
+    want_dq, (want_dk, want_dv) = jax.grad(
+        lambda q, kv: jnp.sum(_dense_attention(q, kv).astype(jnp.float32)), argnums=(0, 1)
+    )(q, kv)
+    for a, b in [(dq, want_dq), (dk, want_dk), (dv, want_dv)]:
+        assert a.dtype == dtype
+        np.testing.assert_allclose(np.float32(a), np.float32(b), rtol=5e-2, atol=5e-2)
+
+
+def test_declines_with_its_reason():
+    x, y = inputs()
+    # values that depend on the x row: each x row weighs values of its own
+    paired = lambda a, b: (jnp.dot(a, b), a[:2] * b[:2])
+    plan = ajm.explain_pairwise(paired, x, y, ajm.SOFTMAX_WEIGHTED)
+    assert plan.engine == "pairwise scan", str(plan)
+    assert "pairwise tiles (matmul): f's values of the softmax-weighted sum depend" in str(plan)
+    got = ajm.pairwise(paired, x, y, ajm.SOFTMAX_WEIGHTED)
+    s, v = dense(paired, x, y)
+    want = jnp.einsum("nm,nmd->nd", jax.nn.softmax(s, axis=1), v)
+    assert_tree_close(got, want, rtol=1e-5, atol=1e-6)
+    # shard=True: the scan engine spreads the x rows
+    assert ajm.explain_pairwise(jnp.dot, x, y, ajm.ADD, shard=True).engine == "pairwise scan"
+    with ajm.config(backend="scan"):  # as requested
+        assert ajm.explain_pairwise(jnp.dot, x, y, ajm.ADD).engine == "pairwise scan"
+
+
+def test_both_marginals():
+    x, y = inputs()
+    f = lambda a, b: -jnp.dot(a, b)
+    rows, cols = ajm.pairwise(f, x, y, ajm.LOGSUMEXP, columns=ajm.LOGSUMEXP, tiles=TILES)
+    plan = ajm.explain_pairwise(f, x, y, ajm.LOGSUMEXP, columns=ajm.LOGSUMEXP, tiles=TILES)
+    assert plan.engine == MATMUL and plan.columns.engine == MATMUL, str(plan)
+    s = dense(f, x, y)
+    assert_tree_close(rows, jax.nn.logsumexp(s, axis=1), rtol=1e-5, atol=1e-5)
+    assert_tree_close(cols, jax.nn.logsumexp(s, axis=0), rtol=1e-5, atol=1e-5)
