@@ -387,7 +387,7 @@ def main() -> None:
     var = next(c for c in cases if c.kind == "var")
     print("VAR errors ...", file=sys.stderr, flush=True)
     data["seeds"] = list(seeds)
-    data["var_n"] = int(var.args()[0].shape[0])
+    data["var_n"] = int(var.args()[1].shape[0])
     data["var_errors"] = bm.var_errors(var, seeds)
     data["ratios"] = ratios(data["records"])
     finish_run(data, tree, start)

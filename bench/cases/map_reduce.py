@@ -61,6 +61,7 @@ class Case:
         is a traced argument of the jitted function, closed over by the mapped fun).
     grad : None (forward only), ``"inputs"``, ``"params"`` or ``"both"``: compile
         ``jax.value_and_grad`` of the sum of the outputs w.r.t. those arguments.
+    loc : the mean of the floats :meth:`arrays` draws (``loc + N(0, 1)``).
     expect : what tests/test_lowering.py (or the issue) says, for the report only.
     """
 
@@ -72,6 +73,7 @@ class Case:
     params: Any = None
     grad: str | None = None
     quick: bool = False
+    loc: float = 0.0
     expect: str = ""
     kernel_on: tuple[str, ...] = ()
     fallback_on: dict[str, str] = dataclasses.field(default_factory=dict)
@@ -106,13 +108,13 @@ class Case:
 
     def arrays(self, seed: int = 0) -> tuple[Any, Any]:
         """``(params, xs)`` drawn at random as NumPy arrays of the cases' shapes and
-        dtypes: floats standard normal, integers in [-50, 50)."""
+        dtypes: floats ``loc + N(0, 1)``, integers in [-50, 50)."""
         rng = np.random.default_rng(seed)
 
         def draw(s):
             if jnp.issubdtype(s.dtype, jnp.integer):
                 return rng.integers(-50, 50, s.shape).astype(s.dtype)
-            return rng.normal(size=s.shape).astype(s.dtype)
+            return rng.normal(self.loc, 1.0, s.shape).astype(s.dtype)
 
         return jax.tree.map(draw, (self.params, self.inputs))
 
@@ -187,9 +189,10 @@ def knn_distances(p, queries=QUERIES, norms=QUERY_NORMS):
 
 
 def attention(kv, queries=ATTN_Q):
-    """Attention scores of keys (B, 64) for 32 queries, and the values:
-    {"k": (B, 64), "v": (B, 64)} -> ((B, 32), (B, 64)); softmax-weighted: (32, 64)."""
-    return (kv["k"] @ queries.T) * 0.125, kv["v"]
+    """Attention scores of keys (B, d) for the queries (32 of d = 64 by default), over
+    sqrt(d), and the values: {"k": (B, d), "v": (B, e)} -> ((B, 32), (B, e));
+    softmax-weighted: (32, e)."""
+    return (kv["k"] @ queries.T) / queries.shape[1] ** 0.5, kv["v"]
 
 
 def attention_bf16(kv):
@@ -604,6 +607,35 @@ CASES += [
         expect="max over rows: the tied rows tallied first",
     ),
 ]
+
+# bench/bench_monoids.py's cases against plain JAX, at the issue's sizes (its quick run
+# and the tests take them smaller: Case.at): the 16 nearest and the nearest of 2^20
+# rows to 256 queries, softmax-weighted sums of 2^20 value rows (16 floats) by 64
+# queries' scores, the variance of 2^24 values 1000 + N(0, 1).
+KNN_QUERIES, SOFTMAX_QUERIES = S((256, 16), F32), S((64, 16), F32)
+knn_of_params = lambda q, p: knn_distances(p, q, jnp.sum(q * q, axis=1))
+MONOIDS_BENCH = {
+    "topk": Case(
+        "bench_knn_topk16",
+        knn_of_params,
+        S((2**20, 16), F32),
+        2**14,
+        ajm.top_k(16, smallest=True),
+        params=KNN_QUERIES,
+    ),
+    "argmin": Case(
+        "bench_knn_argmin", knn_of_params, S((2**20, 16), F32), 2**14, ajm.ARGMIN, KNN_QUERIES
+    ),
+    "close": Case(
+        "bench_softmax_weighted",
+        lambda q, kv: attention(kv, q),
+        {"k": S((2**20, 16), F32), "v": S((2**20, 16), F32)},
+        2**14,
+        ajm.SOFTMAX_WEIGHTED,
+        params=SOFTMAX_QUERIES,
+    ),
+    "var": Case("bench_var", lambda x: x, S((2**24,), F32), 2**16, ajm.VAR, loc=1000.0),
+}
 
 # tests/test_lowering.py's cases: (GPU, TPU) expectations of the plan on an abstract H100
 # and TPU v5e with the roofline model's veto off: None the kernel, else what the scan
