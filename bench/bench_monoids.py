@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from _timing import compile_fn
-from cases import map_reduce
+from cases import map_reduce, max_rel_error
 from jax import lax
 
 BENCH = map_reduce.MONOIDS_BENCH
@@ -114,12 +114,6 @@ def _reference(case: Case, seed: int) -> Any:
 # -- checks ------------------------------------------------------------------------------
 
 
-def rel_error(out, ref) -> float:
-    """max |out - ref| / max |ref| (float64)."""
-    a, b = np.asarray(out, np.float64), np.asarray(ref, np.float64)
-    return float(np.max(np.abs(a - b)) / (np.max(np.abs(b)) + 1e-30))
-
-
 def _check_topk(engine: Engine, out, ref) -> dict:
     (v, i), (rv, ri) = (jax.tree.map(np.asarray, o) for o in (out, ref))
     assert v.shape == rv.shape and i.shape == ri.shape, (v.shape, i.shape, rv.shape, ri.shape)
@@ -128,7 +122,7 @@ def _check_topk(engine: Engine, out, ref) -> dict:
     info = {
         "indices_equal": bool(np.array_equal(i, ri)),
         "recall": float(np.sum(found) / ri.size),
-        "rel_error": rel_error(v, rv),
+        "rel_error": max_rel_error(v, rv),
     }
     if engine.approximate:
         assert info["recall"] >= RECALL_TARGET, f"{engine.name}: recall {info['recall']:.3f}"
@@ -152,7 +146,7 @@ def _check_argmin(engine: Engine, out, ref) -> dict:
 
 def _check_close(engine: Engine, out, ref) -> dict:
     assert np.shape(out) == np.shape(ref), (np.shape(out), np.shape(ref))
-    err = rel_error(out, ref)
+    err = max_rel_error(out, ref)
     assert err <= RTOL, f"{engine.name}: relative error {err:.2e}"
     return {"rel_error": err}
 

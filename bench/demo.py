@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import jax
 from _timing import measure
+from cases import max_rel_error
 
 import adv_jax_math as ajm
 
-from workloads import HEADLINE, max_rel_error
+from workloads import HEADLINE
 
 
 def main():

@@ -42,10 +42,11 @@ from typing import Any
 import jax
 import matplotlib
 from _timing import compile_fn, interleaved
+from cases import max_rel_error
 
 import adv_jax_math as ajm
 
-from workloads import CASES, NBODY, NBODY_FORCES, Case, max_rel_error
+from workloads import CASES, NBODY, NBODY_FORCES, Case
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt

@@ -31,7 +31,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 import adv_jax_math as ajm
@@ -146,15 +145,6 @@ class Workload:
 @functools.cache
 def _inputs(make: Callable, n: int, dtype, seed: int) -> tuple:
     return make(n, dtype, seed)
-
-
-def max_rel_error(out, ref) -> float:
-    """max |out - ref| / max |ref| over the leaves (in float64), the largest leaf's."""
-    errs = []
-    for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(ref), strict=True):
-        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-        errs.append(np.max(np.abs(a - b)) / (np.max(np.abs(b)) + 1e-30))
-    return float(max(errs))
 
 
 # -- N-body --------------------------------------------------------------------------------
