@@ -562,7 +562,7 @@ CASES += [
     ),
 ]
 
-# The roofline table (bench/accel/roofline_table.py): value_and_grad through the
+# The roofline table (bench/accel/table.py): value_and_grad through the
 # fused kernels next to the scan engine's programs for the same call.
 ROWS = S((100003, 16), F32)
 CASES += [
