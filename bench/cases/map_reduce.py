@@ -220,6 +220,32 @@ def mixture_of_means(mu, x):
 # Cases
 # --------------------------------------------------------------------------- #
 
+# the issue's cases, forward and value_and_grad w.r.t. the inputs
+ISSUE_FIELD = Case(
+    "issue_field",
+    field_of_sources,
+    {"pos": S((20001, 4), F32), "m": S((20001,), F32)},
+    2048,
+    SUM0,
+    expect="TPU: CompileTimeScopedVmemOom 62.24M/16M (v4 67.99M)",
+    kernel_on=MAIN,
+)
+ISSUE_NBODY4 = Case(
+    "issue_nbody4",
+    potential_at_probes,
+    S((20001, 4), F32),
+    2048,
+    SUM_ALL,
+    expect="v4: Sublane gather not supported",
+    fallback_on=V4_GATHER,
+)
+
+
+def vg(case: Case, **changes) -> Case:
+    """``case`` under ``jax.value_and_grad`` with respect to its inputs."""
+    return dataclasses.replace(case, name=f"{case.name}_vg", grad="inputs", **changes)
+
+
 CASES: list[Case] = [
     # --- tests/test_lowering.py table -------------------------------- #
     Case("test_elementwise_1d", jnp.sin, S((4096,), F32), 1024, LSE_ALL, quick=True),
@@ -292,25 +318,8 @@ CASES: list[Case] = [
         grad="both",
     ),
     # --- the issue ---------------------------------------------------------- #
-    Case(
-        "issue_field",
-        field_of_sources,
-        {"pos": S((20001, 4), F32), "m": S((20001,), F32)},
-        2048,
-        SUM0,
-        expect="TPU: CompileTimeScopedVmemOom 62.24M/16M (v4 67.99M)",
-        kernel_on=MAIN,
-    ),
-    Case(
-        "issue_field_vg",
-        field_of_sources,
-        {"pos": S((20001, 4), F32), "m": S((20001,), F32)},
-        2048,
-        SUM0,
-        grad="inputs",
-        expect="TPU: VMEM OOM",
-        kernel_on=MAIN,
-    ),
+    ISSUE_FIELD,
+    vg(ISSUE_FIELD, expect="TPU: VMEM OOM"),
     Case(
         "issue_tanh_bf16",
         lambda v: jnp.tanh(v) * v,
@@ -354,25 +363,8 @@ CASES: list[Case] = [
         expect="v4: Sublane gather not supported",
         fallback_on=V4_GATHER,
     ),
-    Case(
-        "issue_nbody4",
-        potential_at_probes,
-        S((20001, 4), F32),
-        2048,
-        SUM_ALL,
-        expect="v4: Sublane gather not supported",
-        fallback_on=V4_GATHER,
-    ),
-    Case(
-        "issue_nbody4_vg",
-        potential_at_probes,
-        S((20001, 4), F32),
-        2048,
-        SUM_ALL,
-        grad="inputs",
-        expect="v4: Sublane gather not supported",
-        fallback_on=V4_GATHER,
-    ),
+    ISSUE_NBODY4,
+    vg(ISSUE_NBODY4),
 ]
 
 CASES.append(
@@ -565,46 +557,37 @@ CASES += [
 # The roofline table (bench/accel/table.py): value_and_grad through the
 # fused kernels next to the scan engine's programs for the same call.
 ROWS = S((100003, 16), F32)
+
+
+def roofline(name: str, fun, params: tuple, reduction, grad: str, expect: str) -> Case:
+    return Case(f"roofline_{name}", fun, ROWS, 1024, reduction, S(params, F32), grad, expect=expect)
+
+
 CASES += [
-    Case(
-        "roofline_add_params",
+    roofline(
+        "add_params",
         layer,
-        ROWS,
-        1024,
+        (16, 32),
         SUM0,
-        params=S((16, 32), F32),
-        grad="params",
-        expect="a layer's weights: the constants' cotangents summed per program",
+        "params",
+        "a layer's weights: the constants' cotangents summed per program",
     ),
-    Case(
-        "roofline_add_inputs",
-        layer,
-        ROWS,
-        1024,
-        SUM0,
-        params=S((16, 32), F32),
-        grad="inputs",
-        expect="the inputs' cotangents, one row each",
-    ),
-    Case(
-        "roofline_mixture_means",
+    roofline("add_inputs", layer, (16, 32), SUM0, "inputs", "the inputs' cotangents, one row each"),
+    roofline(
+        "mixture_means",
         mixture_of_means,
-        ROWS,
-        1024,
+        (8, 16),
         SUM0,
-        params=S((8, 16), F32),
-        grad="params",
-        expect="a mixture's means through a logsumexp inside fun",
+        "params",
+        "a mixture's means through a logsumexp inside fun",
     ),
-    Case(
-        "roofline_max_vector",
+    roofline(
+        "max_vector",
         lambda v, x: jnp.sin(x @ W16) * v,
-        ROWS,
-        1024,
+        (32,),
         MAX0,
-        params=S((32,), F32),
-        grad="params",
-        expect="max over rows: the tied rows tallied first",
+        "params",
+        "max over rows: the tied rows tallied first",
     ),
 ]
 
