@@ -13,8 +13,7 @@ import jax
 import pytest
 from _timing import compile_fn
 from cases import max_rel_error
-
-from workloads import CASES, COMPARE, HEADLINE, NBODY_FORCES, Case
+from cases.workloads import CASES, COMPARE, HEADLINE, NBODY_FORCES, Case
 
 
 def traces_and_compiled(case: Case, engine: str, args: tuple | None = None):

@@ -43,10 +43,9 @@ import jax
 import matplotlib
 from _timing import compile_fn, interleaved
 from cases import max_rel_error
+from cases.workloads import CASES, NBODY, NBODY_FORCES, Case
 
 import adv_jax_math as ajm
-
-from workloads import CASES, NBODY, NBODY_FORCES, Case
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt

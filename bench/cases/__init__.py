@@ -7,6 +7,9 @@ accelerator compile checks (``bench/accel/``) and the tests (``tests/conftest.py
 * ``cases.pairwise``: ``pairwise(f, x, y, reduction)``, one case per reduction (the
   tests, the compile checks) and the KeOps-like workloads (the benchmarks, the
   roofline model).
+* ``cases.workloads``: ``post(batch_map(fun, xs, ...))`` and its gradient with respect
+  to closed-over params, run by every engine (ours, the original library, ``lax.map``,
+  unchunked): the engine comparison (``report.py``, ``demo.py``, ``bench_compare.py``).
 
 Each case names its function, its reduction and its inputs (sizes given by the
 caller: large for the benchmarks, ragged for the compile checks, small for the tests);

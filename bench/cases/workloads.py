@@ -1,4 +1,7 @@
-"""The workload registry of ``bench/``: every script takes its workloads from here.
+"""``post(batch_map(fun, xs, batch_size, reduction=...))`` and its gradient with respect
+to closed-over ``params``, compared across engines: the cases of the engine comparison
+(``report.py``, ``bench_compare.py``, ``demo.py``, ``compile_floor.py``, ``bench_shard.py``,
+``device_check.py``), the one list of that operation.
 
 A :class:`Workload` is ``post(chunk_reduction(fun(params, x)))`` computed over the
 rows of ``x`` (mapped over its leading axis; ``params`` is closed over), optionally
@@ -36,6 +39,7 @@ from jax import lax
 import adv_jax_math as ajm
 
 import _original
+from .map_reduce import LSE_ALL, SUM0, SUM_ALL
 
 # -- engines: batch_map's signature ------------------------------------------------------
 
@@ -203,8 +207,7 @@ def nbody(
         make_inputs,
         batch_size,
         sizes,
-        reduction=jnp.add,
-        chunk_reduction=jnp.add.reduce,
+        *SUM0,
         post=None if variant == "field" else _energy,
         grad=variant == "forces",
     )
@@ -212,7 +215,7 @@ def nbody(
 
 # -- elementwise reductions ------------------------------------------------------------------
 
-MONOIDS = {"add": (jnp.add, jnp.sum), "logsumexp": (jnp.logaddexp, jax.nn.logsumexp)}
+MONOIDS = {"add": SUM_ALL, "logsumexp": LSE_ALL}
 
 
 def elementwise(
