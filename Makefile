@@ -93,7 +93,6 @@ test-accel: $(VENV)/.installed
 	  grep -a -E "^(# target|CHECK FAILED)" $(ACCEL_OUT)/$$t.log; \
 	done; \
 	$(VENV)/bin/python bench/accel/table.py $(ACCEL_OUT) $(if $(ACCEL_FLAGS),,--readme README.md) > /dev/null; \
-	$(VENV)/bin/python bench/accel/roofline_table.py $(ACCEL_OUT) $(if $(ACCEL_FLAGS),,--readme README.md) > /dev/null; \
 	exit $$status
 
 # The pairwise tile kernel (kernels/pairwise_device.py) compiled for the same targets,

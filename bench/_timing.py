@@ -166,15 +166,27 @@ def measure(f: Callable, args: Sequence[Any], *, repeats: int = 5, warmup: int =
     return Measurement(timing, compiled, out)
 
 
+def first_call(f: Callable, args: Sequence[Any] = ()) -> tuple[Any, float]:
+    """``f(*args)``, blocked on, and its seconds: the checking call that is the warm-up."""
+    t0 = time.perf_counter()
+    out = jax.block_until_ready(f(*args))
+    return out, time.perf_counter() - t0
+
+
 def staged(
-    fs: Mapping[str, Callable[..., Any]], args: Sequence[Any], rounds: Mapping[str, int], seed: int
+    fs: Mapping[str, Callable[..., Any]],
+    args: Sequence[Any],
+    rounds: Mapping[str, int],
+    seed: int,
+    first: Mapping[str, float],
 ) -> dict[str, Timing]:
-    """Interleaved rounds with no warm-up (a checking call was it), each function taking
-    part in its first ``rounds[name]`` rounds only (a slow one in fewer), shuffled from
-    ``seed``."""
+    """Interleaved rounds with no warm-up (a checking call was it, timed in ``first``),
+    each function taking part in its first ``rounds[name]`` rounds only (a slow one in
+    fewer), shuffled from ``seed``; with 0 rounds (too slow to repeat) the first call's
+    time is the one sample."""
     samples: dict[str, tuple[float, ...]] = {name: () for name in fs}
     done = 0
-    for level in sorted({rounds[name] for name in fs}):
+    for level in sorted({rounds[name] for name in fs} - {0}):
         names = [name for name in fs if rounds[name] >= level]
         t = interleaved(
             {name: fs[name] for name in names},
@@ -186,4 +198,4 @@ def staged(
         for name in names:
             samples[name] += t[name].samples
         done = level
-    return {name: Timing(s) for name, s in samples.items()}
+    return {name: Timing(s or (first[name],)) for name, s in samples.items()}

@@ -44,12 +44,11 @@ import jax
 import jax.numpy as jnp
 import pytest
 from _timing import Compiled, compile_fn, interleaved
+from cases.workloads import pair_field
 
 import adv_jax_math as ajm
 from adv_jax_math.engines import registry as _engines
 from adv_jax_math.plan import autotune as _autotune
-
-from workloads import pair_field
 
 N = 16384
 BUDGETS_MIB = (8, 32, 128)

@@ -12,8 +12,8 @@ from __future__ import annotations
 import jax
 import pytest
 from _timing import compile_fn
-
-from workloads import CASES, COMPARE, HEADLINE, NBODY_FORCES, Case, max_rel_error
+from cases import max_rel_error
+from cases.workloads import CASES, COMPARE, HEADLINE, NBODY_FORCES, Case
 
 
 def traces_and_compiled(case: Case, engine: str, args: tuple | None = None):

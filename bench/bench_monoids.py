@@ -1,6 +1,7 @@
 """The arg-extremum, top-k, softmax-weighted and variance monoids against plain JAX.
 
-The cases (:func:`cases`; sizes from the issue, :data:`CASES`):
+The cases (:func:`cases`): ``cases.map_reduce.MONOIDS_BENCH`` (the issue's sizes), each
+``batch_map`` call beside the plain-JAX computations it is measured against:
 
 * ``k-NN top-16``: the 16 nearest of ``2^20`` database rows (``d = 16``) for 256
   queries, ``reduction=ajm.top_k(16, smallest=True)`` over squared distances, against
@@ -29,7 +30,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import jax
@@ -37,16 +38,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from _timing import compile_fn
+from cases import map_reduce, max_rel_error
 from jax import lax
 
-import adv_jax_math as ajm
-
-K = 16  # neighbours
-DIM = 16  # database and query dimension
-QUERIES = 256  # k-NN queries
-SOFTMAX_QUERIES = 64
-VALUE_DIM = 16  # floats per value row of the softmax-weighted sum
-VAR_OFFSET = 1000.0
+BENCH = map_reduce.MONOIDS_BENCH
+K = BENCH["topk"].reduction.k  # neighbours
+QUERIES, DIM = BENCH["topk"].params.shape  # k-NN queries, database and query dimension
+SOFTMAX_QUERIES = BENCH["close"].params.shape[0]
+VALUE_DIM = BENCH["close"].inputs["v"].shape[1]  # floats per value row
+VAR_OFFSET = BENCH["var"].loc
 RECALL_TARGET = 0.95  # approx_min_k's default recall_target
 RTOL = 1e-5
 
@@ -66,13 +66,14 @@ class Engine:
     context: bool = False  # shown for context, not a baseline the issue asks for
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Case:
-    """A workload, its engines and how their results are compared with the oracle."""
+    """A ``batch_map`` call (``call``), its engines (functions of the call's ``(params,
+    xs)``) and how their results are compared with the oracle."""
 
     name: str
     description: str
-    make_args: Callable[[int], tuple]  # seed -> arguments
+    call: map_reduce.Case
     engines: tuple[Engine, ...]
     oracle: str  # the engine whose result is the reference; "float64" for VAR
     kind: str  # "topk", "argmin", "close" or "var"
@@ -98,25 +99,19 @@ class Case:
 
 @functools.cache
 def _args(case: Case, seed: int) -> tuple:
-    return jax.block_until_ready(case.make_args(seed))
+    return case.call.arrays(seed)
 
 
 @functools.cache
 def _reference(case: Case, seed: int) -> Any:
     args = case.args(seed)
     if case.oracle == "float64":
-        return float(np.var(np.asarray(args[0], np.float64)))
+        return float(np.var(np.asarray(args[1], np.float64)))
     f = compile_fn(case.engine(case.oracle).fn, args).executable
     return jax.tree.map(np.asarray, f(*args))
 
 
 # -- checks ------------------------------------------------------------------------------
-
-
-def rel_error(out, ref) -> float:
-    """max |out - ref| / max |ref| (float64)."""
-    a, b = np.asarray(out, np.float64), np.asarray(ref, np.float64)
-    return float(np.max(np.abs(a - b)) / (np.max(np.abs(b)) + 1e-30))
 
 
 def _check_topk(engine: Engine, out, ref) -> dict:
@@ -127,7 +122,7 @@ def _check_topk(engine: Engine, out, ref) -> dict:
     info = {
         "indices_equal": bool(np.array_equal(i, ri)),
         "recall": float(np.sum(found) / ri.size),
-        "rel_error": rel_error(v, rv),
+        "rel_error": max_rel_error(v, rv),
     }
     if engine.approximate:
         assert info["recall"] >= RECALL_TARGET, f"{engine.name}: recall {info['recall']:.3f}"
@@ -151,7 +146,7 @@ def _check_argmin(engine: Engine, out, ref) -> dict:
 
 def _check_close(engine: Engine, out, ref) -> dict:
     assert np.shape(out) == np.shape(ref), (np.shape(out), np.shape(ref))
-    err = rel_error(out, ref)
+    err = max_rel_error(out, ref)
     assert err <= RTOL, f"{engine.name}: relative error {err:.2e}"
     return {"rel_error": err}
 
@@ -170,48 +165,23 @@ def _check_var(engine: Engine, out, ref: float) -> dict:
 CHECKS = {"topk": _check_topk, "argmin": _check_argmin, "close": _check_close, "var": _check_var}
 
 
-# -- k-NN ----------------------------------------------------------------------------------
+# -- the plain-JAX engines: functions of (params, xs) -----------------------------------------
 
 
-def sq_dist(rows, queries):
-    """Squared distances ``(rows, queries)``: |x|^2 - 2 x.q + |q|^2."""
-    cross = rows @ queries.T
-    return jnp.sum(rows * rows, -1)[:, None] - 2 * cross + jnp.sum(queries * queries, -1)[None]
-
-
-def sq_dist_t(rows, queries):
-    """:func:`sq_dist` transposed, ``(queries, rows)``: the layout ``lax.top_k`` and
-    ``approx_min_k`` reduce (the last axis), computed as such (no transpose)."""
+def sq_dist_t(queries, rows):
+    """Squared distances ``(queries, rows)``: the layout ``lax.top_k`` and ``approx_min_k``
+    reduce (the last axis), computed as such (no transpose)."""
     cross = queries @ rows.T
     return jnp.sum(rows * rows, -1)[None] - 2 * cross + jnp.sum(queries * queries, -1)[:, None]
 
 
-def _knn_args(n: int) -> Callable[[int], tuple]:
-    def make(seed: int) -> tuple:
-        kx, kq = jax.random.split(jax.random.key(seed))
-        return (
-            jax.random.normal(kx, (n, DIM), jnp.float32),
-            jax.random.normal(kq, (QUERIES, DIM), jnp.float32),
-        )
-
-    return make
-
-
-def ours_top_k(batch_size: int) -> Callable:
-    def f(db, queries):
-        fun = lambda rows: sq_dist(rows, queries)
-        return ajm.batch_map(fun, db, batch_size, reduction=ajm.top_k(K, smallest=True))
-
-    return f
-
-
-def stacked_top_k(db, queries):
-    values, idx = lax.top_k(-sq_dist_t(db, queries), K)  # (queries, K)
+def stacked_top_k(queries, db):
+    values, idx = lax.top_k(-sq_dist_t(queries, db), K)  # (queries, K)
     return -values.T, idx.T
 
 
-def stacked_approx_min_k(db, queries):
-    values, idx = lax.approx_min_k(sq_dist_t(db, queries), K)
+def stacked_approx_min_k(queries, db):
+    values, idx = lax.approx_min_k(sq_dist_t(queries, db), K)
     return values.T, idx.T
 
 
@@ -219,14 +189,14 @@ def scan_top_k(batch_size: int) -> Callable:
     """By hand: ``lax.top_k`` of each chunk's distances, merged with the running best by
     a second ``lax.top_k`` (n must be a multiple of ``batch_size``)."""
 
-    def f(db, queries):
+    def f(queries, db):
         n = db.shape[0]
         chunks = db.reshape(n // batch_size, batch_size, db.shape[1])
 
         def body(carry, chunk):
             values, idx = carry
             start, rows = chunk
-            v, i = lax.top_k(-sq_dist_t(rows, queries), K)
+            v, i = lax.top_k(-sq_dist_t(queries, rows), K)
             v, i = jnp.concatenate([values, v], 1), jnp.concatenate([idx, i + start], 1)
             best, pick = lax.top_k(v, K)
             return (best, jnp.take_along_axis(i, pick, 1)), None
@@ -240,72 +210,20 @@ def scan_top_k(batch_size: int) -> Callable:
     return f
 
 
-def ours_argmin(batch_size: int) -> Callable:
-    def f(db, queries):
-        return ajm.batch_map(
-            lambda rows: sq_dist(rows, queries), db, batch_size, reduction=ajm.ARGMIN
-        )
-
-    return f
+def stacked_argmin(queries, db):
+    return jnp.argmin(sq_dist_t(queries, db), axis=1)
 
 
-def stacked_argmin(db, queries):
-    return jnp.argmin(sq_dist_t(db, queries), axis=1)
+def stacked_approx_argmin(queries, db):
+    return lax.approx_min_k(sq_dist_t(queries, db), 1)[1][:, 0]
 
 
-def stacked_approx_argmin(db, queries):
-    return lax.approx_min_k(sq_dist_t(db, queries), 1)[1][:, 0]
-
-
-# -- softmax-weighted sum -----------------------------------------------------------------
-
-
-def _softmax_args(n: int) -> Callable[[int], tuple]:
-    def make(seed: int) -> tuple:
-        k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
-        return (
-            jax.random.normal(k1, (n, DIM), jnp.float32),  # keys
-            jax.random.normal(k2, (n, VALUE_DIM), jnp.float32),  # values
-            jax.random.normal(k3, (SOFTMAX_QUERIES, DIM), jnp.float32),
-        )
-
-    return make
-
-
-def scores_values(rows, queries):
-    keys, values = rows
-    return keys @ queries.T / DIM**0.5, values  # (rows, queries), (rows, VALUE_DIM)
-
-
-def ours_softmax(batch_size: int) -> Callable:
-    def f(keys, values, queries):
-        fun = lambda rows: scores_values(rows, queries)
-        return ajm.batch_map(fun, (keys, values), batch_size, reduction=ajm.SOFTMAX_WEIGHTED)
-
-    return f
-
-
-def stacked_softmax(keys, values, queries):
-    s, v = scores_values((keys, values), queries)
+def stacked_softmax(queries, kv):
+    s, v = map_reduce.attention(kv, queries)
     return jnp.tensordot(jax.nn.softmax(s, 0), v, ([0], [0]))  # (queries, VALUE_DIM)
 
 
-# -- variance ------------------------------------------------------------------------------
-
-
-def _var_args(n: int) -> Callable[[int], tuple]:
-    def make(seed: int) -> tuple:
-        x = VAR_OFFSET + jax.random.normal(jax.random.key(seed), (n,), jnp.float32)
-        return (x,)
-
-    return make
-
-
-def ours_var(batch_size: int) -> Callable:
-    return lambda x: ajm.batch_map(lambda r: r, x, batch_size, reduction=ajm.VAR)
-
-
-def one_pass_var(x):
+def one_pass_var(_, x):
     return jnp.mean(x * x) - jnp.mean(x) ** 2
 
 
@@ -315,8 +233,8 @@ def var_errors(case: Case, seeds) -> dict[str, list[float]]:
     fs = {e.name: compile_fn(e.fn, case.args(0)).executable for e in case.engines}
     errs: dict[str, list[float]] = {name: [] for name in fs}
     for seed in seeds:
-        args = case.make_args(seed)
-        ref = float(np.var(np.asarray(args[0], np.float64)))
+        args = case.call.arrays(seed)
+        ref = float(np.var(np.asarray(args[1], np.float64)))
         for name, f in fs.items():
             errs[name].append(var_rel_error(f(*args), ref))
         del args
@@ -336,14 +254,15 @@ def cases(
     var_batch: int = 2**16,
 ) -> tuple[Case, ...]:
     """The four cases at these sizes (the defaults are the issue's)."""
-    b, b2 = knn_batch, knn_small_batch
+    b, b2, sb, vb = knn_batch, knn_small_batch, softmax_batch, var_batch
+    ours = lambda kind, n, b: replace(BENCH[kind].at(n), batch_size=b).program()
     knn = Case(
         "k-NN top-16",
         f"the {K} nearest of {n_db} rows (d={DIM}) for {QUERIES} queries, squared distances",
-        _knn_args(n_db),
+        BENCH["topk"].at(n_db),
         (
-            Engine(f"ours top_k (B={b})", ours_top_k(b), ours=True, batch_size=b),
-            Engine(f"ours top_k (B={b2})", ours_top_k(b2), ours=True, batch_size=b2),
+            Engine(f"ours top_k (B={b})", ours("topk", n_db, b), ours=True, batch_size=b),
+            Engine(f"ours top_k (B={b2})", ours("topk", n_db, b2), ours=True, batch_size=b2),
             Engine("lax.top_k, stacked", stacked_top_k),
             Engine("approx_min_k, stacked", stacked_approx_min_k, approximate=True, rounds=0),
             Engine(
@@ -356,36 +275,39 @@ def cases(
     argmin = Case(
         "k-NN ARGMIN",
         f"the nearest of {n_db} rows (d={DIM}) for {QUERIES} queries, squared distances",
-        _knn_args(n_db),
+        BENCH["argmin"].at(n_db),
         (
-            Engine(f"ours ARGMIN (B={b})", ours_argmin(b), ours=True, batch_size=b),
+            Engine(f"ours ARGMIN (B={b})", ours("argmin", n_db, b), ours=True, batch_size=b),
             Engine("jnp.argmin, stacked", stacked_argmin),
             Engine("approx_min_k(k=1), stacked", stacked_approx_argmin, approximate=True),
         ),
         oracle="jnp.argmin, stacked",
         kind="argmin",
     )
-    sb = softmax_batch
     softmax = Case(
         "softmax-weighted sum",
         f"{n_softmax} value rows ({VALUE_DIM} floats) weighted by softmax over rows of "
         f"{SOFTMAX_QUERIES} queries' scores (d={DIM})",
-        _softmax_args(n_softmax),
+        BENCH["close"].at(n_softmax),
         (
-            Engine(f"ours SOFTMAX_WEIGHTED (B={sb})", ours_softmax(sb), ours=True, batch_size=sb),
+            Engine(
+                f"ours SOFTMAX_WEIGHTED (B={sb})",
+                ours("close", n_softmax, sb),
+                ours=True,
+                batch_size=sb,
+            ),
             Engine("softmax + tensordot, stacked", stacked_softmax),
         ),
         oracle="softmax + tensordot, stacked",
         kind="close",
     )
-    vb = var_batch
     var = Case(
         "VAR",
         f"variance of {n_var} float32 values {VAR_OFFSET:g} + N(0, 1)",
-        _var_args(n_var),
+        BENCH["var"].at(n_var),
         (
-            Engine(f"ours VAR (B={vb})", ours_var(vb), ours=True, batch_size=vb),
-            Engine("jnp.var", jnp.var),
+            Engine(f"ours VAR (B={vb})", ours("var", n_var, vb), ours=True, batch_size=vb),
+            Engine("jnp.var", lambda _, x: jnp.var(x)),
             Engine("E[x^2] - E[x]^2, one pass", one_pass_var, context=True),
         ),
         oracle="float64",

@@ -50,7 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from _timing import compile_fn
-from cases import pairwise
+from cases import max_rel_error, pairwise
 from cases.pairwise import EPS, KNN, SINKHORN, sinkhorn_pair
 from jax import lax
 from jax.extend import core as jax_core
@@ -241,11 +241,6 @@ def _cached(case: Case, what: str, make: Callable[[], Any]) -> Any:
     return _CACHE[key]
 
 
-def _rel(out: Any, ref: Any) -> float:
-    a, b = np.asarray(out, np.float64), np.asarray(ref, np.float64)
-    return float(np.max(np.abs(a - b)) / (np.max(np.abs(b)) + 1e-300))
-
-
 def _check_rows(n: int, seed: int = 0) -> np.ndarray:
     rng = np.random.default_rng(seed)
     return np.sort(rng.choice(n, min(n, CHECK_ROWS), replace=False))
@@ -340,7 +335,7 @@ def _gauss_compare(out, ref, args) -> dict:
     rows, expect = ref
     got = np.asarray(out).reshape(-1)  # (N,) from ours, (N, 1) from pykeops
     assert got.shape == (args[0].shape[0],), got.shape
-    err = _rel(got[rows], expect)
+    err = max_rel_error(got[rows], expect)
     assert err <= RTOL, f"relative error {err:.2e} > {RTOL:g}"
     return {"rel_error": err, "checked_rows": len(rows)}
 
@@ -473,8 +468,8 @@ def _knn_compare(out, ref, args) -> dict:
     assert values.shape == idx.shape == (n, K), (values.shape, idx.shape)
     x, y = (np.asarray(a, np.float64) for a in args)
     got_d = _exact_sq_dist(x[rows], y, idx[rows].astype(np.int64))
-    set_err = _rel(np.sort(got_d, 1), ref_d)
-    value_err = _rel(values[rows], got_d)
+    set_err = max_rel_error(np.sort(got_d, 1), ref_d)
+    value_err = max_rel_error(values[rows], got_d)
     assert set_err <= RTOL, f"neighbour distances off by {set_err:.2e} (relative)"
     assert value_err <= RTOL, f"values off by {value_err:.2e} (relative)"
     same = np.all(np.sort(idx[rows], 1) == np.sort(ref_i, 1), 1)
@@ -599,7 +594,7 @@ def _sinkhorn_compare(out, ref, args) -> dict:
     f, g = (np.asarray(o).reshape(-1) for o in out)
     rf, rg = ref
     assert f.shape == rf.shape and g.shape == rg.shape, (f.shape, g.shape)
-    ef, eg = _rel(f, rf), _rel(g, rg)
+    ef, eg = max_rel_error(f, rf), max_rel_error(g, rg)
     assert max(ef, eg) <= SINKHORN_RTOL, f"potentials off by {ef:.2e} (f), {eg:.2e} (g)"
     return {"rel_error": max(ef, eg), "f_rel_error": ef, "g_rel_error": eg}
 

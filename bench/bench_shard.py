@@ -9,11 +9,10 @@ sharded time) is stored in ``extra_info``.
 import jax
 import pytest
 from _timing import compile_fn, interleaved
+from cases.workloads import NBODY
 from jax.sharding import AxisType
 
 import adv_jax_math as ajm
-
-from workloads import NBODY
 
 
 @pytest.mark.skipif(jax.device_count() < 2, reason="needs 2 devices (repository conftest.py)")

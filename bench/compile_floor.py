@@ -17,9 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from _timing import compile_fn, interleaved
+from cases.workloads import ELEMENTWISE
 from jax import lax
-
-from workloads import ELEMENTWISE
 
 N = 1_000_003
 REPEATS = 11

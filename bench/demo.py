@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import jax
 from _timing import measure
+from cases import max_rel_error
+from cases.workloads import HEADLINE
 
 import adv_jax_math as ajm
-
-from workloads import HEADLINE, max_rel_error
 
 
 def main():

@@ -33,12 +33,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from _timing import measure
-from cases import map_reduce, pairwise
+from cases import map_reduce, max_rel_error, pairwise
+from cases.workloads import ADD_ONE, ADD_ONE_LOGSUMEXP, Workload, nbody
 
 import adv_jax_math as ajm
 from adv_jax_math.core.devices import DEVICES
-
-from workloads import ADD_ONE, ADD_ONE_LOGSUMEXP, Workload, max_rel_error, nbody
 
 
 def peak_bandwidth(default: float) -> tuple[float, str]:

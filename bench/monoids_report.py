@@ -37,7 +37,7 @@ from pathlib import Path
 import bench_monoids as bm
 import jax
 import numpy as np
-from _timing import Timing, compile_fn, staged
+from _timing import compile_fn, first_call, staged
 from publish import generated_note, provisional, publish, tree_state
 from publish import markdown_table as table
 from report import arguments, finish_run, machine, mib, range_text, run_warnings, save
@@ -74,16 +74,13 @@ def measure(case: bm.Case, rounds: int) -> list[dict]:
     fs = {name: c.executable for name, c in compiled.items()}
     outs, first = {}, {}
     for name, f in fs.items():  # the warm-up, and the result checked
-        t0 = time.perf_counter()
-        out = jax.block_until_ready(f(*args))
-        first[name] = time.perf_counter() - t0
+        out, first[name] = first_call(f, args)
         outs[name] = jax.tree.map(np.asarray, out)
     ref = outs[case.oracle] if case.oracle in outs else case.reference()
     checks = {e.name: case.check(e, outs[e.name], ref) for e in case.engines}
     del outs
     n_rounds = {e.name: rounds if e.rounds is None else e.rounds for e in case.engines}
-    times = staged({k: f for k, f in fs.items() if n_rounds[k]}, args, n_rounds, SHUFFLE_SEED)
-    times.update({k: Timing((first[k],)) for k in fs if not n_rounds[k]})
+    times = staged(fs, args, n_rounds, SHUFFLE_SEED, first)
     return [
         {
             "case": case.name,
@@ -387,7 +384,7 @@ def main() -> None:
     var = next(c for c in cases if c.kind == "var")
     print("VAR errors ...", file=sys.stderr, flush=True)
     data["seeds"] = list(seeds)
-    data["var_n"] = int(var.args()[0].shape[0])
+    data["var_n"] = int(var.args()[1].shape[0])
     data["var_errors"] = bm.var_errors(var, seeds)
     data["ratios"] = ratios(data["records"])
     finish_run(data, tree, start)

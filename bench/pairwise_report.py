@@ -42,7 +42,7 @@ from pathlib import Path
 import bench_pairwise as bp
 import jax
 import numpy as np
-from _timing import Timing, staged
+from _timing import first_call, staged
 from publish import markdown_table as table
 from publish import publish, tree_state
 from report import arguments, finish_run, machine, save
@@ -149,9 +149,7 @@ def measure(case: bp.Case, peak: float) -> tuple[list[dict], list[dict]]:
         print(f"  {c.name}: prepare, check ...", file=sys.stderr, flush=True)
         try:
             call, rec["prepare_s"] = c.build(args)
-            t0 = time.perf_counter()
-            out = jax.block_until_ready(call())
-            first[c.name] = time.perf_counter() - t0
+            out, first[c.name] = first_call(call)
             rec["check"] = case.verify(c, out)
             del out
         except Exception as e:  # a contender that fails is reported, not timed
@@ -168,8 +166,7 @@ def measure(case: bp.Case, peak: float) -> tuple[list[dict], list[dict]]:
         if c.name in calls
     }
     print(f"  timing {rounds} ...", file=sys.stderr, flush=True)
-    times = staged({k: calls[k] for k in calls if rounds[k]}, (), rounds, SHUFFLE_SEED)
-    times.update({k: Timing((first[k],)) for k in calls if not rounds[k]})
+    times = staged(calls, (), rounds, SHUFFLE_SEED, first)
     ours = next((c.name for c in case.contenders if c.ours and not c.context), None)
     for name, t in times.items():
         recs[name].update(

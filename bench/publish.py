@@ -33,7 +33,7 @@ SECTIONS = {
     "pairwise-bench": "bench/pairwise_report.py",
     "monoids": "bench/monoids_report.py",
     "accel": "bench/accel/table.py",
-    "roofline": "bench/accel/roofline_table.py",
+    "roofline": "bench/accel/table.py",
     "pairwise-accel": "bench/accel/pairwise_targets.py",
 }
 

@@ -42,10 +42,10 @@ from typing import Any
 import jax
 import matplotlib
 from _timing import compile_fn, interleaved
+from cases import max_rel_error
+from cases.workloads import CASES, NBODY, NBODY_FORCES, Case
 
 import adv_jax_math as ajm
-
-from workloads import CASES, NBODY, NBODY_FORCES, Case, max_rel_error
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt

@@ -5,9 +5,9 @@ import pathlib
 import sys
 
 import pytest
-from helpers import enable_x64
 
 sys.path.append(str(pathlib.Path(__file__).resolve().parent.parent / "bench"))
+from helpers import enable_x64
 
 
 @pytest.fixture

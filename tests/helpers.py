@@ -1,16 +1,17 @@
 """What the tests share: tree comparison, plain-JAX oracles, abstract accelerator
 meshes, float64 on demand, the fused kernel's markers in lowered text, a trace
 counter. Imported as ``from helpers import ...`` (``pythonpath = ["tests"]`` in
-pyproject.toml). Oracles are plain JAX, never the library's own code.
+pyproject.toml). Oracles are plain JAX, never the library's own code (``bench/cases``':
+``tests/conftest.py`` puts ``bench/`` on ``sys.path``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import cases
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,7 +21,6 @@ from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 __all__ = [
     "KERNEL_MARKERS",
     "KERNEL_NAME",
-    "ORACLES",
     "TOL",
     "TraceCounter",
     "abstract_mesh",
@@ -90,36 +90,17 @@ def assert_tree_close(
 # Oracles: the unchunked computation in plain JAX
 # ---------------------------------------------------------------------------- #
 
-# (monoid name, axis) -> reduction of one leaf; axis None: all axes, 0: the rows.
-ORACLES: dict[tuple[str, int | None], Callable[[Any], Any]] = {
-    ("add", None): jnp.sum,
-    ("add", 0): functools.partial(jnp.sum, axis=0),
-    ("max", None): jnp.max,
-    ("max", 0): functools.partial(jnp.max, axis=0),
-    ("min", None): jnp.min,
-    ("min", 0): functools.partial(jnp.min, axis=0),
-    ("logsumexp", None): jax.nn.logsumexp,
-    ("logsumexp", 0): functools.partial(jax.nn.logsumexp, axis=0),
-    ("map", None): lambda y: y,
-}
-
 
 def oracle(monoid: str, axis: int | None = None) -> Callable[[Any], Any]:
-    """The leafwise plain-JAX reduction of a pytree (``"map"``: unchanged)."""
-    leaf = ORACLES[monoid, axis]
-    return lambda tree: jax.tree.map(leaf, tree)
-
-
-COMBINE = {"add": jnp.add, "max": jnp.maximum, "min": jnp.minimum, "logsumexp": jnp.logaddexp}
+    """The leafwise plain-JAX reduction of a pytree (``"map"``: unchanged): the oracle of
+    ``bench/cases``' :func:`~cases.plain_pair`."""
+    return (lambda tree: tree) if monoid == "map" else cases.oracle(cases.plain_pair(monoid, axis))
 
 
 def reduction_kwargs(monoid: str, axis: int | None = None) -> dict[str, Callable]:
     """``batch_map`` keywords that compute ``oracle(monoid, axis)`` chunk by chunk,
     written in plain JAX (leafwise over pytrees)."""
-    combine = COMBINE[monoid]
-    return dict(
-        reduction=lambda a, b: jax.tree.map(combine, a, b), chunk_reduction=oracle(monoid, axis)
-    )
+    return dict(zip(("reduction", "chunk_reduction"), cases.plain_pair(monoid, axis), strict=True))
 
 
 # ---------------------------------------------------------------------------- #

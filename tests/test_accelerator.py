@@ -9,10 +9,14 @@ kernel, and results must match plain JAX.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from cases import plain_pair
+from cases.map_reduce import BY_NAME, LOWERING, W4
 from helpers import assert_tree_close, contains_kernel, enable_x64, oracle, reduction_kwargs
 
 import adv_jax_math as ajm
@@ -20,7 +24,6 @@ import adv_jax_math as ajm
 pytestmark = pytest.mark.accelerator
 
 PLATFORM = jax.default_backend()
-W4 = np.array([0.5, -1.0, 2.0, 0.25], np.float32)
 # Compiled kernels reduce in another order than XLA: looser than helpers.TOL.
 DEVICE_TOL = {"float32": 2e-4, "float64": 1e-10, "bfloat16": 3e-2}
 if PLATFORM == "tpu":  # float64 is emulated: 3e-9 relative on a v5e's logsumexp (scan engine)
@@ -37,30 +40,24 @@ def assert_device_close(actual, expected):
         assert_tree_close(a, e, rtol=tol, atol=tol)
 
 
-# name: (fun, xs builder taking n, x64)
-CASES = {
-    "(N,)": (lambda x: jnp.sin(x) * 2.0, lambda n: normal((n,)), False),
-    "(N,4) closure": (lambda x: x * W4, lambda n: normal((n, 4)), False),
-    "(N,3)": (lambda x: jnp.cos(x) + 1.0, lambda n: normal((n, 3)), False),
-    "(N,4,8)": (lambda x: x * x - 0.5, lambda n: normal((n, 4, 8)), False),
-    "pytree": (
-        lambda d: {"p": d["a"] * d["b"][:, None], "q": (jnp.exp(d["b"]),)},
-        lambda n: {"a": normal((n, 4)), "b": normal((n,), seed=1)},
-        False,
-    ),
-    "bf16": (lambda x: x * 2 + 1, lambda n: normal((n, 4), jnp.bfloat16), False),
-    "int32": (
-        lambda x: x * 3 - 7,
-        lambda n: jax.random.randint(jax.random.key(2), (n, 4), -50, 50),
-        False,
-    ),
-    "f64": (jnp.sin, lambda n: normal((n, 4), jnp.float64), True),
-}
-FALLS_BACK = {"gpu": {"(N,3)": "power-of-two"}, "tpu": {"f64": "64-bit"}}
+# Cases of bench/cases/map_reduce.py (1-D, (N, 4) with a closure, (N, 3), (N, 4, 8), a
+# bf16/int32 pytree, (N, 8, 16) bf16 and int32 blocks, float64) on 1037 rows in blocks
+# of 256; where the kernel falls back, LOWERING's (GPU, TPU) reasons say why (the kernel
+# where it has none).
+NAMES = [
+    "test_elementwise_1d",
+    "test_closure_n4",
+    "test_pytree_bf16_int",  # max and min: integer and bf16 leaves
+    "test_n48_max",
+    "test_n3_fallback",
+    "test_n816_bf16",
+    "test_n816_i32",
+    "test_f64",
+]
 # Every case with two reductions, every reduction with four cases.
 PAIRS = [
-    (case, reduction)
-    for i, case in enumerate(CASES)
+    (name, reduction)
+    for i, name in enumerate(NAMES)
     for reduction in [
         (("add", "max", "min", "logsumexp")[i % 4], None),
         (("logsumexp", "min", "max", "add")[i % 4], 0),
@@ -68,22 +65,22 @@ PAIRS = [
 ]
 
 
-@pytest.mark.parametrize("case, reduction", PAIRS, ids=[f"{c}-{m}-{a}" for c, (m, a) in PAIRS])
-def test_compiled_kernel_matches_oracle(case, reduction):
-    fun, make, x64 = CASES[case]
-    kw = reduction_kwargs(*reduction)
-    with enable_x64(x64):
-        xs = make(1037)
-        plan = ajm.explain(fun, xs, 256, **kw)
-        f = jax.jit(lambda x: ajm.batch_map(fun, x, 256, **kw))
-        text = f.lower(xs).as_text()
-        reason = FALLS_BACK.get(PLATFORM, {}).get(case)
+@pytest.mark.parametrize("name, reduction", PAIRS, ids=[f"{c}-{m}-{a}" for c, (m, a) in PAIRS])
+def test_compiled_kernel_matches_oracle(name, reduction):
+    case = dataclasses.replace(BY_NAME[name].at(1037), batch_size=256)
+    case = dataclasses.replace(case, reduction=plain_pair(*reduction))
+    with enable_x64(case.x64):
+        args = jax.tree.map(jnp.asarray, case.arrays())
+        plan = ajm.explain(case.bind(args[0]), args[1], 256, **case.reduction_kwargs)
+        f = jax.jit(case.program())
+        text = f.lower(*args).as_text()
+        reason = LOWERING.get(name, (None, None))[PLATFORM == "tpu"]
         if reason is not None:
             assert plan.engine == "scan" and reason in plan.reason, str(plan)
         else:
             assert plan.engine == "pallas", str(plan)
         assert contains_kernel(text, PLATFORM) == (plan.engine == "pallas")
-        assert_device_close(f(xs), oracle(*reduction)(fun(xs)))
+        assert_device_close(f(*args), case.program(plain=True)(*args))
 
 
 @pytest.mark.parametrize("monoid", ["add", "max", "min", "logsumexp"])

@@ -1,5 +1,6 @@
 """The case lists shared with the benchmarks and the accelerator compile checks
-(``bench/cases/``), at the tests' small sizes: every ``map_reduce`` case on 37 rows
+(``bench/cases/``), at the tests' small sizes: every ``map_reduce`` case (those of the
+compile checks and of ``bench_monoids.py``) on 37 rows
 (ragged against its batch of at most 16) through the public ``batch_map`` against its
 plain-JAX oracle, values and (where the case has one) ``value_and_grad``; the pairwise
 reductions are ``tests/test_pairwise.py``'s own."""
@@ -11,7 +12,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import pytest
-from cases.map_reduce import CASES
+from cases.map_reduce import CASES, MONOIDS_BENCH
 from helpers import assert_tree_close, enable_x64
 
 ROWS = 37
@@ -19,7 +20,7 @@ BF16 = dict(rtol=2e-2, atol=2e-2)
 GRAD = dict(rtol=2e-4, atol=2e-4)  # float32 gradients summed in another order
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+@pytest.mark.parametrize("case", [*CASES, *MONOIDS_BENCH.values()], ids=lambda c: c.name)
 def test_map_reduce_case_matches_its_oracle(case):
     small = dataclasses.replace(case.at(ROWS), batch_size=min(case.batch_size, 16))
     with enable_x64(case.x64):

@@ -25,7 +25,7 @@ from jax import lax
 
 import adv_jax_math as ajm
 
-# name: (reduction, chunk_reduction, monoid, axis) -- the oracle is ORACLES[monoid, axis]
+# name: (reduction, chunk_reduction, monoid, axis) -- the oracle is helpers.oracle(monoid, axis)
 SPELLINGS = {
     "map": (None, ajm.identity, "map", None),
     "jnp.sum": (jnp.add, jnp.sum, "add", None),

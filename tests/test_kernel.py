@@ -4,7 +4,7 @@ What the engine matrix (test_engines.py) cannot reach through ``batch_map``: the
 in-kernel loop over blocks (``steps > 1``), identities in masked rows, logsumexp
 infinities, ties in max/min gradients, closed-over constants of every kind,
 integer and boolean inputs, higher-order and vmapped gradients, ``check``'s
-reasons. Oracles are plain JAX (helpers.ORACLES).
+reasons. Oracles are plain JAX (helpers.oracle, from bench/cases: plain_pair).
 """
 
 from __future__ import annotations

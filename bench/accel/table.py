@@ -1,14 +1,23 @@
-"""The README's compile table, from the JSON records of ``compile_targets.py``.
+"""The README's compile and roofline tables, from the JSON records of ``compile_targets.py``.
 
     python bench/accel/table.py RESULTS_DIR [--readme README.md]
+
+Compile table (:func:`table`, ``RESULTS_DIR/accel.md``, the ``accel`` section):
 
 Per case × target: the engine ``explain()`` chose (``K`` fused kernel with its block
 rows, or ``scan``), whether the compile succeeded, the compiled temp memory, and
 for GPUs the ptxas registers and spill bytes of the kernel, for TPUs the modelled
 VMEM of one block; for ``value_and_grad`` cases the backward kernel's block (``bwd
 K n``), or ``bwd scan`` where reverse mode loops over the scan engine's chunks.
-Rewrites the README between ``<!-- accel:begin -->`` and ``<!-- accel:end -->``
-when ``--readme`` is given.
+
+Roofline table (:func:`roofline_table`, ``RESULTS_DIR/roofline.md``, which the
+accelerators guide includes; the ``roofline`` section): for the ``roofline_*`` cases
+on every target, the roofline model's time for the forward and the backward pass of
+the fused kernels against the scan engine (``explain().roofline``), and what the scan
+engine's compiled programs hold, counted from their HLO (``hlo.py``: loop trips x
+launches per trip). A model, labelled so: no hardware ran these.
+
+``--readme`` rewrites both README sections.
 """
 
 from __future__ import annotations
@@ -84,22 +93,109 @@ def load(results: pathlib.Path) -> dict[str, list[dict]]:
     }
 
 
+def us(cost: dict) -> float:
+    return cost["seconds"] * 1e6
+
+
+def fmt(cost: dict | None) -> str:
+    return "-" if cost is None else f"{us(cost):,.0f}"
+
+
+def hlo(rec: dict, program: str) -> str:
+    info = (rec.get("scan_hlo") or {}).get(program)
+    if not info or info.get("launches") is None:
+        return "-"
+    loops = info.get("loops") or []
+    if not loops:
+        return f"{info['launches']}"
+    main = max(loops, key=lambda lp: lp["trips"] * lp["launches"])
+    return f"{info['launches']} ({main['trips']}x{main['launches']})"
+
+
+def analysis(rec: dict) -> str:
+    """XLA's own cost_analysis() of the scan programs, where the compiler gives one."""
+    found = {k: v for k, v in (rec.get("scan_cost_analysis") or {}).items() if v}
+    if not found:
+        return "none"
+    return "; ".join(
+        f"{k}: {v.get('flops', 0) / 1e9:.2f} GFLOP, {v.get('bytes accessed', 0) / 1e6:.0f} MB"
+        for k, v in found.items()
+    )
+
+
+def where_time_goes(case: str, recs: dict[str, dict]) -> str:
+    """One sentence per case, from the H100 (else the first target) figures."""
+    target = "h100" if "h100" in recs else next(iter(recs))
+    models = {m["name"]: m for m in recs[target].get("explain", {}).get("roofline", [])}
+    if not models:
+        return f"- **{case}**: no model on {target} (the kernel was not planned)."
+    parts = []
+    for name in ("forward", "backward"):
+        m = models.get(name)
+        if m is None:
+            continue
+        k, s = m["kernel"], m["scan"]
+        launch_share = s["launches"] * s["launch"] / s["seconds"] if s["seconds"] else 0
+        parts.append(
+            f"{name}: the scan engine's {s['launches']} launches are {launch_share:.0%} of its "
+            f"modelled {us(s):,.0f} us, the kernels move {k['bytes'] / 1e6:,.1f} MB in "
+            f"{k['launches']} launches ({us(k):,.0f} us, "
+            f"{'memory' if k['bytes'] / k['bandwidth'] >= k['flops'] / k['peak'] else 'compute'}"
+            f"-bound at {k['parallel']:.0%} of the device)"
+        )
+    return f"- **{case}** on {target}: " + "; ".join(parts) + "."
+
+
+def roofline_table(records: dict[str, list[dict]]) -> str:
+    """The ``roofline_*`` cases: modelled times and the scan programs' launches."""
+    targets = [t for t in TARGETS if t in records]
+    by = {(t, r["case"]): r for t in targets for r in records[t]}
+    cases = list(
+        dict.fromkeys(
+            r["case"] for t in targets for r in records[t] if r["case"].startswith("roofline_")
+        )
+    )
+    head = ["case", "target", "fwd kernel", "fwd scan", "scan HLO launches", "bwd kernel"]
+    rows = [[*head, "bwd scan", "scan HLO launches (value_and_grad)", "cost_analysis"]]
+    notes = []
+    for case in cases:
+        recs = {t: by[t, case] for t in targets if (t, case) in by}
+        for t, rec in recs.items():
+            models = {m["name"]: m for m in rec.get("explain", {}).get("roofline", [])}
+            f, b = models.get("forward"), models.get("backward")
+            fwd = [fmt(f and f["kernel"]), fmt(f and f["scan"]), hlo(rec, "forward")]
+            bwd = [fmt(b and b["kernel"]), fmt(b and b["scan"]), hlo(rec, "value_and_grad")]
+            rows.append([case, t, *fwd, *bwd, analysis(rec)])
+        notes.append(where_time_goes(case, recs))
+    legend = (
+        "Modelled microseconds (a roofline model: `src/adv_jax_math/plan/roofline.py`; no GPU or "
+        "TPU ran these), forward and backward pass of the fused kernels against the scan "
+        "engine; the scan engine's compiled programs counted from their HLO (launches in "
+        "total, and trips x launches of the main loop)."
+    )
+    return "\n".join([legend, "", markdown_table(rows, align="llrrrrrrl"), "", *notes])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("results", type=pathlib.Path)
     ap.add_argument("--readme", type=pathlib.Path)
     args = ap.parse_args()
-    text = (
-        f"Generated by `make test-accel` at commit {commit()} (deviceless compiles on a "
+    records = load(args.results)
+    texts = {
+        "accel": f"Generated by `make test-accel` at commit {commit()} (deviceless compiles on a "
         "CPU-only host; `K n` = fused kernel with blocks of n rows, then compiled temp "
         "memory, ptxas registers per thread (GPU) or the planner's VMEM model (TPU); "
         "for value_and_grad, `bwd K n` = the backward kernel's block, `bwd scan` = the "
-        "scan engine's loop).\n\n" + table(load(args.results))
-    )
-    (args.results / "accel.md").write_text(text + "\n")
-    print(text)
-    if args.readme:
-        write_section("accel", text, args.readme)
+        "scan engine's loop).\n\n" + table(records),
+        "roofline": f"Generated by `make test-accel` at commit {commit()}. "
+        + roofline_table(records),
+    }
+    for name, text in texts.items():
+        (args.results / f"{name}.md").write_text(text + "\n")
+        print(text)
+        if args.readme:
+            write_section(name, text, args.readme)
 
 
 if __name__ == "__main__":

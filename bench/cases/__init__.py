@@ -7,10 +7,15 @@ accelerator compile checks (``bench/accel/``) and the tests (``tests/conftest.py
 * ``cases.pairwise``: ``pairwise(f, x, y, reduction)``, one case per reduction (the
   tests, the compile checks) and the KeOps-like workloads (the benchmarks, the
   roofline model).
+* ``cases.workloads``: ``post(batch_map(fun, xs, ...))`` and its gradient with respect
+  to closed-over params, run by every engine (ours, the original library, ``lax.map``,
+  unchunked): the engine comparison (``report.py``, ``demo.py``, ``bench_compare.py``).
 
 Each case names its function, its reduction and its inputs (sizes given by the
 caller: large for the benchmarks, ragged for the compile checks, small for the tests);
-its plain-JAX oracle is :func:`oracle` of its reduction, here.
+its plain-JAX oracle is :func:`oracle` of its reduction, here. :func:`plain_pair` writes
+the elementwise monoids as ``batch_map``'s ``(reduction, chunk_reduction)`` in plain
+JAX (the tests' ``helpers.oracle`` and ``reduction_kwargs``).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 import adv_jax_math as ajm
@@ -59,6 +65,19 @@ _PLAIN: dict[str, Callable] = {  # a monoid's name: plain JAX over axis 0 of fun
 }
 
 
+_ALL_AXES = {"add": jnp.sum, "max": jnp.max, "min": jnp.min, "logsumexp": jax.nn.logsumexp}
+_COMBINE = {"add": jnp.add, "max": jnp.maximum, "min": jnp.minimum, "logsumexp": jnp.logaddexp}
+
+
+def plain_pair(monoid: str, axis: int | None = None) -> tuple[Callable, Callable]:
+    """``batch_map``'s ``(reduction, chunk_reduction)`` for ``"add"``, ``"max"``, ``"min"``
+    or ``"logsumexp"`` in plain JAX, leafwise over pytrees: each leaf reduced over every
+    axis (``axis`` None) or over its rows (0); :func:`oracle` of it is the unchunked
+    computation."""
+    leaf, combine = (_ALL_AXES if axis is None else _PLAIN)[monoid], _COMBINE[monoid]
+    return (lambda a, b: jax.tree.map(combine, a, b), lambda y: jax.tree.map(leaf, y))
+
+
 def oracle(reduction: Any, axis: int = 0) -> Callable:
     """The plain-JAX expression ``reduction`` equals, reducing ``axis`` of what ``fun``
     (``f`` of the pairs: ``axis=1`` of the dense ``(N, M, ...)`` outputs) returns.
@@ -82,3 +101,13 @@ def oracle(reduction: Any, axis: int = 0) -> Callable:
     for _ in range(axis):
         plain = jax.vmap(plain)
     return plain
+
+
+def max_rel_error(out: Any, ref: Any) -> float:
+    """max |out - ref| / max |ref| over the leaves (in float64), the largest leaf's: how
+    far a result is from its oracle's (or a float64 reference's)."""
+    errs = []
+    for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(ref), strict=True):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        errs.append(np.max(np.abs(a - b)) / (np.max(np.abs(b)) + 1e-300))
+    return float(max(errs))

@@ -61,6 +61,7 @@ class Case:
         is a traced argument of the jitted function, closed over by the mapped fun).
     grad : None (forward only), ``"inputs"``, ``"params"`` or ``"both"``: compile
         ``jax.value_and_grad`` of the sum of the outputs w.r.t. those arguments.
+    loc : the mean of the floats :meth:`arrays` draws (``loc + N(0, 1)``).
     expect : what tests/test_lowering.py (or the issue) says, for the report only.
     """
 
@@ -72,6 +73,7 @@ class Case:
     params: Any = None
     grad: str | None = None
     quick: bool = False
+    loc: float = 0.0
     expect: str = ""
     kernel_on: tuple[str, ...] = ()
     fallback_on: dict[str, str] = dataclasses.field(default_factory=dict)
@@ -106,13 +108,13 @@ class Case:
 
     def arrays(self, seed: int = 0) -> tuple[Any, Any]:
         """``(params, xs)`` drawn at random as NumPy arrays of the cases' shapes and
-        dtypes: floats standard normal, integers in [-50, 50)."""
+        dtypes: floats ``loc + N(0, 1)``, integers in [-50, 50)."""
         rng = np.random.default_rng(seed)
 
         def draw(s):
             if jnp.issubdtype(s.dtype, jnp.integer):
                 return rng.integers(-50, 50, s.shape).astype(s.dtype)
-            return rng.normal(size=s.shape).astype(s.dtype)
+            return rng.normal(self.loc, 1.0, s.shape).astype(s.dtype)
 
         return jax.tree.map(draw, (self.params, self.inputs))
 
@@ -187,9 +189,10 @@ def knn_distances(p, queries=QUERIES, norms=QUERY_NORMS):
 
 
 def attention(kv, queries=ATTN_Q):
-    """Attention scores of keys (B, 64) for 32 queries, and the values:
-    {"k": (B, 64), "v": (B, 64)} -> ((B, 32), (B, 64)); softmax-weighted: (32, 64)."""
-    return (kv["k"] @ queries.T) * 0.125, kv["v"]
+    """Attention scores of keys (B, d) for the queries (32 of d = 64 by default), over
+    sqrt(d), and the values: {"k": (B, d), "v": (B, e)} -> ((B, 32), (B, e));
+    softmax-weighted: (32, e)."""
+    return (kv["k"] @ queries.T) / queries.shape[1] ** 0.5, kv["v"]
 
 
 def attention_bf16(kv):
@@ -216,6 +219,32 @@ def mixture_of_means(mu, x):
 # --------------------------------------------------------------------------- #
 # Cases
 # --------------------------------------------------------------------------- #
+
+# the issue's cases, forward and value_and_grad w.r.t. the inputs
+ISSUE_FIELD = Case(
+    "issue_field",
+    field_of_sources,
+    {"pos": S((20001, 4), F32), "m": S((20001,), F32)},
+    2048,
+    SUM0,
+    expect="TPU: CompileTimeScopedVmemOom 62.24M/16M (v4 67.99M)",
+    kernel_on=MAIN,
+)
+ISSUE_NBODY4 = Case(
+    "issue_nbody4",
+    potential_at_probes,
+    S((20001, 4), F32),
+    2048,
+    SUM_ALL,
+    expect="v4: Sublane gather not supported",
+    fallback_on=V4_GATHER,
+)
+
+
+def vg(case: Case, **changes) -> Case:
+    """``case`` under ``jax.value_and_grad`` with respect to its inputs."""
+    return dataclasses.replace(case, name=f"{case.name}_vg", grad="inputs", **changes)
+
 
 CASES: list[Case] = [
     # --- tests/test_lowering.py table -------------------------------- #
@@ -289,25 +318,8 @@ CASES: list[Case] = [
         grad="both",
     ),
     # --- the issue ---------------------------------------------------------- #
-    Case(
-        "issue_field",
-        field_of_sources,
-        {"pos": S((20001, 4), F32), "m": S((20001,), F32)},
-        2048,
-        SUM0,
-        expect="TPU: CompileTimeScopedVmemOom 62.24M/16M (v4 67.99M)",
-        kernel_on=MAIN,
-    ),
-    Case(
-        "issue_field_vg",
-        field_of_sources,
-        {"pos": S((20001, 4), F32), "m": S((20001,), F32)},
-        2048,
-        SUM0,
-        grad="inputs",
-        expect="TPU: VMEM OOM",
-        kernel_on=MAIN,
-    ),
+    ISSUE_FIELD,
+    vg(ISSUE_FIELD, expect="TPU: VMEM OOM"),
     Case(
         "issue_tanh_bf16",
         lambda v: jnp.tanh(v) * v,
@@ -351,25 +363,8 @@ CASES: list[Case] = [
         expect="v4: Sublane gather not supported",
         fallback_on=V4_GATHER,
     ),
-    Case(
-        "issue_nbody4",
-        potential_at_probes,
-        S((20001, 4), F32),
-        2048,
-        SUM_ALL,
-        expect="v4: Sublane gather not supported",
-        fallback_on=V4_GATHER,
-    ),
-    Case(
-        "issue_nbody4_vg",
-        potential_at_probes,
-        S((20001, 4), F32),
-        2048,
-        SUM_ALL,
-        grad="inputs",
-        expect="v4: Sublane gather not supported",
-        fallback_on=V4_GATHER,
-    ),
+    ISSUE_NBODY4,
+    vg(ISSUE_NBODY4),
 ]
 
 CASES.append(
@@ -559,51 +554,71 @@ CASES += [
     ),
 ]
 
-# The roofline table (bench/accel/roofline_table.py): value_and_grad through the
+# The roofline table (bench/accel/table.py): value_and_grad through the
 # fused kernels next to the scan engine's programs for the same call.
 ROWS = S((100003, 16), F32)
+
+
+def roofline(name: str, fun, params: tuple, reduction, grad: str, expect: str) -> Case:
+    return Case(f"roofline_{name}", fun, ROWS, 1024, reduction, S(params, F32), grad, expect=expect)
+
+
 CASES += [
-    Case(
-        "roofline_add_params",
+    roofline(
+        "add_params",
         layer,
-        ROWS,
-        1024,
+        (16, 32),
         SUM0,
-        params=S((16, 32), F32),
-        grad="params",
-        expect="a layer's weights: the constants' cotangents summed per program",
+        "params",
+        "a layer's weights: the constants' cotangents summed per program",
     ),
-    Case(
-        "roofline_add_inputs",
-        layer,
-        ROWS,
-        1024,
-        SUM0,
-        params=S((16, 32), F32),
-        grad="inputs",
-        expect="the inputs' cotangents, one row each",
-    ),
-    Case(
-        "roofline_mixture_means",
+    roofline("add_inputs", layer, (16, 32), SUM0, "inputs", "the inputs' cotangents, one row each"),
+    roofline(
+        "mixture_means",
         mixture_of_means,
-        ROWS,
-        1024,
+        (8, 16),
         SUM0,
-        params=S((8, 16), F32),
-        grad="params",
-        expect="a mixture's means through a logsumexp inside fun",
+        "params",
+        "a mixture's means through a logsumexp inside fun",
     ),
-    Case(
-        "roofline_max_vector",
+    roofline(
+        "max_vector",
         lambda v, x: jnp.sin(x @ W16) * v,
-        ROWS,
-        1024,
+        (32,),
         MAX0,
-        params=S((32,), F32),
-        grad="params",
-        expect="max over rows: the tied rows tallied first",
+        "params",
+        "max over rows: the tied rows tallied first",
     ),
 ]
+
+# bench/bench_monoids.py's cases against plain JAX, at the issue's sizes (its quick run
+# and the tests take them smaller: Case.at): the 16 nearest and the nearest of 2^20
+# rows to 256 queries, softmax-weighted sums of 2^20 value rows (16 floats) by 64
+# queries' scores, the variance of 2^24 values 1000 + N(0, 1).
+KNN_QUERIES, SOFTMAX_QUERIES = S((256, 16), F32), S((64, 16), F32)
+knn_of_params = lambda q, p: knn_distances(p, q, jnp.sum(q * q, axis=1))
+MONOIDS_BENCH = {
+    "topk": Case(
+        "bench_knn_topk16",
+        knn_of_params,
+        S((2**20, 16), F32),
+        2**14,
+        ajm.top_k(16, smallest=True),
+        params=KNN_QUERIES,
+    ),
+    "argmin": Case(
+        "bench_knn_argmin", knn_of_params, S((2**20, 16), F32), 2**14, ajm.ARGMIN, KNN_QUERIES
+    ),
+    "close": Case(
+        "bench_softmax_weighted",
+        lambda q, kv: attention(kv, q),
+        {"k": S((2**20, 16), F32), "v": S((2**20, 16), F32)},
+        2**14,
+        ajm.SOFTMAX_WEIGHTED,
+        params=SOFTMAX_QUERIES,
+    ),
+    "var": Case("bench_var", lambda x: x, S((2**24,), F32), 2**16, ajm.VAR, loc=1000.0),
+}
 
 # tests/test_lowering.py's cases: (GPU, TPU) expectations of the plan on an abstract H100
 # and TPU v5e with the roofline model's veto off: None the kernel, else what the scan

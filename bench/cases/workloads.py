@@ -1,4 +1,7 @@
-"""The workload registry of ``bench/``: every script takes its workloads from here.
+"""``post(batch_map(fun, xs, batch_size, reduction=...))`` and its gradient with respect
+to closed-over ``params``, compared across engines: the cases of the engine comparison
+(``report.py``, ``bench_compare.py``, ``demo.py``, ``compile_floor.py``, ``bench_shard.py``,
+``device_check.py``), the one list of that operation.
 
 A :class:`Workload` is ``post(chunk_reduction(fun(params, x)))`` computed over the
 rows of ``x`` (mapped over its leading axis; ``params`` is closed over), optionally
@@ -31,12 +34,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 import adv_jax_math as ajm
 
 import _original
+from .map_reduce import LSE_ALL, SUM0, SUM_ALL
 
 # -- engines: batch_map's signature ------------------------------------------------------
 
@@ -148,15 +151,6 @@ def _inputs(make: Callable, n: int, dtype, seed: int) -> tuple:
     return make(n, dtype, seed)
 
 
-def max_rel_error(out, ref) -> float:
-    """max |out - ref| / max |ref| over the leaves (in float64), the largest leaf's."""
-    errs = []
-    for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(ref), strict=True):
-        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-        errs.append(np.max(np.abs(a - b)) / (np.max(np.abs(b)) + 1e-30))
-    return float(max(errs))
-
-
 # -- N-body --------------------------------------------------------------------------------
 
 
@@ -213,8 +207,7 @@ def nbody(
         make_inputs,
         batch_size,
         sizes,
-        reduction=jnp.add,
-        chunk_reduction=jnp.add.reduce,
+        *SUM0,
         post=None if variant == "field" else _energy,
         grad=variant == "forces",
     )
@@ -222,7 +215,7 @@ def nbody(
 
 # -- elementwise reductions ------------------------------------------------------------------
 
-MONOIDS = {"add": (jnp.add, jnp.sum), "logsumexp": (jnp.logaddexp, jax.nn.logsumexp)}
+MONOIDS = {"add": SUM_ALL, "logsumexp": LSE_ALL}
 
 
 def elementwise(
