@@ -1,6 +1,6 @@
 """``ajm.pairwise`` against KeOps, OTT-JAX, dense XLA and the nested ``batch_map`` form.
 
-The cases (:func:`gaussian`, :func:`knn`, :func:`sinkhorn`: the workloads of
+The cases (:func:`gaussian`, :func:`knn`, :func:`attention`, :func:`sinkhorn`: the workloads of
 ``cases/pairwise.py`` with their contenders; sizes in ``pairwise_report.py``):
 
 * ``Gaussian kernel sum``: KeOps' own benchmark (``plot_benchmark_convolutions``:
@@ -14,6 +14,9 @@ The cases (:func:`gaussian`, :func:`knn`, :func:`sinkhorn`: the workloads of
 * ``k-NN``: the 10 nearest y rows of each x row (D = 16, squared distances),
   ``ajm.top_k(10, smallest=True)``, against ``lax.top_k`` on dense blocks (``lax.map``
   over blocks of 1024 x rows, each block's distances to all of y by a matmul);
+* ``attention``: one head, ``softmax(q k^T / sqrt(d)) v`` at d = 64 (the dot product
+  runs on the matmul tiles), and its gradient with respect to q, k and v, against
+  ``jax.nn.dot_product_attention(implementation="xla")``;
 * ``Sinkhorn``: a fixed number of log-domain Sinkhorn iterations between two point
   clouds (D = 3, uniform weights, squared Euclidean cost), each iteration a g then an f
   half-step ``-eps * logsumexp_j((g_j - C_ij) / eps) + eps * log(1 / M)`` (OTT's order),
@@ -76,7 +79,7 @@ SINKHORN_RTOL = 1e-4
 # The reduction's own flops per pair and output element (the f part is counted from
 # f's jaxpr, :func:`pair_flops`): ADD an add; LOGSUMEXP the shift by the running
 # maximum, the exp and the add (the maximum itself is a comparison); top_k none.
-REDUCTION_FLOPS = {"add": 1, "logsumexp": 3, "top_k": 0}
+REDUCTION_FLOPS = {"add": 1, "logsumexp": 3, "top_k": 0, "softmax_weighted": 3}
 
 
 # -- flops ------------------------------------------------------------------------------------
@@ -509,6 +512,103 @@ def knn(n: int, *, rounds: int = 3) -> Case:
         _knn_compare,
         rounds=rounds,
     )
+
+
+# -- attention ---------------------------------------------------------------------------------
+
+ATTENTION_DIM = 64
+ATTENTION = pairwise.attention(ATTENTION_DIM)
+
+
+def ours_attention(q, k, v):
+    return ajm.pairwise(ATTENTION.f, q, (k, v), ATTENTION.reduction)
+
+
+def xla_attention(q, k, v):
+    """``jax.nn.dot_product_attention`` (``implementation="xla"``), one batch and head."""
+    one = lambda a: a[None, :, None]  # (batch, tokens, heads, features)
+    return jax.nn.dot_product_attention(one(q), one(k), one(v), implementation="xla")[0, :, 0]
+
+
+def attention_grad(fn: Callable) -> Callable:
+    """The gradient with respect to ``q``, ``k`` and ``v`` of ``sum(fn(q, k, v) * w)``."""
+    return lambda q, k, v, w: jax.grad(lambda *a: jnp.sum(fn(*a) * w), (0, 1, 2))(q, k, v)
+
+
+def _attention_reference(grad: bool) -> Callable:
+    """float64 NumPy on the float32 inputs, 512 queries at a time: the output at the
+    check rows, or (``grad``) the gradients with respect to q, k and v (flash attention's
+    formulas: dS = P (dO V^T - delta), delta = rowsum(dO O))."""
+
+    def reference(args) -> Any:
+        q, k, v, *w = (np.asarray(a, np.float64) for a in args)
+        scale = 1 / math.sqrt(q.shape[1])
+        rows = np.arange(q.shape[0]) if grad else _check_rows(q.shape[0])
+        dq, dk, dv, outs = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v), []
+        for r in np.array_split(rows, max(1, len(rows) // 512)):
+            s = q[r] @ k.T * scale
+            p = np.exp(s - s.max(1, keepdims=True))
+            p /= p.sum(1, keepdims=True)
+            outs.append(p @ v)
+            if grad:
+                do = w[0][r]
+                ds = p * (do @ v.T - np.sum(do * outs[-1], 1, keepdims=True))
+                dq[r], dk, dv = ds @ k * scale, dk + ds.T @ q[r] * scale, dv + p.T @ do
+        return (dq, dk, dv) if grad else (rows, np.concatenate(outs))
+
+    return reference
+
+
+def _attention_compare(grad: bool) -> Callable:
+    def compare(out, ref, args) -> dict:
+        if grad:
+            errors = [max_rel_error(np.asarray(o), r) for o, r in zip(out, ref, strict=True)]
+        else:
+            rows, want = ref
+            errors = [max_rel_error(np.asarray(out)[rows], want)]
+        assert max(errors) <= RTOL, f"off by {max(errors):.2e} (relative)"
+        return {"rel_error": max(errors)}
+
+    return compare
+
+
+def attention(n: int, grad: bool = False, *, rounds: int = 3) -> Case:
+    """One attention head over ``n`` queries and ``n`` keys, d = ``ATTENTION_DIM``, or
+    (``grad``) its gradient with respect to q, k and v."""
+    fns = (ours_attention, xla_attention)
+    if grad:
+        fns = tuple(map(attention_grad, fns))
+    what = "the output"
+    if grad:  # (its flops per pair counted as the forward's)
+        what = "the gradient w.r.t. q, k, v of sum(out * w) (flops: the forward's)"
+    return Case(
+        "attention" + (" gradient" if grad else ""),
+        f"N = M = {n}",
+        f"softmax(q k^T / sqrt(d)) v, d = {ATTENTION_DIM}, float32, q, k, v ~ N(0, 1); {what}",
+        n,
+        n,
+        ATTENTION_DIM,
+        n * n,
+        ATTENTION.f,
+        ATTENTION.pair_args(ATTENTION_DIM),
+        "softmax_weighted",
+        lambda: _normal(3, *[(n, ATTENTION_DIM)] * (4 if grad else 3)),
+        (
+            Contender("ours: pairwise", fns[0], "", ours=True, plan=attention_plan),
+            Contender(
+                "jax.nn.dot_product_attention",
+                fns[1],
+                "implementation='xla': the N x M scores stored",
+            ),
+        ),
+        _attention_reference(grad),
+        _attention_compare(grad),
+        rounds=rounds,
+    )
+
+
+def attention_plan(q, k, v, *_) -> ajm.PairwisePlan:
+    return ajm.explain_pairwise(ATTENTION.f, q, (k, v), ATTENTION.reduction)
 
 
 # -- Sinkhorn ---------------------------------------------------------------------------------

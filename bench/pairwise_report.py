@@ -60,6 +60,8 @@ def cases(quick: bool) -> tuple[bp.Case, ...]:
             bp.gaussian(10_000, rounds=2, slow_rounds=1),
             bp.knn(10_000, rounds=2),
             bp.sinkhorn(2000, 20, rounds=2),
+            bp.attention(2048, rounds=2),
+            bp.attention(2048, grad=True, rounds=2),
         )
     return (
         bp.gaussian(10_000, rounds=5),
@@ -67,6 +69,7 @@ def cases(quick: bool) -> tuple[bp.Case, ...]:
         bp.gaussian(100_000, rounds=3, slow_rounds=1),
         bp.knn(100_000, rounds=2),
         bp.sinkhorn(10_000, 50, rounds=3),
+        *(bp.attention(n, grad) for n in (4096, 16384) for grad in (False, True)),
     )
 
 
@@ -276,7 +279,7 @@ def markdown(data: dict) -> str:
         "flops per pair for every contender**: the elementwise arithmetic of ours' per-pair "
         "jaxpr, each operation one flop per element (exp and x**2 included, a sum of n "
         "elements n - 1), plus the reduction's (ADD: 1; LOGSUMEXP: 3, the shift, the exp, "
-        "the add; top_k: 0): "
+        "the add; SOFTMAX_WEIGHTED: 3; top_k: 0; a dot product of d features 2d): "
         + ", ".join(f"{case} {n}" for case, n in fpp.items())
         + f". % f32 peak against {peak['assumption']}. time / ours > 1: ours is faster. "
         "Errors: max |out - ref| / max |ref| against float64 (NumPy on 1024 sampled x rows; "
