@@ -49,7 +49,7 @@ class LogSumExp(Monoid):
     become floats. The scan engine may fold a chunk with the native CPU kernel
     (:meth:`fold_native`)."""
 
-    name, axes_all, reads_twice, native_kernel = "logsumexp", True, True, "logsumexp"
+    name, reads_twice, native_kernel = "logsumexp", True, "logsumexp"
     combine, reduce = staticmethod(jnp.logaddexp), staticmethod(jax.nn.logsumexp)
 
     def result_dtype(self, dtype: Any) -> np.dtype:

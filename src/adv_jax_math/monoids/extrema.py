@@ -84,7 +84,7 @@ class Extremum(_Ordered):
     # take half its share of the derivative (exact), not all of it and none: a copy
     # of cotangent 0 meets fun's infinite partial derivatives there (a tied row's
     # t * log(0)) as 0 * inf = NaN in reverse mode. The values ignore repeats.
-    selects, axes_all, halves = True, True, True
+    selects, halves = True, True
 
     def __init__(self, largest: bool):
         super().__init__(largest, "max" if largest else "min")
