@@ -41,7 +41,7 @@ from ...monoids.reduction import MonoidReduction
 from .backward import reverse_rows
 from .blocks import choose_block, choose_steps, row_stats, tpu_block, tpu_legal_rows
 from .build import block_terms, build_kernel, fold_jaxpr, traced_at
-from .kernel import Kernel, forward, kernel_const_aval
+from .kernel import Kernel, forward, kernel_const_aval, partial_shape
 from .probe import probe
 from .rules import (
     analyze,
@@ -176,7 +176,7 @@ def check(
             consts=[
                 kernel_const_aval(jax.ShapeDtypeStruct(np.shape(c), c.dtype)) for c in closed.consts
             ],
-            partials=[((1, *(a.shape or (1,))), a.dtype) for a in states],
+            partials=[(partial_shape(a), a.dtype) for a in states],
             body=analysis.avals,
             traced_rows=small,
             elementwise=analysis.elementwise,
@@ -196,17 +196,9 @@ def check(
     closed, out_shape = traced_at(fun, xs, rows, known)
     k = build_kernel((closed, out_shape), xs, reduction, (rows, steps), tgt, tgt.platform == "cpu")
     verdict = probe(k)
-    traced_block = (closed, out_shape)
+    block_trace = (closed, out_shape)
     return Check(
-        verdict.problem,
-        rows,
-        steps,
-        verdict.compiled,
-        tgt.device_kind,
-        vmem,
-        traced_block,
-        k,
-        known,
+        verdict.problem, rows, steps, verdict.compiled, tgt.device_kind, vmem, block_trace, k, known
     )
 
 
