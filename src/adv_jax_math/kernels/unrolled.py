@@ -29,6 +29,7 @@ from jax import lax
 from jax.extend.core import Literal
 
 from ..analysis.jaxpr_graph import ELEMENTWISE, IDENTITY, subjaxpr, walk
+from ..monoids.extrema import _extreme
 
 __all__ = ["NotUnrolled", "evaluate", "objects", "size", "stack", "unstack"]
 
@@ -105,13 +106,8 @@ def _reduce(name: str, a: np.ndarray, axes: Sequence[int], dtype: Any) -> np.nda
 def _identity(name: str, dtype: Any) -> np.ndarray:
     """The identity of reduction ``name`` in ``dtype`` (a 0-d constant)."""
     dtype = np.dtype(dtype)
-    inexact = jnp.issubdtype(dtype, jnp.inexact)
-    if name == "reduce_max":
-        low = -np.inf if inexact else False if dtype == np.bool_ else np.iinfo(dtype).min
-        return np.asarray(low, dtype)
-    if name == "reduce_min":
-        high = np.inf if inexact else True if dtype == np.bool_ else np.iinfo(dtype).max
-        return np.asarray(high, dtype)
+    if name in ("reduce_max", "reduce_min"):
+        return np.asarray(_extreme(dtype, lowest=name == "reduce_max"), dtype)
     if name == "reduce_and":
         return np.asarray(True if dtype == np.bool_ else -1, dtype)
     return np.asarray(1 if name == "reduce_prod" else 0, dtype)

@@ -159,9 +159,7 @@ class WeightedLogSumExp(_ExponentAndCompanion):
         self.name = "weighted_logsumexp" + ("(return_sign=True)" if return_sign else "")
 
     def __repr__(self) -> str:
-        return "adv_jax_math." + (
-            "weighted_logsumexp(return_sign=True)" if self.return_sign else "WEIGHTED_LOGSUMEXP"
-        )
+        return "adv_jax_math." + (self.name if self.return_sign else "WEIGHTED_LOGSUMEXP")
 
     def _dtypes(self, items: Items) -> tuple[np.dtype, np.dtype]:
         a, b = items

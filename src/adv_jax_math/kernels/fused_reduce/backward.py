@@ -187,12 +187,9 @@ def _build(
     """The backward kernel for ``fun`` traced on a block (``closed``, its output avals
     ``out_shape``) at ``block = (rows, steps)``."""
     (rows, steps), n = block, int(np.shape(xs[0])[0])
-    terms = []
-    for leaf in reduction.leaves:
-        src = reduction.reads(out_shape, leaf)
-        terms.append(
-            Term(leaf, tuple(jax.ShapeDtypeStruct(tuple(s.shape[1:]), s.dtype) for s in src), None)
-        )
+    row = lambda s: jax.ShapeDtypeStruct(tuple(s.shape[1:]), s.dtype)
+    items = lambda leaf: tuple(map(row, reduction.reads(out_shape, leaf)))
+    terms = [Term(leaf, items(leaf), None) for leaf in reduction.leaves]
     const_avals = tuple(_aval(c) for c in closed.consts)
     # Few enough programs that their partials (one per constant) fit MAX_PARTIAL_BYTES.
     part_bytes = sum(math.prod(const_avals[i].shape) * const_avals[i].dtype.itemsize for i in c_idx)

@@ -208,12 +208,6 @@ def compiler_params(target: Target, interpret: bool, biggest: int) -> Any:
     return pallas_triton().CompilerParams(num_warps=8 if biggest >= 1 << 13 else 4)
 
 
-def _compiler_params(k: Kernel) -> Any:
-    biggest = k.rows * max(1, *(math.prod(a.shape) for a in k.state_avals()))
-    biggest = max(biggest, k.rows * max(math.prod(a.shape[1:]) for a in k.in_avals))
-    return compiler_params(k.target, k.interpret, biggest)
-
-
 def pallas_call(k: Kernel) -> Callable[..., Any]:
     nc, nx = len(k.const_avals), len(k.in_avals)
 
@@ -240,6 +234,8 @@ def pallas_call(k: Kernel) -> Callable[..., Any]:
             o_ref[...] = part.reshape(o_ref.shape).astype(o_ref.dtype)
 
     avals = k.state_avals()
+    biggest = k.rows * max(1, *(math.prod(a.shape) for a in avals))
+    biggest = max(biggest, k.rows * max(math.prod(a.shape[1:]) for a in k.in_avals))
     return pl.pallas_call(
         kernel,
         out_shape=[jax.ShapeDtypeStruct((k.grid, *partial_shape(a)), a.dtype) for a in avals],
@@ -249,7 +245,7 @@ def pallas_call(k: Kernel) -> Callable[..., Any]:
         + [k.rows_spec(a.shape) for a in k.in_avals],
         out_specs=[partial_spec(a) for a in avals],
         interpret=k.interpret,
-        compiler_params=_compiler_params(k),
+        compiler_params=compiler_params(k.target, k.interpret, biggest),
         name=KERNEL_NAME,
     )
 
