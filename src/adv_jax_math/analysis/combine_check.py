@@ -150,14 +150,8 @@ def check_combine(
     structure, shapes and dtypes (once, e.g. a chunk and the remainder, it may
     concatenate); and its jaxpr must not show a non-associative combination of the two
     (``a - b``, ``(a + b) / 2``, ``2 * a + b``, ``a / b``, ``a ** b``). Whatever it cannot
-    decide it accepts.
-
-    Raises
-    ------
-    TypeError
-        If calling ``reduction`` on two chunk results fails.
-    ValueError
-        If it returns another structure, shape or dtype, or is not associative.
+    decide it accepts. TypeError when calling it fails; ValueError for another
+    structure, shape or dtype, or a combination that is not associative.
     """
     part = jax.eval_shape(chunk_reduction, out_shape)
     try:

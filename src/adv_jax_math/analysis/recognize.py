@@ -61,17 +61,9 @@ class Recognition:
 
     def prologue(self, ys: Any) -> list[jax.Array]:
         """The arrays the terms read: each term's source leaf of ``ys`` with its
-        elementwise prologue applied (or ``ys``'s leaves, for Monoid objects).
-
-        Parameters
-        ----------
-        ys : pytree
-            ``fun``'s output for a chunk of any number (>= 1) of rows; may be traced.
-
-        Returns
-        -------
-        list of jax.Array
-            One array per result leaf, ready for ``leaf.monoid.reduce(v, axis=leaf.axis)``.
+        elementwise prologue applied (or ``ys``'s leaves, for Monoid objects): one
+        array per result leaf, ready for ``leaf.monoid.reduce(v, axis=leaf.axis)``.
+        ``ys`` is ``fun``'s output for a chunk of any number (>= 1) of rows, maybe traced.
         """
         if self.leaves is None:
             raise ValueError(f"not a recognized monoid reduction: {self.how}")
@@ -154,8 +146,16 @@ def _monoid_terms(reduction: Any, out_shape: Any) -> Recognition:
     return Recognition(tuple(result), out_tree, how)
 
 
-def _recognize(reduction: Any, chunk_reduction: Callable, out_shape: Any) -> Recognition:
-    """The monoids of ``(reduction, chunk_reduction)`` (see :func:`recognize`)."""
+def recognize(reduction: Any, chunk_reduction: Callable, out_shape: Any) -> Recognition:
+    """The monoid reduction that ``(reduction, chunk_reduction)`` computes, for ``fun``'s
+    output ``out_shape`` on one chunk (rows first): ``reduction`` combines two chunk
+    results (a callable, a Monoid, a pytree of them; None: a map, no reduction) and
+    ``chunk_reduction`` reduces one chunk. The :class:`Recognition`'s ``leaves`` are
+    None when it is not recognized, its ``how`` says how, or why not. Raises
+    ValueError if ``reduction`` is a :class:`Monoid` and ``chunk_reduction`` another.
+    """
+    if reduction is None:
+        return Recognition(None, None, "no reduction")
     tree = jax.tree.structure(out_shape)
     if is_monoid_tree(reduction) and chunk_reduction is identity:
         return _monoid_terms(reduction, out_shape)
@@ -177,7 +177,7 @@ def _recognize(reduction: Any, chunk_reduction: Callable, out_shape: Any) -> Rec
             # output (our documented extension; the call as written could not run).
             each = lambda t: jax.tree.map(chunk_reduction, t)
             pair = reduction if isinstance(reduction, Monoid) else _leafwise(reduction)
-            rec_each = _recognize(pair, each, out_shape)
+            rec_each = recognize(pair, each, out_shape)
             if rec_each.leaves is not None:
                 how = rec_each.how + " (chunk_reduction applied to each leaf)"
                 return dataclasses.replace(rec_each, how=how)
@@ -199,30 +199,3 @@ def _recognize(reduction: Any, chunk_reduction: Callable, out_shape: Any) -> Rec
     parts = [f"{d} + {c}" for d, c in zip(descr, names, strict=True)]
     how = parts[0] if len(parts) == 1 else "; ".join(f"leaf {j}: {p}" for j, p in enumerate(parts))
     return Recognition(rec, tree, "traced: " + how, prologues, sources)
-
-
-def recognize(reduction: Callable | None, chunk_reduction: Callable, out_shape: Any) -> Recognition:
-    """Recognize the monoid reduction that ``(reduction, chunk_reduction)`` computes.
-
-    Parameters
-    ----------
-    reduction : callable or Monoid or None
-        Combines two chunk results (None: a map, not a reduction).
-    chunk_reduction : callable
-        Reduces one chunk of ``fun``'s output (rows first).
-    out_shape : pytree of jax.ShapeDtypeStruct
-        ``fun``'s output for one chunk (leading axis = rows).
-
-    Returns
-    -------
-    Recognition
-        ``leaves`` is None when not recognized; ``how`` says how, or why not.
-
-    Raises
-    ------
-    ValueError
-        If ``reduction`` is a :class:`Monoid` and ``chunk_reduction`` another monoid.
-    """
-    if reduction is None:
-        return Recognition(None, None, "no reduction")
-    return _recognize(reduction, chunk_reduction, out_shape)

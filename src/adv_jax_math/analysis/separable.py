@@ -275,12 +275,10 @@ def _x_axis(shape: tuple, tags: Tags, grown_y: tuple, grown_x: tuple) -> int | s
     if on_y != [0] or tags[0] not in ("j", "b") or "j" in tags[1:]:
         return f"has axes {tags}: y rows must be axis 0, and no other axis"
     if on_x == [1] and tags[1] in ("i", "b") and "i" not in tags[2:]:
-        p: int | None = 1
-    elif not on_x and "i" not in tags:
-        p = None
-    else:
-        return f"has axes {tags}: x rows must be axis 1 (or absent), and no other axis"
-    return p
+        return 1
+    if not on_x and "i" not in tags:
+        return None
+    return f"has axes {tags}: x rows must be axis 1 (or absent), and no other axis"
 
 
 def read_blocks(g: Callable, y: Any, x: Any, also: Sequence[tuple[int, int]] = ()) -> Blocks | str:

@@ -100,8 +100,7 @@ def reduce(
         """Each term's state over all parts, merged in the order of the rows."""
         out = None
         for plan, xs, (_, _, offset) in zip(plans, xss, parts, strict=True):
-            part = states_of(plan, xs, offset)
-            out = reduction.merge_states(out, part)
+            out = reduction.merge_states(out, states_of(plan, xs, offset))
         assert out is not None
         return out
 

@@ -80,15 +80,11 @@ def parse_bytes(value: int | str | None, name: str = "memory_budget") -> int | N
         number = float(match.group(1)) * _UNITS[unit]
     else:
         raise TypeError(f"{name}={value!r} must be an int or a str, not {type(value).__name__}")
-    if not math.isfinite(number):
+    if not math.isfinite(number) or number < 1:
+        need = "be at least 1 byte" if math.isfinite(number) else "be a finite number of bytes"
         raise ValueError(
-            f"{name}={value!r} must be a finite number of bytes; use bytes (an int) or a "
-            "string like '512MiB', or None for the default budget"
-        )
-    if number < 1:
-        raise ValueError(
-            f"{name}={value!r} must be at least 1 byte; use bytes (an int) or a string like "
-            "'512MiB', or None for the default budget"
+            f"{name}={value!r} must {need}; use bytes (an int) or a string like '512MiB', "
+            "or None for the default budget"
         )
     return int(number)
 

@@ -25,6 +25,7 @@ __all__ = [
     "context_mesh",
     "explicit",
     "follow_layout",
+    "mesh_context",
     "on_context_mesh",
     "place",
     "row_sharding",
@@ -56,12 +57,6 @@ def explicit(sharding: Any) -> TypeGuard[NamedSharding]:
     )
 
 
-def _axes(entry: Any) -> tuple[str, ...]:
-    if entry is None:
-        return ()
-    return tuple(entry) if isinstance(entry, tuple | list) else (entry,)
-
-
 class RowSharding:
     """The mesh axes an input's rows are split over (more than one device)."""
 
@@ -84,7 +79,8 @@ def row_sharding(xs: Any) -> RowSharding | None:
         sharding = sharding_of(x)
         if sharding is None or not np.ndim(x) or not len(sharding.spec):
             continue
-        axes = _axes(sharding.spec[0])
+        entry = sharding.spec[0]  # a mesh axis, several, or None
+        axes = tuple(entry) if isinstance(entry, tuple | list) else (entry,) if entry else ()
         if axes and math.prod(sharding.mesh.shape[a] for a in axes) > 1:
             return RowSharding(sharding.mesh, axes)
     return None
@@ -107,14 +103,14 @@ class Lanes:
     def constrain(self, a: jax.Array) -> jax.Array:
         """``a`` with its leading axis split over the lanes' devices (on the mesh,
         also for one device)."""
-        sharding = NamedSharding(self.mesh, self.spec())
-        if AxisType.Explicit in tuple(self.mesh.axis_types):
-            return jax.sharding.reshard(a, sharding)
-        return jax.lax.with_sharding_constraint(a, sharding)
+        return self._put(a, self.spec())
 
     def gather(self, a: jax.Array) -> jax.Array:
         """``a`` (a device axis first) whole on every device: small states to merge."""
-        sharding = NamedSharding(self.mesh, PartitionSpec())
+        return self._put(a, PartitionSpec())
+
+    def _put(self, a: jax.Array, spec: PartitionSpec) -> jax.Array:
+        sharding = NamedSharding(self.mesh, spec)
         if AxisType.Explicit in tuple(self.mesh.axis_types):
             return jax.sharding.reshard(a, sharding)
         return jax.lax.with_sharding_constraint(a, sharding)
@@ -224,23 +220,25 @@ def typed_mesh(*values: Any) -> Iterator[None]:
                 concrete = getattr(x, "sharding", None)
                 mesh = getattr(concrete, "mesh", None) or sharding.mesh
                 break
-    if mesh is None:
+    with contextlib.nullcontext() if mesh is None else mesh_context(mesh):
         yield
-        return
+
+
+@contextlib.contextmanager
+def mesh_context(mesh: Any) -> Iterator[None]:
+    """``mesh`` made the context mesh: set with ``jax.set_mesh`` outside ``jit``; inside
+    (``set_mesh`` refuses), or for an abstract mesh, its abstract mesh set."""
     context: contextlib.AbstractContextManager[Any]
+    concrete = isinstance(mesh, jax.sharding.Mesh)
     try:
-        if not isinstance(mesh, jax.sharding.Mesh):
+        if not concrete:
             raise ValueError("an abstract mesh")
         context = jax.set_mesh(mesh)
         context.__enter__()
-    except ValueError:  # inside jit (set_mesh refuses), or only the abstract mesh is known
-        context = jax.sharding.use_abstract_mesh(_abstract(mesh))
+    except ValueError:  # "set_mesh can only be used outside of jax.jit"
+        context = jax.sharding.use_abstract_mesh(mesh.abstract_mesh if concrete else mesh)
         context.__enter__()
     try:
         yield
     finally:
         context.__exit__(None, None, None)
-
-
-def _abstract(mesh: Any) -> Any:
-    return mesh.abstract_mesh if isinstance(mesh, jax.sharding.Mesh) else mesh

@@ -29,6 +29,8 @@ __all__ = [
     "device_kind",
     "gpu_target_config",
     "has_devices",
+    "mesh_device",
+    "on_platform",
     "pallas_triton",
     "quiet_triton",
     "target",
@@ -116,11 +118,8 @@ def target(platform: str) -> Target:
     return dataclasses.replace(base, device_kind=device_kind(base.platform))
 
 
-def _no_args() -> Any:
-    return np.int8(0)
-
-
-_PROBE_CONTEXT = jax.jit(_no_args)  # compiled for the context mesh's devices (JAX caches it)
+# compiled for the context mesh's devices (JAX caches it)
+_PROBE_CONTEXT = jax.jit(lambda: np.int8(0))
 
 
 def concrete_context_mesh() -> tuple[jax.sharding.Mesh | None, bool]:
@@ -153,19 +152,24 @@ def _mesh_device(platform: str) -> Any:
     when it is of ``platform``: a real or compile-only device (also inside
     ``jax.jit``, see :func:`concrete_context_mesh`), or an abstract one."""
     concrete, _ = concrete_context_mesh()
-    meshes = [m for m in (concrete, jax.sharding.get_abstract_mesh()) if m is not None]
-    for mesh in meshes:
-        try:
-            devices = mesh.devices  # a concrete mesh's devices; AbstractMesh raises
-        except Exception:
-            devices = None
-        if devices is not None and bool(getattr(devices, "size", 0)):
-            device = devices.flat[0]
-        else:
-            device = getattr(mesh, "abstract_device", None)
-        if device is not None and PLATFORMS.get(getattr(device, "platform", "")) == platform:
+    for mesh in (concrete, jax.sharding.get_abstract_mesh()):
+        device = None if mesh is None else mesh_device(mesh)
+        if on_platform(device, platform):
             return device
     return None
+
+
+def mesh_device(mesh: Any) -> Any:
+    """The first device of a concrete ``mesh``, else its abstract device (or None)."""
+    try:
+        return mesh.devices.flat[0]
+    except Exception:  # an AbstractMesh, or an empty mesh
+        return getattr(mesh, "abstract_device", None)
+
+
+def on_platform(device: Any, platform: str) -> bool:
+    """Whether ``device`` (real, compile-only or abstract) is of ``platform``."""
+    return PLATFORMS.get(getattr(device, "platform", None) or "") == platform
 
 
 def device_kind(platform: str) -> str:
@@ -206,11 +210,6 @@ def gpu_target_config(kind: str) -> str:
     return _GPU_CONFIG.format(kind=kind, X=x, Y=y, C=d.cores, F=g.fpus, S=g.shared,
                               O=g.shared_optin, BW=bw, L2=d.cache, G=d.clock / 1e9,
                               M=g.memory)  # fmt: skip
-
-
-def _topology_device(platform: str, kind: str) -> Any:
-    """A compile-only device of ``kind``, or None where no compiler for it is installed."""
-    return _topology(platform, kind)[0]
 
 
 @functools.cache
@@ -268,7 +267,7 @@ def compile_mesh(platform: str) -> jax.sharding.Mesh | None:
         kind = device_kind(platform)
         present = jax.devices(platform) if has_devices(platform) else []
         device = next((d for d in present if d.device_kind == kind), None)
-        device = device or _topology_device(platform, kind)
+        device = device or _topology(platform, kind)[0]  # a compile-only device
     if device is None:
         return None
     return jax.sharding.Mesh(np.array([device]), ("x",))

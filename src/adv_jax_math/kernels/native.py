@@ -141,14 +141,9 @@ def _mode() -> str:
 
 
 def status() -> tuple[bool, str]:
-    """Whether the native kernel is usable now, and why (never raises).
-
-    Returns
-    -------
-    tuple of (bool, str)
-        ``(True, "loaded from <path>")``, or ``(False, reason)``: disabled by the
-        ``native`` option, library not found, a load or self-test error.
-    """
+    """Whether the native kernel is usable now, and why (never raises):
+    ``(True, "loaded from <path>")``, or ``(False, reason)``: disabled by the
+    ``native`` option, library not found, a load or self-test error."""
     if _mode() == "off":
         if os.environ.get(_ENV_MODE, "").strip().lower() == "off":
             return False, f"disabled by {_ENV_MODE}=off"
@@ -174,19 +169,9 @@ def decision(shape: Sequence[int], dtype: Any) -> tuple[bool, str]:
 
     It does for float32/float64 chunks of at least :data:`MIN_ELEMENTS` elements when
     the ``native`` option allows it and the library loads (with ``"require"``, a
-    library that does not load raises when the kernel is called).
-
-    Parameters
-    ----------
-    shape : sequence of int
-        Shape of one chunk to be reduced, ``(rows, ...)``.
-    dtype : dtype-like
-        Its dtype (after widening: 16-bit floats are reduced as float32).
-
-    Returns
-    -------
-    tuple of (bool, str)
-        Whether it runs, and a sentence saying why (``explain()``'s wording).
+    library that does not load raises when the kernel is called). ``shape`` is one
+    chunk's, ``(rows, ...)``, ``dtype`` its dtype after widening (16-bit floats are
+    reduced as float32); the sentence is ``explain()``'s.
     """
     mode = _mode()
     if mode == "off":
@@ -258,24 +243,9 @@ def logsumexp(x: Any, axis: int | None = 0) -> jax.Array:
     The native kernel runs for float32/float64 inputs when the ``native`` option
     allows it and the library loads, and only when the computation is lowered for
     CPU; everything else (other dtypes, platforms, or no library) is
-    :func:`jax.nn.logsumexp`. Works under ``jit``, ``grad`` and ``vmap``.
-
-    Parameters
-    ----------
-    x : array_like
-        Input.
-    axis : int or None
-        Axis to reduce (negative counts from the end), or None for all axes.
-
-    Returns
-    -------
-    jax.Array
-        ``x`` with ``axis`` removed (a scalar for ``axis=None``).
-
-    Raises
-    ------
-    RuntimeError
-        With ``native="require"`` when the library cannot be loaded.
+    :func:`jax.nn.logsumexp`. Works under ``jit``, ``grad`` and ``vmap``. ``axis``
+    may count from the end, or be None for all axes. Raises RuntimeError with
+    ``native="require"`` when the library cannot be loaded.
     """
     x = jnp.asarray(x)
     if axis is not None:

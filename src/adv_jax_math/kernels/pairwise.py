@@ -26,7 +26,13 @@ from jax.experimental import pallas as pl
 from ..monoids.base import index_dtype, merge_stacked
 from ..monoids.reduction import LeafReduction
 from .fused_reduce.interpreter import evaluate
-from .fused_reduce.kernel import _load_const, _to_kernel_const, kernel_const_aval
+from .fused_reduce.kernel import (
+    _load_const,
+    _to_kernel_const,
+    kernel_const_aval,
+    named_jit,
+    rows_at,
+)
 
 __all__ = ["KERNEL_NAME", "states"]
 
@@ -155,9 +161,7 @@ def _kernel(
         y_refs, o_refs = refs[nc + nx : nc + nx + ny], refs[nc + nx + ny :]
         c = [_load_const(r, a) for r, a in zip(c_refs, const_avals, strict=True)]
         xv = [r[...] for r in x_refs]
-        rows = lambda start: [
-            r[(pl.ds(start, bj),) + (slice(None),) * (r.ndim - 1)] for r in y_refs
-        ]
+        rows = lambda start: [r[rows_at(start, bj, r.ndim)] for r in y_refs]
         acc = program(pl.program_id(0), c, xv, rows)
         for value, o_ref in zip(jax.tree.leaves(acc), o_refs, strict=True):
             o_ref[...] = value.reshape(o_ref.shape).astype(o_ref.dtype)
@@ -180,13 +184,7 @@ def _kernel(
         interpret=True,
         name=KERNEL_NAME,
     )
-
-    def kernel_call(*args: Any) -> Any:
-        return call(*args)
-
-    # A named jit makes the kernel visible in lowered text (``@adv_jax_math_pairwise``).
-    kernel_call.__name__ = kernel_call.__qualname__ = KERNEL_NAME
-    return list(jax.jit(kernel_call)(*map(_to_kernel_const, kconsts), *xs, *ys))
+    return list(named_jit(call, KERNEL_NAME)(*map(_to_kernel_const, kconsts), *xs, *ys))
 
 
 def _over_rows(leaf: LeafReduction, state: Any, real: Any) -> Any:

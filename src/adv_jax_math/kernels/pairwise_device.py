@@ -38,8 +38,9 @@ from jax.experimental import pallas as pl
 from ..monoids.base import index_dtype
 from ..monoids.reduction import MonoidReduction
 from ..monoids.softmax import SoftmaxWeighted
+from .fused_reduce.kernel import named_jit
 from .pairwise import _pad_rows
-from .unrolled import NotUnrolled, evaluate
+from .unrolled import NotUnrolled, evaluate, objects
 
 __all__ = ["DEVICE_KERNEL_NAME", "Layout", "device_states"]
 
@@ -58,10 +59,6 @@ class Layout:
     interpret: bool = False
     params: Any = None
     per_y: tuple[bool, ...] = ()
-
-
-def _features(a: jax.Array) -> int:
-    return int(np.prod(a.shape[1:], dtype=np.int64))
 
 
 def device_states(
@@ -90,8 +87,8 @@ def device_states(
         for shapes, vals in ((c_shapes, c_vals), (x_shapes, x_vals), (y_shapes, y_vals)):
             at = 0
             for shape in shapes:
-                k = int(np.prod(shape, dtype=np.int64))
-                objs.append(_objects(vals[at : at + k], shape))
+                k = _size_of(shape)
+                objs.append(objects(vals[at : at + k], shape))
                 at += k
         own = len(jaxpr.constvars)
         # object arrays of 2-D values (barriers held in plain XLA and interpret mode)
@@ -226,13 +223,7 @@ def device_states(
         compiler_params=layout.params,
         name=DEVICE_KERNEL_NAME,
     )
-
-    def kernel_call(*args: Any) -> Any:
-        return call(*args)
-
-    # A named jit makes the kernel visible in lowered text (``@adv_jax_math_pairwise_tiles``).
-    kernel_call.__name__ = kernel_call.__qualname__ = DEVICE_KERNEL_NAME
-    flat = jax.jit(kernel_call)(*flat_consts, *x_rows, *y_cols)
+    flat = named_jit(call, DEVICE_KERNEL_NAME)(*flat_consts, *x_rows, *y_cols)
     return joined(jax.tree.unflatten(treedef, [o[0, :n] for o in flat]))
 
 
@@ -309,14 +300,6 @@ def _column(row: jax.Array) -> jax.Array:
     """A row ``(1, n)`` as a column ``(n, 1)``: a transpose of 8 sublanes (Mosaic's
     smallest), its first column kept."""
     return jnp.broadcast_to(row, (8, row.shape[1])).T[:, :1]
-
-
-def _objects(values: Sequence[Any], shape: tuple) -> np.ndarray:
-    """An object array of ``shape`` holding ``values`` (tracers: never converted)."""
-    out = np.empty(len(values), dtype=object)
-    for k, v in enumerate(values):
-        out[k] = v
-    return out.reshape(shape)
 
 
 def _smem(interpret: bool) -> Any:

@@ -29,8 +29,9 @@ from jax import lax
 from jax.extend.core import Literal
 
 from ..analysis.jaxpr_graph import ELEMENTWISE, IDENTITY, subjaxpr, walk
+from ..monoids.extrema import _extreme
 
-__all__ = ["NotUnrolled", "evaluate", "size", "stack", "unstack"]
+__all__ = ["NotUnrolled", "evaluate", "objects", "size", "stack", "unstack"]
 
 _REDUCE: dict[str, Callable[[Any, Any], Any]] = {
     "reduce_sum": lax.add,
@@ -47,14 +48,26 @@ class NotUnrolled(Exception):
     """The jaxpr holds a primitive (or a size) :func:`evaluate` does not unroll."""
 
 
+def _built(shape: Sequence[int], element: Callable[[tuple], Any]) -> np.ndarray:
+    """An object array of ``shape`` whose element at ``idx`` is ``element(idx)``, in
+    C order (values and tracers stored as they are, never converted)."""
+    out = np.empty(tuple(shape), dtype=object)
+    for idx in np.ndindex(*out.shape):
+        out[idx] = element(idx)
+    return out
+
+
+def objects(values: Sequence[Any], shape: Sequence[int]) -> np.ndarray:
+    """An object array of ``shape`` holding ``values`` (flat, in C order)."""
+    it = iter(values)
+    return _built(shape, lambda _: next(it))
+
+
 def unstack(value: Any, shape: Sequence[int]) -> np.ndarray:
     """An object array of ``shape`` from a value whose last axes are ``shape``
     (``(..., *shape)``): its elements ``value[..., idx]``."""
-    out = np.empty(tuple(shape), dtype=object)
-    lead = np.ndim(value) - len(shape)
-    for idx in np.ndindex(*shape):
-        out[idx] = value[(slice(None),) * lead + idx]
-    return out
+    lead = (slice(None),) * (np.ndim(value) - len(shape))
+    return _built(shape, lambda idx: value[lead + idx])
 
 
 def stack(obj: np.ndarray, shape: Sequence[int]) -> Any:
@@ -74,10 +87,8 @@ def _common(elems: Sequence[Any]) -> list[Any]:
 def _elementwise(eqn: Any, args: list[np.ndarray]) -> list[np.ndarray]:
     shape = np.broadcast_shapes(*(a.shape for a in args))
     args = [np.broadcast_to(a, shape) for a in args]
-    out = np.empty(shape, dtype=object)
-    for idx in np.ndindex(*shape):
-        out[idx] = eqn.primitive.bind(*_common([a[idx] for a in args]), **eqn.params)
-    return [out]
+    bind = lambda idx: eqn.primitive.bind(*_common([a[idx] for a in args]), **eqn.params)
+    return [_built(shape, bind)]
 
 
 def _reduce(name: str, a: np.ndarray, axes: Sequence[int], dtype: Any) -> np.ndarray:
@@ -87,28 +98,16 @@ def _reduce(name: str, a: np.ndarray, axes: Sequence[int], dtype: Any) -> np.nda
     shape = tuple(a.shape[d] for d in keep)
     width = int(np.prod([a.shape[d] for d in axes], dtype=np.int64))
     moved = np.transpose(a, (*keep, *axes)).reshape(*shape, width)
-    out = np.empty(shape, dtype=object)
-    combine = _REDUCE[name]
-    for idx in np.ndindex(*shape):
-        elems = list(moved[idx])
-        out[idx] = (
-            functools.reduce(lambda u, v: combine(*_common([u, v])), elems)
-            if elems
-            else _identity(name, dtype)
-        )
-    return out
+    combine = lambda u, v: _REDUCE[name](*_common([u, v]))
+    reduced = lambda idx: functools.reduce(combine, moved[idx]) if width else _identity(name, dtype)
+    return _built(shape, reduced)
 
 
 def _identity(name: str, dtype: Any) -> np.ndarray:
     """The identity of reduction ``name`` in ``dtype`` (a 0-d constant)."""
     dtype = np.dtype(dtype)
-    inexact = jnp.issubdtype(dtype, jnp.inexact)
-    if name == "reduce_max":
-        low = -np.inf if inexact else False if dtype == np.bool_ else np.iinfo(dtype).min
-        return np.asarray(low, dtype)
-    if name == "reduce_min":
-        high = np.inf if inexact else True if dtype == np.bool_ else np.iinfo(dtype).max
-        return np.asarray(high, dtype)
+    if name in ("reduce_max", "reduce_min"):
+        return np.asarray(_extreme(dtype, lowest=name == "reduce_max"), dtype)
     if name == "reduce_and":
         return np.asarray(True if dtype == np.bool_ else -1, dtype)
     return np.asarray(1 if name == "reduce_prod" else 0, dtype)
@@ -120,19 +119,13 @@ def _dot(eqn: Any, lhs: np.ndarray, rhs: np.ndarray) -> np.ndarray:
         raise NotUnrolled("dot_general with batch dimensions")
     prods = np.tensordot(lhs, rhs, axes=(tuple(lc), tuple(rc)))  # object arithmetic
     dtype = eqn.params.get("preferred_element_type") or eqn.outvars[0].aval.dtype
-    out = np.empty(prods.shape, dtype=object)
-    for idx in np.ndindex(*prods.shape):
-        out[idx] = jnp.asarray(prods[idx]).astype(dtype)
-    return out
+    return _built(prods.shape, lambda idx: jnp.asarray(prods[idx]).astype(dtype))
 
 
 def _structural(name: str, eqn: Any, args: list[np.ndarray]) -> np.ndarray | None:
     p = eqn.params
     if name == "iota":  # constants: the indices along one axis
-        out = np.empty(tuple(p["shape"]), dtype=object)
-        for idx in np.ndindex(*out.shape):
-            out[idx] = np.asarray(idx[p["dimension"]], p["dtype"])
-        return out
+        return _built(p["shape"], lambda idx: np.asarray(idx[p["dimension"]], p["dtype"]))
     if not args:
         return None
     a = args[0]
@@ -174,9 +167,7 @@ def _pad(a: np.ndarray, fill: Any, config: Sequence[tuple[int, int, int]]) -> np
     shape = [
         lo + hi + n + max(n - 1, 0) * k for (lo, hi, k), n in zip(config, a.shape, strict=True)
     ]
-    out = np.empty(shape, dtype=object)
-    for idx in np.ndindex(*out.shape):
-        out[idx] = fill
+    out = _built(shape, lambda _: fill)
     stop = lambda lo, n, k: lo + (n - 1) * (k + 1) + 1 if n else lo
     spots = tuple(
         slice(lo, stop(lo, n, k), k + 1) for (lo, _, k), n in zip(config, a.shape, strict=True)
@@ -211,15 +202,8 @@ def _barrier(objs: Sequence[np.ndarray]) -> list:
     """Object arrays whose elements pass one ``optimization_barrier``: each value
     computed once, as written (XLA fuses a value into each of its readers, where a
     multiply may be contracted into an add of the reader's: another rounding)."""
-    flat = [e for o in objs for e in o.reshape(-1)]
-    held = iter(lax.optimization_barrier(flat))
-    out = []
-    for o in objs:
-        new = np.empty(o.size, dtype=object)
-        for k in range(o.size):
-            new[k] = next(held)
-        out.append(new.reshape(o.shape))
-    return out
+    held = iter(lax.optimization_barrier([e for o in objs for e in o.reshape(-1)]))
+    return [_built(o.shape, lambda _: next(held)) for o in objs]
 
 
 def _fits(eqn: Any, ins: list) -> Any:

@@ -70,9 +70,6 @@ class Monoid:
         The result selects rows (max, argmin, top-k): derivatives come from
         :meth:`tangent` on every engine (ties share the derivative evenly, as
         ``jax.grad(jnp.max)``), never from differentiating :meth:`fold`.
-    axes_all : bool
-        Whether the monoid may reduce every axis of a leaf (``jnp.sum(y)``), not
-        only the rows.
     reads_twice : bool
         :meth:`fold_fast` reads the rows in two passes (logsumexp: the maximum,
         then the shifted sum) and takes them computed a second time when ``fun`` is
@@ -102,7 +99,6 @@ class Monoid:
     arity: int = 1
     halves: bool = False
     selects: bool = False
-    axes_all: bool = False
     reads_twice: bool = False
     sorts: bool = False
     native_kernel: str | None = None

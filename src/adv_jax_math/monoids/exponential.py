@@ -49,7 +49,7 @@ class LogSumExp(Monoid):
     become floats. The scan engine may fold a chunk with the native CPU kernel
     (:meth:`fold_native`)."""
 
-    name, axes_all, reads_twice, native_kernel = "logsumexp", True, True, "logsumexp"
+    name, reads_twice, native_kernel = "logsumexp", True, "logsumexp"
     combine, reduce = staticmethod(jnp.logaddexp), staticmethod(jax.nn.logsumexp)
 
     def result_dtype(self, dtype: Any) -> np.dtype:
@@ -159,9 +159,7 @@ class WeightedLogSumExp(_ExponentAndCompanion):
         self.name = "weighted_logsumexp" + ("(return_sign=True)" if return_sign else "")
 
     def __repr__(self) -> str:
-        return "adv_jax_math." + (
-            "weighted_logsumexp(return_sign=True)" if self.return_sign else "WEIGHTED_LOGSUMEXP"
-        )
+        return "adv_jax_math." + (self.name if self.return_sign else "WEIGHTED_LOGSUMEXP")
 
     def _dtypes(self, items: Items) -> tuple[np.dtype, np.dtype]:
         a, b = items

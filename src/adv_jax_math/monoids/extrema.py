@@ -36,18 +36,14 @@ def nan_weights(hit: jax.Array, total: jax.Array) -> jax.Array:
     return jnp.where(jnp.isnan(total), jnp.nan, hit).astype(hit.dtype)
 
 
-def _lowest(dtype: Any) -> Any:
+def _extreme(dtype: Any, lowest: bool) -> Any:
+    """The lowest (or highest) value of ``dtype``: -inf for floats."""
     dtype = np.dtype(dtype)
     if _inexact(dtype):
-        return -np.inf
-    return False if dtype == np.bool_ else jnp.iinfo(dtype).min
-
-
-def _highest(dtype: Any) -> Any:
-    dtype = np.dtype(dtype)
-    if _inexact(dtype):
-        return np.inf
-    return True if dtype == np.bool_ else jnp.iinfo(dtype).max
+        return -np.inf if lowest else np.inf
+    if dtype == np.bool_:
+        return not lowest
+    return jnp.iinfo(dtype).min if lowest else jnp.iinfo(dtype).max
 
 
 def _scalar_safe(y: jax.Array) -> jax.Array:
@@ -71,7 +67,7 @@ class _Ordered(Monoid):
         self._join, self._pick = (jnp.maximum, jnp.max) if largest else (jnp.minimum, jnp.min)
 
     def fill(self, dtype: Any) -> Any:
-        return np.asarray(_lowest(dtype) if self.largest else _highest(dtype), dtype)[()]
+        return np.asarray(_extreme(dtype, lowest=self.largest), dtype)[()]
 
 
 # -- max / min --------------------------------------------------------------------------
@@ -84,7 +80,7 @@ class Extremum(_Ordered):
     # take half its share of the derivative (exact), not all of it and none: a copy
     # of cotangent 0 meets fun's infinite partial derivatives there (a tied row's
     # t * log(0)) as 0 * inf = NaN in reverse mode. The values ignore repeats.
-    selects, axes_all, halves = True, True, True
+    selects, halves = True, True
 
     def __init__(self, largest: bool):
         super().__init__(largest, "max" if largest else "min")

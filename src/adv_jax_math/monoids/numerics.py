@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from ..core.call import is_inexact as _inexact
 from .base import _col
 
 Items = Sequence[jax.ShapeDtypeStruct]
@@ -26,10 +27,6 @@ def _two_sum(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
     z = t - a
     lost = (a - (t - z)) + (b - z)
     return t, lax.stop_gradient(jnp.where(jnp.isfinite(t), lost, jnp.zeros_like(lost)))
-
-
-def _inexact(dtype: Any) -> bool:
-    return bool(jnp.issubdtype(dtype, jnp.inexact))
 
 
 def _wide(dtype: Any) -> np.dtype:

@@ -103,10 +103,12 @@ class LeafReduction:
 
     def result(self, state: State, items: Sequence[Any]) -> Any:
         """The finalized result in this term's shapes and dtypes."""
-        out = self.monoid.finalize(state, items)
-        return jax.tree.map(
-            lambda r, s: jnp.asarray(r).astype(s.dtype).reshape(s.shape), out, self.out
-        )
+        return self.shaped(self.monoid.finalize(state, items))
+
+    def shaped(self, out: Any) -> Any:
+        """A result of the monoid in this term's shapes and dtypes."""
+        cast = lambda r, s: jnp.asarray(r).astype(s.dtype).reshape(s.shape)
+        return jax.tree.map(cast, out, self.out)
 
 
 @dataclass(frozen=True, eq=False)
@@ -156,13 +158,5 @@ class MonoidReduction:
 
     def empty_result(self, ys_shapes: Sequence[Any]) -> Any:
         """The result for ``n == 0`` (``ys_shapes``: the prepared output's avals)."""
-        out = []
-        for leaf in self.leaves:
-            items = leaf.items(self.reads(ys_shapes, leaf))
-            value = leaf.monoid.empty(items)
-            out.append(
-                jax.tree.map(
-                    lambda r, s: jnp.asarray(r).astype(s.dtype).reshape(s.shape), value, leaf.out
-                )
-            )
-        return self.finish(out)
+        items = lambda leaf: leaf.items(self.reads(ys_shapes, leaf))
+        return self.finish([leaf.shaped(leaf.monoid.empty(items(leaf))) for leaf in self.leaves])

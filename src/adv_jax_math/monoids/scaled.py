@@ -27,7 +27,7 @@ class Scaled(Monoid):
     def __init__(self, base: Monoid, scale: float):
         self.base, self.scale = base, float(scale)
         self.name = f"{self.scale:g} * {base.name}"
-        for attr in ("arity", "halves", "selects", "axes_all", "reads_twice", "native_kernel"):
+        for attr in ("arity", "halves", "selects", "reads_twice", "native_kernel"):
             setattr(self, attr, getattr(base, attr))
         if base.combine is not None:
             self.combine = lambda a, b: self.scale * base.combine(a / self.scale, b / self.scale)
@@ -37,37 +37,6 @@ class Scaled(Monoid):
 
     def _times(self, result: Any) -> Any:
         return jax.tree.map(lambda r: r * np.asarray(self.scale, r.dtype), result)
-
-    # the state and its folds are the base monoid's
-    def init(self, items: Sequence[jax.ShapeDtypeStruct]) -> State:
-        return self.base.init(items)
-
-    def fold(self, ys: Any, idx: Any, w: Any) -> State:
-        return self.base.fold(ys, idx, w)
-
-    def fold_fast(self, ys: Any, idx: Any, w: Any, again: Any = None) -> State:
-        return self.base.fold_fast(ys, idx, w, again)
-
-    def native_dtype(self, dtype: Any) -> np.dtype:
-        return self.base.native_dtype(dtype)
-
-    def fold_native(self, ys: Any, w: Any, kernel: Any) -> State:
-        return self.base.fold_native(ys, w, kernel)
-
-    def merge(self, a: State, b: State) -> State:
-        return self.base.merge(a, b)
-
-    def merge_fast(self, a: State, b: State) -> State:
-        return self.base.merge_fast(a, b)
-
-    def check_rows(self, n: int) -> None:
-        self.base.check_rows(n)
-
-    def encode(self, keep: Any, dtype: Any, xp: Any = np) -> Any:
-        return self.base.encode(keep, dtype, xp)
-
-    def fills(self, dtypes: Sequence[Any]) -> tuple:
-        return self.base.fills(dtypes)
 
     @property
     def tally(self) -> Any:
@@ -80,15 +49,6 @@ class Scaled(Monoid):
     def empty(self, items: Sequence[jax.ShapeDtypeStruct]) -> Any:
         return self._times(self.base.empty(items))
 
-    def tangent(self, ys: Any, dys: Any, idx: Any, keep: Any, state: State, items: Any) -> Any:
-        return self.base.tangent(ys, dys, idx, keep, state, items)
-
-    def tangent_init(self, raw: Any) -> Any:
-        return self.base.tangent_init(raw)
-
-    def tangent_merge(self, a: Any, b: Any) -> Any:
-        return self.base.tangent_merge(a, b)
-
     def tangent_finish(self, raw: Any, state: State, items: Sequence[Any]) -> Any:
         return self._times(self.base.tangent_finish(raw, state, items))
 
@@ -97,3 +57,18 @@ class Scaled(Monoid):
     ) -> tuple:
         ct = None if ct is None else self._times(ct)
         return self.base.cotangent(ct, ys, idx, keep, state, items, tally)
+
+
+def _delegated(name: str) -> Any:
+    def method(self: Scaled, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.base, name)(*args, **kwargs)
+
+    method.__name__ = method.__qualname__ = name
+    return method
+
+
+# the state, its folds and merges, the row weights and the tangent's shares are the
+# base monoid's (only the result and its derivatives are scaled)
+_BASE = ("init", "fold", "fold_fast", "native_dtype", "fold_native", "merge", "merge_fast")
+for _name in (*_BASE, "check_rows", "encode", "fills", "tangent", "tangent_init", "tangent_merge"):
+    setattr(Scaled, _name, _delegated(_name))

@@ -18,26 +18,6 @@ from jax import lax
 from .base import _col
 from .numerics import _spread, _two_sum
 
-__all__ = [
-    "_at_least_one",
-    "_at_most_0",
-    "_bound",
-    "_drop",
-    "_finite_or_zero",
-    "_join",
-    "_log_shifted",
-    "_merge_sums",
-    "_native_top",
-    "_own_init",
-    "_own_merge",
-    "_own_softmax",
-    "_rescale",
-    "_shifted",
-    "_softmax",
-    "_top",
-    "_two_passes",
-]
-
 
 @jax.custom_jvp
 def _bound(y: jax.Array, high: jax.Array) -> jax.Array:

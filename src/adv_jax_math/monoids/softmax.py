@@ -33,9 +33,7 @@ class SoftmaxWeighted(_ExponentAndCompanion):
         self.name = "softmax_weighted" + ("(return_lse=True)" if return_lse else "")
 
     def __repr__(self) -> str:
-        return "adv_jax_math." + (
-            "softmax_weighted(return_lse=True)" if self.return_lse else "SOFTMAX_WEIGHTED"
-        )
+        return "adv_jax_math." + (self.name if self.return_lse else "SOFTMAX_WEIGHTED")
 
     def _dtypes(self, items: Items) -> tuple[np.dtype, np.dtype]:
         out = _float(jnp.result_type(items[0].dtype, items[1].dtype))

@@ -23,7 +23,7 @@ class Sum(Monoid):
     """``jnp.sum(y, 0)``: promotes like ``jnp.sum`` (bool and narrow integers to the
     default integer), accumulates 16-bit floats in float32, compensated."""
 
-    name, halves, axes_all = "add", True, True
+    name, halves = "add", True
     combine, reduce = staticmethod(jnp.add), staticmethod(jnp.sum)
 
     def result_dtype(self, dtype: Any) -> np.dtype:
@@ -94,8 +94,7 @@ class Moments(Monoid):
         return _wide(self.result_dtype(dtype))
 
     def init(self, items: Items) -> Any:
-        acc = self._acc(items[0].dtype)
-        zero = _full(items[0], 0, acc)
+        zero = _full(items[0], 0, self._acc(items[0].dtype))
         return _full(items[0], 0, index_dtype()), zero, zero, zero, zero
 
     def encode(self, keep: Any, dtype: Any, xp: Any = np) -> Any:
@@ -175,9 +174,7 @@ class Moments(Monoid):
 
     def tangent(self, ys, dys, idx, keep, state, items) -> Any:
         _, mean, _ = self._stats(state)
-        y, dy = ys[0].astype(mean.dtype), dys[0].astype(mean.dtype)
-        if keep is not None:
-            dy = dy * _col(keep, dy).astype(dy.dtype)
+        y, dy = ys[0].astype(mean.dtype), _weigh(dys[0].astype(mean.dtype), keep)
         return jnp.sum(dy, axis=0), jnp.sum((y - mean[None]) * dy, axis=0)
 
     def tangent_finish(self, raw: Any, state: Any, items: Items) -> Any:

@@ -266,6 +266,20 @@ def _select(k: int, lists: list, key_min: Any) -> tuple:
     return tuple(keys), tuple(rows)
 
 
+def _padded(state: tuple, size: int) -> tuple[list, list]:
+    """A state's ``(values, rows)`` padded with empty slots to ``size`` slots."""
+    values, rows = state
+    pad = size - len(values)
+    zeros, empty = jnp.zeros_like(values[0]), jnp.full_like(rows[0], _empty_row())
+    return list(values) + [zeros] * pad, list(rows) + [empty] * pad
+
+
+def _rank(key: Any, v: jax.Array, r: jax.Array) -> jax.Array:
+    """The key of a slot's value, the lowest for an empty slot."""
+    kv = key(v)
+    return jnp.where(r == _empty_row(), np.iinfo(kv.dtype).min, kv)
+
+
 def _merge_sorted(k: int, a: tuple, b: tuple, key: Any) -> tuple:
     """The ``k`` best of two states ``(values, rows)``, each sorted best first (the
     higher ``key(value)``, then the lower row; empty slots, of row :func:`_empty_row`,
@@ -280,25 +294,12 @@ def _merge_sorted(k: int, a: tuple, b: tuple, key: Any) -> tuple:
     comparison (a bitcast), not carried: two arrays per slot, as few registers as
     possible on GPU; values move by ``where``, with their derivatives."""
     size = 1 << (k - 1).bit_length()
-    empty = _empty_row()
-
-    def padded(state: tuple) -> tuple[list, list]:
-        values, rows = state
-        pad = size - k
-        return (
-            list(values) + [jnp.zeros_like(values[0])] * pad,
-            list(rows) + [jnp.full_like(rows[0], empty)] * pad,
-        )
-
-    def rank(v: jax.Array, r: jax.Array) -> jax.Array:
-        kv = key(v)
-        return jnp.where(r == empty, np.iinfo(kv.dtype).min, kv)
 
     def first(vx: jax.Array, rx: jax.Array, vy: jax.Array, ry: jax.Array) -> jax.Array:
-        kx, ky = rank(vx, rx), rank(vy, ry)
+        kx, ky = _rank(key, vx, rx), _rank(key, vy, ry)
         return (kx > ky) | ((kx == ky) & (rx < ry))
 
-    (va, ra), (vb, rb) = padded(a), padded(b)
+    (va, ra), (vb, rb) = _padded(a, size), _padded(b, size)
     values, rows = [], []
     for i in range(size):  # the better of a[i] and b[size - 1 - i]: the size best
         j = size - 1 - i
@@ -326,18 +327,14 @@ def _merge_stacked(k: int, a: tuple, b: tuple, key: Any) -> tuple:
     compared, the same ``where``s (same results, same derivatives). Not in kernels
     (Triton, Mosaic: no such reshapes)."""
     size = 1 << (k - 1).bit_length()
-    empty = _empty_row()
-    pad = size - k
 
     def stacked(state: tuple, reverse: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
         """A state padded to ``size`` empty-last slots (reversed: first), stacked,
-        with its slots' keys (an empty slot's the lowest)."""
-        values = list(state[0]) + [jnp.zeros_like(state[0][0])] * pad
-        rows = list(state[1]) + [jnp.full_like(state[1][0], empty)] * pad
+        with its slots' keys."""
+        values, rows = _padded(state, size)
         order = slice(None, None, -1 if reverse else 1)
         v, r = jnp.stack(values[order]), jnp.stack(rows[order])
-        kv = key(v)
-        return v, r, jnp.where(r == empty, np.iinfo(kv.dtype).min, kv)
+        return v, r, _rank(key, v, r)
 
     def first(kx: jax.Array, rx: jax.Array, ky: jax.Array, ry: jax.Array) -> jax.Array:
         return (kx > ky) | ((kx == ky) & (rx < ry))

@@ -39,10 +39,18 @@ from jax.experimental import pallas as pl
 
 from ...core.targets import TPU_F32_MATH, Target, tpu_vmem_limit
 from ...monoids.reduction import LeafReduction, MonoidReduction
-from .backward_kernel import BACKWARD_NAME, Backward, _block_args, _block_vjp, _partial
+from .backward_kernel import BACKWARD_NAME, Backward, _block_args, _block_vjp
 from .blocks import tpu_block
 from .build import block_terms, build_kernel
-from .kernel import Kernel, Term, _to_kernel_const, forward, kernel_const_aval
+from .kernel import (
+    Kernel,
+    Term,
+    _to_kernel_const,
+    forward,
+    kernel_const_aval,
+    named_jit,
+    partial_shape,
+)
 from .probe import probe
 from .rules import analyze, live_at_peak, triton_size_problem
 
@@ -179,12 +187,9 @@ def _build(
     """The backward kernel for ``fun`` traced on a block (``closed``, its output avals
     ``out_shape``) at ``block = (rows, steps)``."""
     (rows, steps), n = block, int(np.shape(xs[0])[0])
-    terms = []
-    for leaf in reduction.leaves:
-        src = reduction.reads(out_shape, leaf)
-        terms.append(
-            Term(leaf, tuple(jax.ShapeDtypeStruct(tuple(s.shape[1:]), s.dtype) for s in src), None)
-        )
+    row = lambda s: jax.ShapeDtypeStruct(tuple(s.shape[1:]), s.dtype)
+    items = lambda leaf: tuple(map(row, reduction.reads(out_shape, leaf)))
+    terms = [Term(leaf, items(leaf), None) for leaf in reduction.leaves]
     const_avals = tuple(_aval(c) for c in closed.consts)
     # Few enough programs that their partials (one per constant) fit MAX_PARTIAL_BYTES.
     part_bytes = sum(math.prod(const_avals[i].shape) * const_avals[i].dtype.itemsize for i in c_idx)
@@ -192,7 +197,7 @@ def _build(
     steps = max(steps, pl.cdiv(pl.cdiv(n, rows), programs))
     if target.triton:
         steps = 1 << (steps - 1).bit_length()
-    k = Backward(
+    return Backward(
         jaxpr=closed.jaxpr,
         const_avals=const_avals,
         in_avals=tuple(_aval(x) for x in xs),
@@ -206,7 +211,6 @@ def _build(
         target=target,
         interpret=interpret,
     )
-    return k
 
 
 def _vjp_jaxpr(k: Backward) -> Any:
@@ -225,7 +229,7 @@ def _tpu_rows(k: Backward) -> int | str:
         k.rows,
         inputs=list(k.in_avals) + [k.in_avals[i] for i in k.x_idx],
         consts=[kernel_const_aval(a) for a in (*k.const_avals, *k.whole())],
-        partials=[(_partial(a), a.dtype) for a in k.sums()],
+        partials=[(partial_shape(a), a.dtype) for a in k.sums()],
         body=body.avals,
         traced_rows=k.rows,
         elementwise=body.elementwise,
@@ -282,14 +286,8 @@ def run_reverse(
     (``closed``: fun's trace on a block, its constants those of this call)."""
     k = r.kernel
     tallies = _tallies(r, closed, xs)
-    call = k.call()
-
-    def kernel_call(*args):
-        return call(*args)
-
-    kernel_call.__name__ = kernel_call.__qualname__ = BACKWARD_NAME
     whole = jax.tree.leaves(list(zip(cts, states, tallies, strict=True)))
-    outs = jax.jit(kernel_call)(
+    outs = named_jit(k.call(), BACKWARD_NAME)(
         jnp.zeros((1, 1), jnp.int32),
         *map(_to_kernel_const, closed.consts),
         *xs,

@@ -23,10 +23,19 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from ...core.targets import KERNEL_NAME, Target
+from ...core.targets import KERNEL_NAME
 from ...monoids.base import index_dtype
 from .interpreter import evaluate
-from .kernel import Grid, Term, _load_const, compiler_params, kernel_const_aval
+from .kernel import (
+    Grid,
+    _load_const,
+    compiler_params,
+    kernel_const_aval,
+    partial_shape,
+    partial_spec,
+    rows_at,
+    whole_spec,
+)
 
 __all__ = ["BACKWARD_NAME", "Backward"]
 
@@ -35,20 +44,11 @@ BACKWARD_NAME = KERNEL_NAME + "_backward"
 
 @dataclasses.dataclass(frozen=True)
 class Backward(Grid):
-    """Everything static about one backward kernel."""
+    """Everything static about one backward kernel (its terms without states)."""
 
-    jaxpr: Any  # the prepared fun on a block of ``rows`` rows, constants as constvars
-    const_avals: tuple[jax.ShapeDtypeStruct, ...]
-    in_avals: tuple[jax.ShapeDtypeStruct, ...]  # the (n, ...) inputs
     c_idx: tuple[int, ...]  # constants with a cotangent
     x_idx: tuple[int, ...]  # inputs with a cotangent
-    terms: tuple[Term, ...]
     per_term: tuple  # per term (cotangent, final state, tally or None): avals
-    n: int
-    rows: int
-    steps: int
-    target: Target
-    interpret: bool
 
     def whole(self) -> list[jax.ShapeDtypeStruct]:
         """What every program reads whole (cotangents, states, tallies), flat."""
@@ -73,24 +73,7 @@ class Backward(Grid):
         return _pallas_call(self)
 
     def key(self) -> tuple:
-        terms = tuple(t.key() for t in self.terms)
-        shapes = (self.const_avals, self.in_avals, str(self.per_term))
-        return (
-            "backward",
-            str(self.jaxpr),
-            shapes,
-            self.c_idx,
-            self.x_idx,
-            terms,
-            self.n,
-            self.rows,
-            self.steps,
-        )
-
-
-def _partial(a: jax.ShapeDtypeStruct) -> tuple[int, ...]:
-    """One program's partial sum of ``a`` in the kernel's outputs (no 0-d blocks)."""
-    return (1, *(a.shape or (1,)))
+        return ("backward", *super().key(), str(self.per_term), self.c_idx, self.x_idx)
 
 
 def _zero_cotangent(y: jax.ShapeDtypeStruct) -> Any:
@@ -114,22 +97,11 @@ def _pallas_call(k: Backward) -> Callable[..., Any]:
         offset = offset_ref[...].reshape(())
         tile_start = pl.program_id(0) * k.tile
 
-        firsts = [  # a program's first row is always one of the n
-            r[(pl.ds(0, 1),) + (slice(None),) * (a.ndim - 1)]
-            for r, a in zip(x_refs, k.in_avals, strict=True)
-            if k.n % k.tile
-        ]
+        # a program's first row is always one of the n
+        firsts = [r[rows_at(0, 1, r.ndim)] for r in x_refs if k.n % k.tile]
 
         def block(j: Any, sums: list) -> list:
-            start: Any = 0
-            if k.steps == 1:
-                xs = [r[...] for r in x_refs]
-            else:
-                start = j * k.rows if isinstance(j, int) else pl.multiple_of(j * k.rows, k.rows)
-                xs = [
-                    r[(pl.ds(start, k.rows),) + (slice(None),) * (a.ndim - 1)]
-                    for r, a in zip(x_refs, k.in_avals, strict=True)
-                ]
+            start, xs = k.block(x_refs, j)
             first_row = tile_start + start
             if k.n % k.tile:  # rows past n: the program's first row (finite, never NaN)
                 row = lambda x: first_row + lax.broadcasted_iota(jnp.int32, x.shape, 0)
@@ -168,40 +140,30 @@ def _pallas_call(k: Backward) -> Callable[..., Any]:
                 for y, c in zip(ys, ct_ys, strict=True)
             ]
             dc, dx = vjp(ct_ys)
-            for o_ref, d, i in zip(dx_refs, dx, k.x_idx, strict=True):
-                if k.steps == 1:
-                    o_ref[...] = d.astype(o_ref.dtype)
-                else:
-                    at = (pl.ds(start, k.rows),) + (slice(None),) * (k.in_avals[i].ndim - 1)
-                    o_ref[at] = d.astype(o_ref.dtype)
+            for o_ref, d in zip(dx_refs, dx, strict=True):
+                at = ... if k.steps == 1 else rows_at(start, k.rows, o_ref.ndim)
+                o_ref[at] = d.astype(o_ref.dtype)
             new = [*dc, *seen]
             sums = [a + b.reshape(a.shape).astype(a.dtype) for a, b in zip(sums, new, strict=True)]
             return sums
 
-        sums = block(0, [jnp.zeros(_partial(a), a.dtype) for a in k.sums()])
+        sums = block(0, [jnp.zeros(partial_shape(a), a.dtype) for a in k.sums()])
         if k.steps > 1:
             sums = lax.fori_loop(1, k.steps, block, sums)
         for o_ref, a in zip(sum_refs, sums, strict=True):
             o_ref[...] = a.reshape(o_ref.shape).astype(o_ref.dtype)
 
-    index_map = lambda first, ndim: lambda i: (i if first else 0,) + (0,) * (ndim - 1)
-    whole = lambda shape: pl.BlockSpec(shape, index_map(False, len(shape)))
-    rows = lambda shape: pl.BlockSpec((k.tile, *shape[1:]), index_map(True, len(shape)))
-
-    def partial(shape: tuple[int, ...]) -> Any:
-        return pl.BlockSpec((None, *shape), index_map(True, len(shape) + 1))
-
     dx_avals = [k.in_avals[i] for i in k.x_idx]
     return pl.pallas_call(
         kernel,
         out_shape=[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in dx_avals]
-        + [jax.ShapeDtypeStruct((k.grid, *_partial(a)), a.dtype) for a in k.sums()],
+        + [jax.ShapeDtypeStruct((k.grid, *partial_shape(a)), a.dtype) for a in k.sums()],
         grid=(k.grid,),
-        in_specs=[whole((1, 1))]
-        + [whole(kernel_const_aval(a).shape) for a in k.const_avals]
-        + [rows(a.shape) for a in k.in_avals]
-        + [whole(kernel_const_aval(a).shape) for a in k.whole()],
-        out_specs=[rows(a.shape) for a in dx_avals] + [partial(_partial(a)) for a in k.sums()],
+        in_specs=[whole_spec((1, 1))]
+        + [whole_spec(kernel_const_aval(a).shape) for a in k.const_avals]
+        + [k.rows_spec(a.shape) for a in k.in_avals]
+        + [whole_spec(kernel_const_aval(a).shape) for a in k.whole()],
+        out_specs=[k.rows_spec(a.shape) for a in dx_avals] + [partial_spec(a) for a in k.sums()],
         interpret=k.interpret,
         compiler_params=compiler_params(
             k.target, k.interpret, k.rows * max(math.prod(a.shape[1:]) for a in k.in_avals)

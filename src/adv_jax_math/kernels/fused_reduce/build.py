@@ -16,23 +16,19 @@ from ...monoids.base import index_dtype
 from ...monoids.reduction import MonoidReduction
 from .kernel import Kernel, Term
 
-__all__ = ["block_terms", "build_kernel", "fold_jaxpr", "trace_block", "traced_at"]
+__all__ = ["block_terms", "build_kernel", "fold_jaxpr", "traced_at"]
 
 
 def traced_at(fun: Callable, xs: Any, rows: int, known: dict) -> tuple[Any, list[Any]]:
-    """``fun`` traced on blocks of ``rows`` rows, once per block shape."""
+    """``fun`` traced on blocks of ``rows`` rows (the inputs flattened to leaves), once
+    per block shape: ``known`` holds the traces by rows."""
     if rows not in known:
-        known[rows] = trace_block(fun, xs, rows)
+        leaves, tree = jax.tree.flatten(xs)
+        blocks = [jax.ShapeDtypeStruct((rows, *x.shape[1:]), x.dtype) for x in leaves]
+        trace = lambda *ls: fun(jax.tree.unflatten(tree, ls))
+        closed, out = jax.make_jaxpr(trace, return_shape=True)(*blocks)
+        known[rows] = closed, jax.tree.leaves(out)
     return known[rows]
-
-
-def trace_block(fun: Callable, xs: Any, rows: int) -> tuple[Any, list[Any]]:
-    """``fun`` traced on blocks of ``rows`` rows, the inputs flattened to leaves."""
-    leaves, tree = jax.tree.flatten(xs)
-    blocks = [jax.ShapeDtypeStruct((rows, *x.shape[1:]), x.dtype) for x in leaves]
-    trace = lambda *ls: fun(jax.tree.unflatten(tree, ls))
-    closed, out = jax.make_jaxpr(trace, return_shape=True)(*blocks)
-    return closed, jax.tree.leaves(out)
 
 
 def block_terms(

@@ -41,7 +41,7 @@ from ...monoids.reduction import MonoidReduction
 from .backward import reverse_rows
 from .blocks import choose_block, choose_steps, row_stats, tpu_block, tpu_legal_rows
 from .build import block_terms, build_kernel, fold_jaxpr, traced_at
-from .kernel import Kernel, forward, kernel_const_aval
+from .kernel import Kernel, forward, kernel_const_aval, partial_shape
 from .probe import probe
 from .rules import (
     analyze,
@@ -90,22 +90,12 @@ def check(
     lowered for the platform (cached). Without such hardware present, GPU lowering
     targets an abstract NVIDIA H100 and TPU lowering an abstract TPU v5 lite.
 
-    Parameters
-    ----------
-    fun : callable
-        The prepared function: a list of ``(rows, ...)`` leaves to a list of
-        ``(rows, ...)`` arrays, one per result leaf.
-    xs : pytree
-        Arrays or ``jax.ShapeDtypeStruct`` sharing a leading size ``n``.
-    reduction : MonoidReduction
-        The recognized reduction.
-    platform : str
-        ``"cpu"`` (interpret mode), ``"gpu"``/``"cuda"``/``"rocm"`` (Triton) or ``"tpu"``.
-    max_rows : int or None
-        The user's ``batch_size``: an upper bound on the kernel block.
-    traced : Traced, optional
-        ``fun`` already traced on some number of rows (the planner's chunk): reused
-        when a block has that many rows, so no shape is traced twice.
+    ``fun`` is prepared (a list of ``(rows, ...)`` leaves to a list of ``(rows, ...)``
+    arrays, one per result leaf), ``xs`` arrays or ShapeDtypeStructs of ``n`` rows;
+    ``platform`` ``"cpu"`` (interpret mode), ``"gpu"``/``"cuda"``/``"rocm"`` (Triton) or
+    ``"tpu"``; ``max_rows`` the user's ``batch_size``, an upper bound on the block.
+    ``traced``: ``fun`` already traced on some number of rows (the planner's chunk),
+    reused for a block of that many rows, so no shape is traced twice.
     """
     known: dict[int, tuple[Any, list[Any]]] = {}
     if traced is not None:
@@ -176,7 +166,7 @@ def check(
             consts=[
                 kernel_const_aval(jax.ShapeDtypeStruct(np.shape(c), c.dtype)) for c in closed.consts
             ],
-            partials=[((1, *(a.shape or (1,))), a.dtype) for a in states],
+            partials=[(partial_shape(a), a.dtype) for a in states],
             body=analysis.avals,
             traced_rows=small,
             elementwise=analysis.elementwise,
@@ -196,17 +186,9 @@ def check(
     closed, out_shape = traced_at(fun, xs, rows, known)
     k = build_kernel((closed, out_shape), xs, reduction, (rows, steps), tgt, tgt.platform == "cpu")
     verdict = probe(k)
-    traced_block = (closed, out_shape)
+    block_trace = (closed, out_shape)
     return Check(
-        verdict.problem,
-        rows,
-        steps,
-        verdict.compiled,
-        tgt.device_kind,
-        vmem,
-        traced_block,
-        k,
-        known,
+        verdict.problem, rows, steps, verdict.compiled, tgt.device_kind, vmem, block_trace, k, known
     )
 
 
@@ -257,26 +239,12 @@ def fused_states(
     offset: Any = 0,
 ) -> list[Any]:
     """Each term's state of ``reduction`` over the rows of ``xs``, computed by one
-    Pallas kernel (the programs' states merged in XLA).
-
-    Parameters
-    ----------
-    traced : (ClosedJaxpr, list of ShapeDtypeStruct)
-        The prepared ``fun`` traced on a block of ``rows`` rows (:attr:`Check.traced`);
-        its constants are the kernel's constant inputs.
-    xs : pytree
-        Arrays sharing a leading size ``n >= 1`` (the mapped rows).
-    reduction : MonoidReduction
-        Per-term monoids and axes.
-    rows, steps : int
-        Rows per kernel block and blocks per kernel program (from :func:`check`).
-    interpret : bool
-        Run the kernel in Pallas interpret mode (any platform, e.g. CPU).
-    platform : str, optional
-        Compiled lowering target when ``interpret`` is False; defaults to
-        ``jax.default_backend()``.
-    offset : int or traced int
-        The global index of the first row (row indices of ARGMIN, top-k).
+    Pallas kernel (the programs' states merged in XLA). ``traced`` is the prepared
+    ``fun`` traced on a block of ``rows`` rows (:attr:`Check.traced`; its constants
+    are the kernel's constant inputs), ``steps`` the blocks per program (both from
+    :func:`check`); ``xs`` has ``n >= 1`` rows. ``platform`` (default:
+    ``jax.default_backend()``) is compiled for unless ``interpret``. ``offset``, an
+    int or traced, is the global index of the first row (row indices of ARGMIN, top-k).
     """
     tgt = target("cpu" if interpret else platform or jax.default_backend())
     if tgt.triton:

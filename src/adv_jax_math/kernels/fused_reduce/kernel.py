@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Sequence
-from typing import Any, cast
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -47,26 +47,10 @@ class Term:
         return (repr(leaf.monoid), leaf.axis, leaf.sources, self.items)
 
 
-class Grid:
-    """The grid of a kernel over ``n`` rows: programs of ``steps`` blocks of ``rows``."""
-
-    n: int
-    rows: int
-    steps: int
-
-    @property
-    def tile(self) -> int:
-        """Rows per kernel program."""
-        return self.steps * self.rows
-
-    @property
-    def grid(self) -> int:
-        return pl.cdiv(self.n, self.tile)
-
-
 @dataclasses.dataclass(frozen=True)
-class Kernel(Grid):
-    """Everything static about one fused call."""
+class Grid:
+    """What is static about a kernel over ``n`` rows: ``fun`` on a block, the terms,
+    and the grid of programs of ``steps`` blocks of ``rows`` rows."""
 
     jaxpr: Any  # prepared fun on a block of ``rows`` rows, constants as constvars
     const_avals: tuple[jax.ShapeDtypeStruct, ...]
@@ -78,13 +62,14 @@ class Kernel(Grid):
     target: Target
     interpret: bool
 
-    def args(self) -> list[jax.ShapeDtypeStruct]:
-        """The kernel's arguments: the first row's index, constants, inputs."""
-        offset = jax.ShapeDtypeStruct((1, 1), np.int32)
-        return [offset, *map(kernel_const_aval, self.const_avals), *self.in_avals]
+    @property
+    def tile(self) -> int:
+        """Rows per kernel program."""
+        return self.steps * self.rows
 
-    def call(self) -> Callable[..., Any]:
-        return pallas_call(self)
+    @property
+    def grid(self) -> int:
+        return pl.cdiv(self.n, self.tile)
 
     def key(self) -> tuple:
         """What the kernel's build depends on (the probe's cache key)."""
@@ -99,9 +84,71 @@ class Kernel(Grid):
             self.steps,
         )
 
+    def block(self, x_refs: Sequence[Any], j: Any) -> tuple[Any, list]:
+        """Block ``j`` of a program's tile: its first row in the tile, its rows of
+        each input."""
+        if self.steps == 1:
+            return 0, [r[...] for r in x_refs]
+        start = j * self.rows if isinstance(j, int) else pl.multiple_of(j * self.rows, self.rows)
+        return start, [r[rows_at(start, self.rows, r.ndim)] for r in x_refs]
+
+    def rows_spec(self, shape: tuple[int, ...]) -> Any:
+        """A program's tile of an array of rows."""
+        return pl.BlockSpec((self.tile, *shape[1:]), _index_map(True, len(shape)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel(Grid):
+    """Everything static about one fused call."""
+
+    def args(self) -> list[jax.ShapeDtypeStruct]:
+        """The kernel's arguments: the first row's index, constants, inputs."""
+        offset = jax.ShapeDtypeStruct((1, 1), np.int32)
+        return [offset, *map(kernel_const_aval, self.const_avals), *self.in_avals]
+
+    def call(self) -> Callable[..., Any]:
+        return pallas_call(self)
+
     def state_avals(self) -> list[jax.ShapeDtypeStruct]:
         """Every state leaf of every term, flat (the kernel's outputs, per program)."""
         return [a for t in self.terms for a in jax.tree.leaves(t.state)]
+
+
+def rows_at(start: Any, rows: int, ndim: int) -> tuple:
+    """The index of ``rows`` rows from ``start`` in an array of ``ndim`` dimensions."""
+    return (pl.ds(start, rows),) + (slice(None),) * (ndim - 1)
+
+
+def _index_map(first: bool, ndim: int) -> Callable[[Any], tuple]:
+    return lambda i: (i if first else 0,) + (0,) * (ndim - 1)
+
+
+def whole_spec(shape: tuple[int, ...]) -> Any:
+    """An array every program reads whole."""
+    return pl.BlockSpec(shape, _index_map(False, len(shape)))
+
+
+def partial_shape(aval: jax.ShapeDtypeStruct) -> tuple[int, ...]:
+    """One program's partial of ``aval`` (a state leaf, a partial sum) in the kernel's
+    outputs (no 0-d blocks)."""
+    return (1, *(aval.shape or (1,)))
+
+
+def partial_spec(aval: jax.ShapeDtypeStruct) -> Any:
+    shape = partial_shape(aval)
+    return pl.BlockSpec((None, *shape), _index_map(True, len(shape) + 1))
+
+
+def named_jit(call: Callable[..., Any], name: str) -> Callable[..., Any]:
+    """``jax.jit(call)`` under ``name``: a named jit makes the kernel visible in lowered
+    text on every platform (``func.func private @adv_jax_math_fused_reduce``),
+    interpret mode included."""
+
+    def named(*args: Any) -> Any:
+        return call(*args)
+
+    named.__name__ = named.__qualname__ = name
+    return jax.jit(named)
 
 
 def kernel_const_aval(a: Any) -> jax.ShapeDtypeStruct:
@@ -146,11 +193,6 @@ def _term_state(k: Kernel, term: Term, ys: Sequence[Any], first_row: Any, offset
     return term.rows_leaf.fold(src, (offset + rows).astype(index_dtype()), w)
 
 
-def _state_shape(aval: jax.ShapeDtypeStruct) -> tuple[int, ...]:
-    """A state leaf's block in the kernel's outputs (no 0-d blocks)."""
-    return (1, *(aval.shape or (1,)))
-
-
 def compiler_params(target: Target, interpret: bool, biggest: int) -> Any:
     """The Mosaic VMEM limit, or Triton's warps for a block of ``biggest`` elements."""
     if interpret or target.platform == "cpu":
@@ -158,20 +200,12 @@ def compiler_params(target: Target, interpret: bool, biggest: int) -> Any:
     if target.mosaic:
         from jax.experimental.pallas import tpu as pltpu
 
-        # TPUCompilerParams: older jax (not in this jax's stubs)
-        params = getattr(pltpu, "CompilerParams", None) or cast(Any, pltpu).TPUCompilerParams
         # Programs write their own partials (and rows): parallel, so that a chip with
         # two TensorCores (v4, v5p) splits the grid between them.
-        return params(
+        return pltpu.CompilerParams(
             vmem_limit_bytes=tpu_vmem_limit(target.device_kind), dimension_semantics=("parallel",)
         )
     return pallas_triton().CompilerParams(num_warps=8 if biggest >= 1 << 13 else 4)
-
-
-def _compiler_params(k: Kernel) -> Any:
-    biggest = k.rows * max(1, *(math.prod(a.shape) for a in k.state_avals()))
-    biggest = max(biggest, k.rows * max(math.prod(a.shape[1:]) for a in k.in_avals))
-    return compiler_params(k.target, k.interpret, biggest)
 
 
 def pallas_call(k: Kernel) -> Callable[..., Any]:
@@ -184,14 +218,7 @@ def pallas_call(k: Kernel) -> Callable[..., Any]:
         tile_start = pl.program_id(0) * k.tile  # outside the loop: interpret mode needs that
 
         def block(j):
-            if k.steps == 1:
-                start, xs = 0, [r[...] for r in x_refs]
-            else:
-                start = j * k.rows if isinstance(j, int) else pl.multiple_of(j * k.rows, k.rows)
-                xs = [
-                    r[(pl.ds(start, k.rows),) + (slice(None),) * (a.ndim - 1)]
-                    for r, a in zip(x_refs, k.in_avals, strict=True)
-                ]
+            start, xs = k.block(x_refs, j)
             ys = evaluate(k.jaxpr, consts, xs, upcast=k.target.triton)
             return [_term_state(k, t, ys, tile_start + start, offset) for t in k.terms]
 
@@ -206,25 +233,19 @@ def pallas_call(k: Kernel) -> Callable[..., Any]:
         for part, o_ref in zip(flat, o_refs, strict=True):
             o_ref[...] = part.reshape(o_ref.shape).astype(o_ref.dtype)
 
-    index_map = lambda first, ndim: lambda i: (i if first else 0,) + (0,) * (ndim - 1)
-    whole = lambda shape: pl.BlockSpec(shape, index_map(False, len(shape)))
-    rows = lambda shape: pl.BlockSpec((k.tile, *shape[1:]), index_map(True, len(shape)))
-
-    def partial(aval: jax.ShapeDtypeStruct) -> Any:
-        shape = _state_shape(aval)
-        return pl.BlockSpec((None, *shape), index_map(True, len(shape) + 1))
-
     avals = k.state_avals()
+    biggest = k.rows * max(1, *(math.prod(a.shape) for a in avals))
+    biggest = max(biggest, k.rows * max(math.prod(a.shape[1:]) for a in k.in_avals))
     return pl.pallas_call(
         kernel,
-        out_shape=[jax.ShapeDtypeStruct((k.grid, *_state_shape(a)), a.dtype) for a in avals],
+        out_shape=[jax.ShapeDtypeStruct((k.grid, *partial_shape(a)), a.dtype) for a in avals],
         grid=(k.grid,),
-        in_specs=[whole((1, 1))]
-        + [whole(kernel_const_aval(a).shape) for a in k.const_avals]
-        + [rows(a.shape) for a in k.in_avals],
-        out_specs=[partial(a) for a in avals],
+        in_specs=[whole_spec((1, 1))]
+        + [whole_spec(kernel_const_aval(a).shape) for a in k.const_avals]
+        + [k.rows_spec(a.shape) for a in k.in_avals],
+        out_specs=[partial_spec(a) for a in avals],
         interpret=k.interpret,
-        compiler_params=_compiler_params(k),
+        compiler_params=compiler_params(k.target, k.interpret, biggest),
         name=KERNEL_NAME,
     )
 
@@ -233,16 +254,9 @@ def forward(k: Kernel, consts: Sequence[Any], leaves: Sequence[Any], offset: Any
     """Each term's state over all rows: the fused kernel, then the programs' states
     merged in XLA (and, for a term over every axis, its elements). ``offset`` is the
     global index of the first row (traced inside ``shard_map``)."""
-    call = pallas_call(k)
-
-    def kernel_call(*args):
-        return call(*args)
-
-    # A named jit makes the kernel visible in lowered text on every platform
-    # (``func.func private @adv_jax_math_fused_reduce``), interpret mode included.
-    kernel_call.__name__ = kernel_call.__qualname__ = KERNEL_NAME
     first = jnp.asarray(offset, jnp.int32).reshape(1, 1)
-    flat = iter(jax.jit(kernel_call)(first, *map(_to_kernel_const, consts), *leaves))
+    call = named_jit(pallas_call(k), KERNEL_NAME)
+    flat = iter(call(first, *map(_to_kernel_const, consts), *leaves))
     out = []
     for term in k.terms:
         avals = jax.tree.leaves(term.state)

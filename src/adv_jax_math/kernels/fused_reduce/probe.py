@@ -11,7 +11,6 @@ VMEM allocation, and Triton to PTX to cubin, which report what lowering cannot
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import re
 from typing import Any
@@ -19,11 +18,13 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from ...core.sharding import mesh_context
 from ...core.targets import (
-    PLATFORMS,
     abstract_mesh,
     compile_mesh,
     concrete_context_mesh,
+    mesh_device,
+    on_platform,
     quiet_triton,
 )
 from .kernel import Kernel
@@ -73,29 +74,16 @@ def _build(k: Any, context: jax.sharding.Mesh | None, tracing: bool) -> bool:
 
 def _of(mesh: Any, platform: str) -> bool:
     """Whether ``mesh`` (concrete or abstract) holds devices of ``platform``."""
-    try:
-        device = mesh.devices.flat[0]
-    except Exception:  # an AbstractMesh, or an empty mesh
-        device = getattr(mesh, "abstract_device", None)
-    return PLATFORMS.get(getattr(device, "platform", None) or "") == platform
+    return on_platform(mesh_device(mesh), platform)
 
 
 def _compile(call: Any, args: list, mesh: jax.sharding.Mesh) -> None:
     """Compile ``call`` on ``mesh``'s device (no concrete mesh is set): under
     ``jax.set_mesh`` outside ``jit``; inside, where ``set_mesh`` is refused, under
     the mesh's abstract mesh."""
-    context: contextlib.AbstractContextManager[Any]
-    try:
-        context = jax.set_mesh(mesh)
-        context.__enter__()
-    except ValueError:  # "set_mesh can only be used outside of jax.jit"
-        context = jax.sharding.use_abstract_mesh(mesh.abstract_mesh)
-        context.__enter__()
-    try:
+    with mesh_context(mesh):
         sharding = NamedSharding(mesh, PartitionSpec())
         jax.jit(call, in_shardings=sharding).lower(*args).compile()
-    finally:
-        context.__exit__(None, None, None)
 
 
 def probe(k: Kernel | Any) -> Probed:
