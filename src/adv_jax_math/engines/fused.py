@@ -244,7 +244,8 @@ class FusedEngine:
 
         # The kernel's constants are arguments (replicated): shard_map takes no
         # closed-over values typed on Explicit axes.
-        everywhere = lambda a: _replicated(jnp.asarray(a), lanes.mesh)
+        whole = NamedSharding(lanes.mesh, PartitionSpec())
+        everywhere = lambda a: jax.sharding.reshard(jnp.asarray(a), whole)
         cs = [everywhere(c) for c in closed.consts]
         if lanes.count == 1:
             xs = jax.tree.map(everywhere, xs)
@@ -273,8 +274,3 @@ def _reverse_blocks(plan: Plan) -> list[tuple[Any, list, int, int]]:
     the planner traced (``reverse_blocks``)."""
     assert plan.block_traced is not None  # set by accept()
     return [(*plan.block_traced, plan.block_rows, plan.block_steps), *plan.reverse_traced]
-
-
-def _replicated(a: jax.Array, mesh: Any) -> jax.Array:
-    """``a`` whole on every device of ``mesh`` (a kernel argument inside shard_map)."""
-    return jax.sharding.reshard(a, NamedSharding(mesh, PartitionSpec()))

@@ -163,10 +163,6 @@ def _cotangent(s: Any, g: Any) -> Any:
     return jnp.zeros_like(s) if g is None else g.astype(s.dtype)
 
 
-def _tally_leaf(leaf: LeafReduction) -> LeafReduction:
-    return LeafReduction(leaf.sources, leaf.monoid.tally, 0, leaf.out)
-
-
 def _reverse(p: Pairs, cts: list, res: tuple, items: list, pos: list) -> tuple:
     """The cotangents of the nonzero tangents (``pos`` per argument) from the result's
     (``cts``: per term, its float leaves; None for integer ones)."""
@@ -179,7 +175,8 @@ def _reverse(p: Pairs, cts: list, res: tuple, items: list, pos: list) -> tuple:
     ]
     tallies: list = [None] * len(red.leaves)
     if tallied:
-        leaves = tuple(_tally_leaf(red.leaves[t]) for t in tallied)
+        tally = lambda leaf: LeafReduction(leaf.sources, leaf.monoid.tally, 0, leaf.out)
+        leaves = tuple(tally(red.leaves[t]) for t in tallied)
         sums = MonoidReduction(leaves, jax.tree.structure(list(leaves)), red.prologue)
         found, _ = kernel_states(p.conv, c, sums, x, y, p.tiles, layout=p.layout)
         for t, state in zip(tallied, found, strict=True):
@@ -211,15 +208,14 @@ def _reverse(p: Pairs, cts: list, res: tuple, items: list, pos: list) -> tuple:
         cot = [_cotangent(s, g) for s, g in zip(src, cot, strict=True)]
         return (*vjp(cot), counts)
 
-    pick = lambda tree, ks: [jax.tree.leaves(tree)[k] for k in ks]
     pc, px, py = pos
 
     def over_y(xe: tuple, ye: tuple) -> tuple:  # one pair of the pass over x tiles
         dc, dx, _, counts = pair(c, xe[0], ye[0], ye[1], xe[1])
-        return pick(dx, px), pick(dc, pc), counts
+        return _pick(dx, px), _pick(dc, pc), counts
 
     def over_x(ye: tuple, xe: tuple) -> list:  # one pair of the pass over y tiles
-        return pick(pair(c, xe[0], ye[0], ye[1], xe[1])[2], py)
+        return _pick(pair(c, xe[0], ye[0], ye[1], xe[1])[2], py)
 
     dx, dc, got = [], [], []
     if px or pc or tallied:
@@ -234,6 +230,6 @@ def _reverse(p: Pairs, cts: list, res: tuple, items: list, pos: list) -> tuple:
         wrong = wrong | jnp.any((n != count) & (share > 0))
     spoil = lambda a, primal: like(jnp.where(wrong, jnp.asarray(jnp.nan, a.dtype), a), primal)
     return tuple(
-        [spoil(a, primal) for a, primal in zip(part, pick(arg, ks), strict=True)]
+        [spoil(a, primal) for a, primal in zip(part, _pick(arg, ks), strict=True)]
         for part, arg, ks in zip((dc, dx, dy), (c, x, y), pos, strict=True)
     )
