@@ -22,11 +22,12 @@ from ..plan import roofline
 from ..plan.base import Call, Kind, Plan, Policy, Rejection
 from . import scan as _scan
 from .fused_model import backward_costs, forward_costs
+from .registry import Engine
 
 __all__ = ["FusedEngine"]
 
 
-class FusedEngine:
+class FusedEngine(Engine):
     """The fused Pallas kernel, compiled (``"pallas"``) or interpreted (``"interpret"``)."""
 
     def __init__(self, interpret: bool):
@@ -164,10 +165,6 @@ class FusedEngine:
         if not model.kernel_wins and options.backend != self.name and options.roofline:
             return f"the roofline model says the scan engine is faster: {model}", model, i
         return built, model, i
-
-    def auto_draft(self, call: Call) -> Plan | None:
-        """None: a ``batch_size="auto"`` call is autotuned for this engine as usual."""
-        return None
 
     def describe_reverse(self, plan: Plan, call: Call) -> Plan:
         """``plan`` with how reverse mode runs, with respect to every float input and

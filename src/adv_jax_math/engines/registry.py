@@ -58,8 +58,9 @@ class Engine(Protocol):
 
     def auto_draft(self, call: Call) -> Plan | None:
         """A plan for a ``batch_size="auto"`` call that this engine sizes itself (not
-        autotuned), or None: the call is then planned and autotuned as usual."""
-        ...
+        autotuned), or None (the default of the engines that subclass this protocol):
+        the call is then planned and autotuned as usual."""
+        return None
 
 
 _ENGINES: list[Engine] = []
