@@ -74,7 +74,7 @@ def batch_jacfwd(
             y, tangents, *aux = jax.vmap(push, out_axes=out_axes)(jnp.arange(layout.total))
             y_leaves, out_tree = jax.tree.flatten(y)
             _dtypes.check_jacfwd_outputs(y_leaves, holomorphic)
-            cols = [_skip_float0(t) for t in jax.tree.leaves(tangents)]
+            cols = [None if t.dtype == jax.dtypes.float0 else t for t in jax.tree.leaves(tangents)]
         else:
             y, f_jvp, aux = _with_aux(jax.linearize, f_leaves, in_leaves, has_aux)
             y_leaves, out_tree = jax.tree.flatten(y)
@@ -282,29 +282,20 @@ def _with_aux(transform: Any, f: Callable, leaves: Sequence[Any], has_aux: bool)
 def _setup(
     fun: Any, name: str, argnums: Any, batch_size: Any, kwargs: dict[str, Any]
 ) -> tuple[tuple[int, ...], bool, Any]:
-    """Checked arguments of a Jacobian front end: ``(argnums, single, batch_size)``."""
+    """Checked arguments of a Jacobian front end: ``(argnums, single, batch_size)``,
+    ``single`` when ``argnums`` is one int (not a sequence)."""
     check_callable(fun, f"{name}: fun")
-    return (*_normalize_argnums(argnums, name), batch_size_from(batch_size, kwargs))
-
-
-def _normalize_argnums(argnums: Any, name: str) -> tuple[tuple[int, ...], bool]:
-    """``(positions, single)``: ``single`` when ``argnums`` is one int (not a sequence)."""
-    if is_int(argnums):
-        return (operator.index(argnums),), True
-    nums = tuple(argnums) if isinstance(argnums, Sequence) else ()
+    single = is_int(argnums)
+    nums = (argnums,) if single else tuple(argnums) if isinstance(argnums, Sequence) else ()
     if not nums or not all(map(is_int, nums)):
         raise TypeError(
             f"{name}: argnums={argnums!r} must be an int or a non-empty sequence of ints"
         )
-    return tuple(map(operator.index, nums)), False
+    return tuple(map(operator.index, nums)), single, batch_size_from(batch_size, kwargs)
 
 
 def _is_inexact(dtype: Any) -> bool:
     return jnp.issubdtype(dtype, jnp.inexact)
-
-
-def _skip_float0(t: jax.Array) -> jax.Array | None:
-    return None if t.dtype == jax.dtypes.float0 else t
 
 
 def _named(jac_fun: Callable, fun: Callable, name: str, argnums: Any) -> Callable:

@@ -110,11 +110,9 @@ def _mode(value: Any) -> Iterator[Any]:
         _MODE.value = before
 
 
-@contextlib.contextmanager
-def listen() -> Iterator[_Listen]:
+def listen() -> contextlib.AbstractContextManager[_Listen]:
     """Record the inner calls of the outer function's traces (see :func:`heard`)."""
-    with _mode(_Listen([])) as listener:
-        yield listener
+    return _mode(_Listen([]))
 
 
 def heard(call: Callable[[], Any]) -> Any:

@@ -205,41 +205,24 @@ def _loop(
     return jax.tree.map(lambda y: y.reshape(loop + y.shape[1:]), out)
 
 
+_ARGUMENTS = r"\((\w+(,\w+)*)?\)(,\((\w+(,\w+)*)?\))*"  # "(m,n),(n)": at least one
+
+
 def _parse_signature(signature: str) -> tuple[list[CoreDims], list[CoreDims]]:
     """``"(m,n),(n)->(m)"`` -> ``([("m", "n"), ("n",)], [("m",)])``. Whitespace is ignored."""
     if not isinstance(signature, str):
         raise TypeError(f"signature={signature!r} must be a str such as '(m,n),(n)->(m)' or None")
     sides = "".join(signature.split()).split("->")
-    if len(sides) != 2:
-        raise ValueError(_bad_signature(signature))
-    inputs, outputs = (_parse_arguments(side, signature) for side in sides)
-    return inputs, outputs
-
-
-def _parse_arguments(text: str, signature: str) -> list[CoreDims]:
-    """``"(m,n),(n)"`` -> ``[("m", "n"), ("n",)]``; at least one argument."""
-    arguments = []
-    while True:
-        close = text.find(")")
-        if not text.startswith("(") or close < 0:
-            raise ValueError(_bad_signature(signature))
-        inner, text = text[1:close], text[close + 1 :]
-        dims = tuple(inner.split(",")) if inner else ()
-        if not all(re.fullmatch(r"\w+", d) for d in dims):
-            raise ValueError(_bad_signature(signature))
-        arguments.append(dims)
-        if not text:
-            return arguments
-        if not text.startswith(","):
-            raise ValueError(_bad_signature(signature))
-        text = text[1:]
-
-
-def _bad_signature(signature: str) -> str:
-    return (
-        f"not a valid gufunc signature: {signature!r}; expected comma-separated "
-        "parenthesized dimension names on both sides of '->', e.g. '(m,n),(n)->(m)'"
+    if len(sides) != 2 or not all(re.fullmatch(_ARGUMENTS, side) for side in sides):
+        raise ValueError(
+            f"not a valid gufunc signature: {signature!r}; expected comma-separated "
+            "parenthesized dimension names on both sides of '->', e.g. '(m,n),(n)->(m)'"
+        )
+    inputs, outputs = (
+        [tuple(a.split(",")) if a else () for a in re.findall(r"\(([^)]*)\)", side)]
+        for side in sides
     )
+    return inputs, outputs
 
 
 def _core_dim_sizes(

@@ -22,11 +22,12 @@ from ..plan import roofline
 from ..plan.base import Call, Kind, Plan, Policy, Rejection
 from . import scan as _scan
 from .fused_model import backward_costs, forward_costs
+from .registry import Engine
 
 __all__ = ["FusedEngine"]
 
 
-class FusedEngine:
+class FusedEngine(Engine):
     """The fused Pallas kernel, compiled (``"pallas"``) or interpreted (``"interpret"``)."""
 
     def __init__(self, interpret: bool):
@@ -165,10 +166,6 @@ class FusedEngine:
             return f"the roofline model says the scan engine is faster: {model}", model, i
         return built, model, i
 
-    def auto_draft(self, call: Call) -> Plan | None:
-        """None: a ``batch_size="auto"`` call is autotuned for this engine as usual."""
-        return None
-
     def describe_reverse(self, plan: Plan, call: Call) -> Plan:
         """``plan`` with how reverse mode runs, with respect to every float input and
         constant (``Plan.backward``, and the model's verdict in ``Plan.roofline``)."""
@@ -244,7 +241,8 @@ class FusedEngine:
 
         # The kernel's constants are arguments (replicated): shard_map takes no
         # closed-over values typed on Explicit axes.
-        everywhere = lambda a: _replicated(jnp.asarray(a), lanes.mesh)
+        whole = NamedSharding(lanes.mesh, PartitionSpec())
+        everywhere = lambda a: jax.sharding.reshard(jnp.asarray(a), whole)
         cs = [everywhere(c) for c in closed.consts]
         if lanes.count == 1:
             xs = jax.tree.map(everywhere, xs)
@@ -273,8 +271,3 @@ def _reverse_blocks(plan: Plan) -> list[tuple[Any, list, int, int]]:
     the planner traced (``reverse_blocks``)."""
     assert plan.block_traced is not None  # set by accept()
     return [(*plan.block_traced, plan.block_rows, plan.block_steps), *plan.reverse_traced]
-
-
-def _replicated(a: jax.Array, mesh: Any) -> jax.Array:
-    """``a`` whole on every device of ``mesh`` (a kernel argument inside shard_map)."""
-    return jax.sharding.reshard(a, NamedSharding(mesh, PartitionSpec()))

@@ -61,17 +61,18 @@ def _chunk(plan: Any, xs: Any) -> tuple[list, list, int]:
     return chunk, consts, plan.chunks + (1 if plan.remainder else 0)
 
 
+def _states_pass(k: Kernel, d: rl.Device) -> rl.Cost:
+    """A kernel ``k`` giving the monoid states (the forward's, a max/min's tally)."""
+    flops = k.grid * k.steps * _fun_flops(k.jaxpr, list(k.const_avals), _block(k.in_avals, k.rows))
+    states = k.state_avals()
+    return rl.kernel_pass(
+        d, inputs=k.in_avals, consts=k.const_avals, partials=states, grid=k.grid, flops=flops
+    )
+
+
 def forward_costs(plan: Any, xs: Any, k: Kernel, d: rl.Device) -> Verdict:
     """The forward kernel ``k`` against the scan engine's loop for ``plan``."""
-    blocks = k.grid * k.steps
-    kernel = rl.kernel_pass(
-        d,
-        inputs=k.in_avals,
-        consts=k.const_avals,
-        partials=k.state_avals(),
-        grid=k.grid,
-        flops=blocks * _fun_flops(k.jaxpr, list(k.const_avals), _block(k.in_avals, k.rows)),
-    )
+    kernel = _states_pass(k, d)
     chunk, consts, trips = _chunk(plan, xs)
     scan = rl.scan_pass(
         d,
@@ -106,17 +107,7 @@ def backward_costs(plan: Any, xs: Any, r: ReverseKernels, d: rl.Device) -> Verdi
     jaxpr = plan.traced.jaxpr.jaxpr
     fun_flops = _fun_flops(jaxpr, consts, chunk)
     if r.tally is not None:
-        t, _ = r.tally
-        kernel = kernel + rl.kernel_pass(
-            d,
-            inputs=t.in_avals,
-            consts=t.const_avals,
-            partials=t.state_avals(),
-            grid=t.grid,
-            flops=t.grid
-            * t.steps
-            * _fun_flops(t.jaxpr, list(t.const_avals), _block(t.in_avals, t.rows)),
-        )
+        kernel = kernel + _states_pass(r.tally[0], d)
     c_idx, x_idx = _floats(consts), _floats(chunk)
 
     def chunk_vjp(cs: list, rows: list) -> list:

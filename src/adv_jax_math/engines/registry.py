@@ -58,8 +58,9 @@ class Engine(Protocol):
 
     def auto_draft(self, call: Call) -> Plan | None:
         """A plan for a ``batch_size="auto"`` call that this engine sizes itself (not
-        autotuned), or None: the call is then planned and autotuned as usual."""
-        ...
+        autotuned), or None (the default of the engines that subclass this protocol):
+        the call is then planned and autotuned as usual."""
+        return None
 
 
 _ENGINES: list[Engine] = []
@@ -90,16 +91,13 @@ def by_name(name: str) -> Engine:
 
 def select(draft: Plan, call: Call) -> Plan:
     """Complete ``draft`` (from ``make_plan``) with the first engine that accepts it."""
-    if draft.shard is not None:
-        lay = draft.shard
-        local = lambda p, rows: select(p, call.with_rows(rows)) if p is not None else None
-        head = rows_aval(call.xs, lay.local_rows)
-        tail = rows_aval(call.xs, lay.global_remainder)
+    lay = draft.shard
+    if lay is not None:
+        local = lambda p, n: select(p, call.with_rows(rows_aval(call.xs, n))) if p else None
+        local_plan = local(lay.local, lay.local_rows)
+        remainder = local(lay.remainder, lay.global_remainder)
         draft = dataclasses.replace(
-            draft,
-            shard=dataclasses.replace(
-                lay, local=local(lay.local, head), remainder=local(lay.remainder, tail)
-            ),
+            draft, shard=dataclasses.replace(lay, local=local_plan, remainder=remainder)
         )
     requested = _config.current().backend
     rejected: list[tuple[str, Rejection]] = []
@@ -110,14 +108,9 @@ def select(draft: Plan, call: Call) -> Plan:
         rejected.append((engine.name, out))
     assert isinstance(out, Plan)  # the last engine, scan, accepts every plan
     errors = [r.reason for name, r in rejected if r.error and name == requested]
-    reason = out.reason
-    if out.engine == "scan":
-        reason = (
-            "requested (backend='scan')" if requested == "scan" else _why_not(rejected, requested)
-        )
     return dataclasses.replace(
         out,
-        reason=reason,
+        reason=_why_not(rejected, requested) if out.engine == "scan" else out.reason,
         rejected=tuple((name, r.reason) for name, r in rejected if name != "shard"),
         error=out.error
         or (f"backend={requested!r} was requested but cannot run: {errors[0]}" if errors else ""),

@@ -48,6 +48,7 @@ from ..kernels import native
 from ..monoids.base import merge_stacked
 from ..monoids.reduction import LeafReduction, MonoidReduction
 from ..plan.base import Call, Kind, Plan, Policy, Rejection
+from .registry import Engine
 from .scan_chunks import (
     LARGE_FUN,
     RECOMPUTED,
@@ -73,7 +74,7 @@ TWO_PASSES = (
 _NATIVE_LOGSUMEXP = functools.partial(native.logsumexp, axis=0)  # one pass over the rows
 
 
-class ScanEngine:
+class ScanEngine(Engine):
     """The ``lax.scan`` engine: runs every plan."""
 
     name = "scan"
@@ -101,10 +102,6 @@ class ScanEngine:
     def states(self, plan: Plan, xs: Any, offset: int) -> list:
         """Each term's state over ``plan``'s rows (global indices from ``offset``)."""
         return states(plan, xs, offset)
-
-    def auto_draft(self, call: Call) -> Plan | None:
-        """None: a ``batch_size="auto"`` call is autotuned for this engine as usual."""
-        return None
 
     def describe_reverse(self, plan: Plan, call: Call) -> Plan:
         """``plan`` as is: reverse mode differentiates the chunk loop itself (each chunk

@@ -38,13 +38,12 @@ def tangent_shares(
     """
     reduction, traced = plan.reduction, plan.traced
     assert reduction is not None and traced is not None
-    leaves = [rows_x for rows_x in jax.tree.leaves(xs)]
     dleaves = jax.tree.leaves(dxs, is_leaf=lambda t: isinstance(t, SymbolicZero))
     x_idx = [i for i, t in enumerate(dleaves) if tangent.nonzero(t)]
     if not x_idx and not dconsts:
         return [None] * len(reduction.leaves)
     rows = _Rows(plan, offset)
-    leaves = [rows.whole(x) for x in leaves]
+    leaves = [rows.whole(x) for x in jax.tree.leaves(xs)]
     dflat = [rows.whole(dleaves[i]) for i in x_idx]
     views, dviews = [rows.view(x) for x in leaves], [rows.view(t) for t in dflat]
     b, k = plan.rows_per_chunk, plan.chunks

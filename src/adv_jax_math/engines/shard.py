@@ -33,6 +33,7 @@ from ..analysis import tangent
 from ..core.sharding import Lanes, explicit, on_context_mesh, sharding_of
 from ..plan.base import Call, Kind, Plan, Policy, Rejection
 from . import scan as _scan
+from .registry import Engine
 
 __all__ = ["PART", "ShardEngine", "as_global"]
 
@@ -80,7 +81,7 @@ def _other_mesh(plan: Plan, mesh: Any) -> str:
     return ""
 
 
-class ShardEngine:
+class ShardEngine(Engine):
     """Rows spread over a mesh; each part (the devices' shares, a global remainder)
     runs on the engine its plan chose, ``engine_of(name)`` (the registry's)."""
 
@@ -111,10 +112,6 @@ class ShardEngine:
             error=first.error or _other_mesh(plan, lay.mesh),
             notes=(*plan.notes, *declined),
         )
-
-    def auto_draft(self, call: Call) -> Plan | None:
-        """None: a ``batch_size="auto"`` call is autotuned for this engine as usual."""
-        return None
 
     def describe_reverse(self, plan: Plan, call: Call) -> Plan:
         """How reverse mode runs: where a part's engine is not the scan engine, its

@@ -190,12 +190,14 @@ def _pairwise(
             out = scan_y(f, jax.tree.map(_whole, x), y, red, reduction, plan.tiles[1], mesh)
         return jax.tree.map(lambda o: _rows_like(o, x), out)
     y = jax.tree.map(_whole, y)
-    if plan.engine == _SCAN and shard:
-        return scan(f, x, y, reduction, plan.tiles, shard=True, mesh=mesh)
     if plan.engine == _SCAN:
-        return scan(f, x, y, reduction, plan.tiles)
+        # (the mesh only where x is spread over it: ``chunked`` warns of one ignored)
+        return scan(f, x, y, reduction, plan.tiles, bool(shard), mesh if shard else None)
+    # the kernel engine (``pairs.kernel``; its derivatives, and forward mode's tangent
+    # on the scan engine: ``pairs.grad``)
     conv, consts = jax.closure_convert(f, first_row(x), first_row(y))
-    out = _fused(conv, list(consts), plan, red, layout, x, y, reduction)
+    by_scan = lambda c, x, y: scan(lambda xi, yj: conv(xi, yj, *c), x, y, reduction, plan.tiles)
+    out = fused(Pairs(conv, red, plan.tiles, by_scan, layout), list(consts), x, y)
     return jax.tree.map(lambda o: _rows_like(o, x), out)
 
 
@@ -381,20 +383,3 @@ def _device(
     layout = Layout(kind, chosen, params=params)
     problem = layout_problem(f, x, y, red, layout, target)
     return layout if problem is None else f"the tile kernel: {problem}"
-
-
-# -- the kernel engine (``pairs.kernel``; its derivatives: ``pairs.grad``) ---------
-def _fused(
-    conv: Callable,
-    consts: list,
-    plan: PairwisePlan,
-    red: MonoidReduction,
-    layout: Layout | None,
-    x: Any,
-    y: Any,
-    reduction: Any,
-) -> Any:
-    """The kernel's result; ``red`` the terms :func:`_plan` recognized (from ``f``'s
-    output shapes, which ``conv`` shares), ``layout`` the tile kernel's."""
-    by_scan = lambda c, x, y: scan(lambda xi, yj: conv(xi, yj, *c), x, y, reduction, plan.tiles)
-    return fused(Pairs(conv, red, plan.tiles, by_scan, layout), consts, x, y)

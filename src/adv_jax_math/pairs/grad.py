@@ -35,7 +35,7 @@ from ..analysis.tangent import nonzero
 from ..core.linear import linear_call
 from ..kernels.pairwise_device import Layout
 from ..monoids.base import index_dtype
-from ..monoids.reduction import LeafReduction, MonoidReduction
+from ..monoids.reduction import MonoidReduction
 from .kernel import kernel_states, kernel_sums, like, struct
 from .matmul import reverse as matmul_reverse
 from .matmul import states as matmul_states
@@ -171,10 +171,6 @@ def _cotangent(s: Any, g: Any) -> Any:
     return jnp.zeros_like(s) if g is None else g.astype(s.dtype)
 
 
-def _tally_leaf(leaf: LeafReduction) -> LeafReduction:
-    return LeafReduction(leaf.sources, leaf.monoid.tally, 0, leaf.out)
-
-
 def _reverse(p: Pairs, cts: list, res: tuple, items: list, pos: list) -> tuple:
     """The cotangents of the nonzero tangents (``pos`` per argument) from the result's
     (``cts``: per term, its float leaves; None for integer ones)."""
@@ -202,9 +198,7 @@ def _kernel_reverse(p: Pairs, cts: list, res: tuple, items: list, pos: list) -> 
     ]
     tallies: list = [None] * len(red.leaves)
     if tallied:
-        leaves = tuple(_tally_leaf(red.leaves[t]) for t in tallied)
-        sums = MonoidReduction(leaves, jax.tree.structure(list(leaves)), red.prologue)
-        found, _ = kernel_states(p.conv, c, sums, x, y, p.tiles, layout=p.layout)
+        found, _ = kernel_states(p.conv, c, red.tallies(tallied), x, y, p.tiles, layout=p.layout)
         for t, state in zip(tallied, found, strict=True):
             leaf = red.leaves[t]
             shares = lambda s, leaf=leaf: leaf.monoid.tally.shares(s, leaf.axis is None)
@@ -234,15 +228,14 @@ def _kernel_reverse(p: Pairs, cts: list, res: tuple, items: list, pos: list) -> 
         cot = [_cotangent(s, g) for s, g in zip(src, cot, strict=True)]
         return (*vjp(cot), counts)
 
-    pick = lambda tree, ks: [jax.tree.leaves(tree)[k] for k in ks]
     pc, px, py = pos
 
     def over_y(xe: tuple, ye: tuple) -> tuple:  # one pair of the pass over x tiles
         dc, dx, _, counts = pair(c, xe[0], ye[0], ye[1], xe[1])
-        return pick(dx, px), pick(dc, pc), counts
+        return _pick(dx, px), _pick(dc, pc), counts
 
     def over_x(ye: tuple, xe: tuple) -> list:  # one pair of the pass over y tiles
-        return pick(pair(c, xe[0], ye[0], ye[1], xe[1])[2], py)
+        return _pick(pair(c, xe[0], ye[0], ye[1], xe[1])[2], py)
 
     dx, dc, got = [], [], []
     if px or pc or tallied:

@@ -101,8 +101,7 @@ def kernel_states(
     prepared = Prepared(jaxpr, red, jax.tree.leaves(y)[0].shape[0])
     pair, nt = None, len(jaxpr.consts)
     if layout is not None:
-        one = lambda c, xi, yj: [s[0] for s in red.prologue(_row(conv(xi, yj, *c)))]
-        pair = jax.make_jaxpr(one)([struct(c) for c in consts], first_row(x), first_row(y))
+        pair = _pair(conv, consts, red, x, y)
     npc = len(pair.consts) if pair is not None else 0
 
     def interpreted(reference: bool) -> Callable:  # kernels/pairwise.py, or plain JAX
@@ -156,8 +155,7 @@ def layout_problem(
     for a ``target`` (``fused_reduce.targets.Target``) compiled where a compiler for
     it is present, else lowered (``fused_reduce.probe``; cached)."""
     conv, consts = jax.closure_convert(f, first_row(x), first_row(y))
-    one = lambda c, xi, yj: [s[0] for s in red.prologue(_row(conv(xi, yj, *c)))]
-    pair = jax.make_jaxpr(one)([struct(c) for c in consts], first_row(x), first_row(y))
+    pair = _pair(conv, consts, red, x, y)
     run = lambda c, xs, ys: device_states(pair.jaxpr, red, c, xs, ys, layout)
     structs = lambda tree: [struct(a) for a in jax.tree.leaves(tree)]
     args = ([struct(c) for c in [*pair.consts, *consts]], structs(x), structs(y))
@@ -226,9 +224,12 @@ def tile_problem(run: Callable, args: Any) -> str | None:
     return None
 
 
-def _row(out: Any) -> Any:
-    """One pair's outputs as one row (the prologue reads rows)."""
-    return jax.tree.map(lambda v: v[None], out)
+def _pair(conv: Callable, consts: Sequence[Any], red: MonoidReduction, x: Any, y: Any) -> Any:
+    """The tile kernel's function: the terms' sources of one pair, traced (``f``'s
+    outputs as one row for the prologue, which reads rows)."""
+    row = lambda out: jax.tree.map(lambda v: v[None], out)
+    one = lambda c, xi, yj: [s[0] for s in red.prologue(row(conv(xi, yj, *c)))]
+    return jax.make_jaxpr(one)([struct(c) for c in consts], first_row(x), first_row(y))
 
 
 def like(ct: Any, primal: Any) -> Any:

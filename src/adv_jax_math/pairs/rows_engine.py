@@ -56,8 +56,7 @@ def _args(plan: Plan, call: Call, found: Pairing) -> tuple:
 def _tiles(plan: Plan, found: Pairing) -> tuple[int, int] | str:
     """``pairwise``'s tiles for ``plan``'s chunks (``pairs.tiles.chunk``)."""
     assert plan.reduction is not None
-    auto = plan.autotune is not None
-    return _tile_policy.chunk(found.n, plan.rows_per_chunk, plan.reduction, auto)
+    return _tile_policy.chunk(found.n, plan.rows_per_chunk, plan.reduction, bool(plan.autotune))
 
 
 class PairEngine:
@@ -115,10 +114,6 @@ class PairEngine:
         shard layer merges; these states are for a caller holding such a plan."""
         return _scan.states(plan, xs, offset)
 
-    def auto_draft(self, call: Call) -> Plan | None:
-        """A ``batch_size="auto"`` call the tiles may take, drafted for them (:func:`_draft`)."""
-        return _draft(call)
-
     def describe_reverse(self, plan: Plan, call: Call) -> Plan:
         """Reverse mode is ``pairwise``'s: pairwise sums on the same tiles."""
         backward = (
@@ -127,31 +122,26 @@ class PairEngine:
         )
         return dataclasses.replace(plan, backward=backward)
 
-
-def _draft(call: Call) -> Plan | None:
-    """A ``batch_size="auto"`` call planned at ``DRAFT_ROWS`` rows per chunk, its
-    ``autotune`` saying that the tiles size themselves, where :class:`PairEngine`
-    could take it (CPU, ``backend="auto"``, a reduction over unsharded rows); else
-    None. The engines then decide: a plan no engine before the tiles takes is planned
-    and autotuned as usual (``engines.registry.plan``)."""
-    opts = _config.current()
-    if opts.backend != "auto" or target_platform() != "cpu":
-        return None
-    if call.reduction is None or call.shard:
-        return None
-    n = mapped_rows(call.xs)
-    if not n:
-        return None
-    start = time.perf_counter()
-    rows = min(n, DRAFT_ROWS)
-    draft = make_plan(dataclasses.replace(call, batch_size=rows))
-    if draft.shard is not None or draft.kind is not Kind.MONOID:
-        return None
-    budget, source = budget_in_force(opts, "cpu")
-    why = (
-        "the pairwise tiles size themselves (at most 2^18 pairs a tile, not fitted to the "
-        "budget); no chunk program compiled or timed"
-    )
-    seconds = time.perf_counter() - start
-    decision = _autotune.Decision(rows, n, budget, source, 0, 0.0, (), "", why, seconds)
-    return dataclasses.replace(draft, autotune=decision)
+    def auto_draft(self, call: Call) -> Plan | None:
+        """A ``batch_size="auto"`` call planned at ``DRAFT_ROWS`` rows per chunk, its
+        ``autotune`` saying that the tiles size themselves, where this engine could take
+        it (CPU, ``backend="auto"``, a reduction over unsharded rows); else None. The
+        engines then decide: a plan no engine before the tiles takes is planned and
+        autotuned as usual (``engines.registry.plan``)."""
+        opts = _config.current()
+        cpu = opts.backend == "auto" and target_platform() == "cpu"
+        if not cpu or call.reduction is None or call.shard or not (n := mapped_rows(call.xs)):
+            return None
+        start = time.perf_counter()
+        rows = min(n, DRAFT_ROWS)
+        draft = make_plan(dataclasses.replace(call, batch_size=rows))
+        if draft.shard is not None or draft.kind is not Kind.MONOID:
+            return None
+        budget, source = budget_in_force(opts, "cpu")
+        why = (
+            "the pairwise tiles size themselves (at most 2^18 pairs a tile, not fitted to the "
+            "budget); no chunk program compiled or timed"
+        )
+        seconds = time.perf_counter() - start
+        decision = _autotune.Decision(rows, n, budget, source, 0, 0.0, (), "", why, seconds)
+        return dataclasses.replace(draft, autotune=decision)

@@ -1,22 +1,16 @@
 """``batch_size="auto"``: the fastest chunk size whose compiled program fits a budget.
 
 When a call with ``batch_size="auto"`` is planned (at trace time), one chunk's
-program -- ``chunk_reduction(fun(rows))``, and its VJP when the call is being
-differentiated, run over a few chunks in a loop as the call runs them (see
-``plan.measure``) -- is compiled with ``jax.jit(...).lower(avals).compile()``
-at up to ``MAX_COMPILES`` candidate sizes (powers of two). ``memory_analysis()`` gives its bytes
-(temporaries, outputs and the chunk's rows), fitted as ``a + b * rows``; what the
-whole call holds regardless of the chunk size (in reverse mode, a map's outputs'
-cotangents; not the call's results) is added to ``a``. Candidates the model puts under the
-budget are timed on synthetic inputs of the right shapes and dtypes (real
-compiled runs through many chunks, the fastest of a few): the whole call's time is
-estimated as ``chunks * seconds per chunk`` (``ChunkProgram.seconds``), and a local
-search over the sizes that fit finds the fastest. A burst of load from other
-processes makes one timing slow, so before each step of the search, and then for up
-to ``RETIME_ROUNDS`` rounds (``RETIME_SECONDS``), the fastest sizes timed so far are
-timed again side by side, each keeping its fastest run; the fastest is chosen, a
-size that was compiled and measured itself. ``explain`` shows the planning time
-and the :class:`~adv_jax_math.plan.decision.Decision` (``plan.decision``).
+program (``plan.measure``: ``chunk_reduction(fun(rows))``, and its VJP when the call
+is being differentiated, run over a few chunks in a loop as the call runs them) is
+compiled at up to ``MAX_COMPILES`` candidate sizes (powers of two). Its
+``memory_analysis()`` bytes are fitted as ``a + b * rows``, ``a`` including what the
+whole call holds whatever the chunk size (``ChunkProgram.held``). Candidates the model
+puts under the budget are timed on synthetic inputs (``ChunkProgram.seconds``), and a
+local search over the sizes that fit finds the fastest; as a burst of load from other
+processes makes one timing slow, the fastest sizes are timed again side by side
+(:func:`_retime`). The size chosen was compiled and measured itself. ``explain`` shows
+the planning time and the :class:`~adv_jax_math.plan.decision.Decision`.
 
 Rule for "differentiated" (``config(autotune_grad="auto")``): a mapped input leaf
 or a value ``fun`` closes over is a float tracer of an autodiff transformation
@@ -32,14 +26,13 @@ concrete constants are reused for the timing runs. Decisions are cached in memor
 by (chunk jaxpr, avals, what is differentiated, budget, platform, options), and on
 disk with ``config(autotune_cache=path)``, so a second trace costs nothing.
 
-The disk cache is a JSON object mapping keys to decisions; what it holds is checked
-before it is used. An entry that is not a valid decision for its call (a field
-missing, of the wrong type or out of range: ``1 <= batch_size <= n``, ``n`` and the
-budget those of the call, ...) gives a ``UserWarning`` naming the file, the entry and
-the problem; the decision is recomputed and replaces that entry alone. A file that
-cannot be read or is not a JSON object of entries is never rewritten: a warning says
-so, and decisions are kept in memory only until it is fixed or deleted. A decision
-that cannot be written (permissions, a full disk) warns and is kept in memory.
+The disk cache is a JSON object mapping keys to decisions, checked before use: an
+entry that is not a valid decision for its call (``Decision.from_json``) gives a
+``UserWarning`` naming the file, the entry and the problem, and is recomputed and
+replaced alone. A file that cannot be read or is not a JSON object of entries is never
+rewritten: a warning says so, and decisions are kept in memory only until it is fixed
+or deleted. A decision that cannot be written (permissions, a full disk) warns and is
+kept in memory.
 """
 
 from __future__ import annotations
@@ -99,8 +92,7 @@ def choose(call: Call, n: int, platform: str) -> Decision:
     start = time.perf_counter()
     opts = _config.current()
     budget, source = budget_in_force(opts, platform)
-    grad_rows = getattr(call, "grad_rows", None)
-    prog = ChunkProgram(call, n, opts, grad_rows)
+    prog = ChunkProgram(call, n, opts)
     sizes = _sizes(n, allow_single=not (prog.differentiated and opts.remat))
     key = prog.key(budget, platform, _key_text)
     hit = _lookup(key, opts.autotune_cache, n, budget)

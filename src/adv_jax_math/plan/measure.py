@@ -110,14 +110,14 @@ class ChunkProgram:
     """One chunk of ``call`` (``chunk_reduction(fun(rows))``, and its VJP when the
     call is being differentiated) at any number of rows: compiled, sized, timed."""
 
-    def __init__(self, call: Call, n: int, opts: Options, grad_rows: tuple[bool, ...] | None):
+    def __init__(self, call: Call, n: int, opts: Options):
         self.call, self.n, self.opts = call, n, opts
         leaves = jax.tree.leaves(call.xs)
         self._traces: dict[int, tuple[Any, Any]] = {}
         self.probe_rows = 16 if n > 16 else 1
         consts = self._trace(self.probe_rows)[0].consts
         self.factor = max(outer_batch(v) for v in [*leaves, *consts, 1])
-        grad_rows = autodiff_leaves(call.xs) if grad_rows is None else grad_rows
+        grad_rows = autodiff_leaves(call.xs) if call.grad_rows is None else call.grad_rows
         self.xdiff = tuple(
             is_inexact(x.dtype) and self._wanted(g) for x, g in zip(leaves, grad_rows, strict=True)
         )

@@ -20,17 +20,16 @@ table); nothing here is measured. A pass costs
   the loop counter), at a stated cost per launch
   (:attr:`Device.launch`: an assumption, until ``bench/device_check.sh`` runs on
   the hardware).
-
-The devices' figures are the device table's (``core.devices``: :class:`Device`,
-:data:`DEVICES`, :func:`device`), re-exported here.
 * **parallel**: the share of the device a pass keeps busy. A kernel has one
   program per block of rows: a grid of ``g`` programs fills ``min(1, g / cores)``
   of a GPU's SMs or a TPU's TensorCores. A scan chunk's fusions fill
   ``min(1, elements / (cores * 1024))`` of a GPU (1024 elements per SM: 256
   threads of 4), all of a TPU.
 
-The planner uses it (``FusedEngine``): where the model says a kernel is slower
-than the scan engine, the kernel is not picked, and ``explain()`` says why.
+The devices' figures are the device table's (``core.devices``: :class:`Device`,
+:data:`DEVICES`, :func:`device`), re-exported here. The planner uses the model
+(``FusedEngine``): where it says a kernel is slower than the scan engine, the
+kernel is not picked, and ``explain()`` says why.
 """
 
 from __future__ import annotations
@@ -96,12 +95,9 @@ def nbytes(avals: Sequence[Any]) -> int:
 
 
 def flops(fun: Callable, *avals: Any) -> float:
-    """Every floating-point operation of ``fun`` on ``avals`` (0 when this jax has
-    no ``jax.experimental.roofline``)."""
-    try:
-        from jax.experimental import roofline
-    except ImportError:
-        return 0.0
+    """Every floating-point operation of ``fun`` on ``avals``."""
+    from jax.experimental import roofline  # on first use: 9 ms of import
+
     _, result = roofline.roofline(fun)(*avals)
     return float(result.unfused_flops)
 
