@@ -152,6 +152,18 @@ class MonoidReduction:
             return b
         return [leaf.monoid.merge_fast(s, t) for leaf, s, t in zip(self.leaves, a, b, strict=True)]
 
+    def tallies(self, terms: Sequence[int]) -> MonoidReduction:
+        """The tallies (``Monoid.tally``) of the terms numbered ``terms``, over the same
+        rows, along the rows, per element (for a term over every axis too): what a
+        max/min's reverse pass finds its tied rows with."""
+        leaves = tuple(
+            LeafReduction(
+                self.leaves[t].sources, self.leaves[t].monoid.tally, 0, self.leaves[t].out
+            )
+            for t in terms
+        )
+        return MonoidReduction(leaves, jax.tree.structure([0] * len(leaves)), self.prologue)
+
     def finish(self, results: Sequence[Any]) -> Any:
         """Each term's result (see :meth:`LeafReduction.result`) in the result tree."""
         return jax.tree.unflatten(self.out_tree, list(results))

@@ -187,12 +187,7 @@ def reverse(
         if leaf.monoid.tally is not None and jax.tree.leaves(cts[t])  # (float results)
     ]
     if tallied:
-        leaves = tuple(
-            LeafReduction(red.leaves[t].sources, red.leaves[t].monoid.tally, 0, red.leaves[t].out)
-            for t in tallied
-        )
-        sums = MonoidReduction(leaves, jax.tree.structure(list(leaves)), red.prologue)
-        found = tile_states(sources, sums, list(c), xs, ys, layout.tiles)
+        found = tile_states(sources, red.tallies(tallied), list(c), xs, ys, layout.tiles)
         for t, state in zip(tallied, found, strict=True):
             shares = lambda s, m=red.leaves[t].monoid: m.tally.shares(s, False)
             tallies[t] = jax.vmap(shares)(state)

@@ -38,7 +38,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from ...core.targets import TPU_F32_MATH, Target, tpu_vmem_limit
-from ...monoids.reduction import LeafReduction, MonoidReduction
+from ...monoids.reduction import MonoidReduction
 from .backward_kernel import BACKWARD_NAME, Backward, _block_args, _block_vjp
 from .blocks import tpu_block
 from .build import block_terms, build_kernel
@@ -115,8 +115,7 @@ def plan_reverse(
     tally = None
     tallies: list = [None] * len(reduction.leaves)
     if tallied:
-        leaves = tuple(_tally_leaf(reduction.leaves[j]) for j in tallied)
-        sums = MonoidReduction(leaves, jax.tree.structure([0] * len(leaves)), list)
+        sums = dataclasses.replace(reduction.tallies(tallied), prologue=list)
         t = build_kernel(
             (closed, list(out_shape)), list(xs), sums, (rows, steps), target, interpret
         )
@@ -165,11 +164,6 @@ def _per_term(reduction: MonoidReduction, states: Sequence[Any], tallies: Sequen
         )
         for leaf, state, t in zip(reduction.leaves, states, tallies, strict=True)
     )
-
-
-def _tally_leaf(leaf: LeafReduction) -> LeafReduction:
-    """A term's tally: along the rows, per element (for a term over every axis too)."""
-    return LeafReduction(leaf.sources, leaf.monoid.tally, 0, leaf.out)
 
 
 def _build(
