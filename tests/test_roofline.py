@@ -6,6 +6,7 @@ H100 and TPU v5e: a kernel the model says loses to the scan engine is not picked
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -97,3 +98,13 @@ def test_roofline_model_vetoes_the_backward_kernels(monkeypatch):
         )
     assert plan.engine == "pallas", str(plan)  # the forward kernel still wins
     assert plan.backward.startswith("the scan engine's chunks, transposed: the roofline model")
+
+
+def test_plans_where_jax_roofline_does_not_import(monkeypatch):
+    # jax.experimental.roofline imports absl, which jax does not require (the jax 0.10.2
+    # of a TPU machine lacked it, and every call the planner modelled failed there)
+    monkeypatch.setitem(sys.modules, "jax.experimental.roofline", None)
+    assert rl.flops(lambda v: v * 2, jax.ShapeDtypeStruct((4,), jnp.float32)) == 0.0
+    xs = jnp.arange(10.0)
+    out = ajm.batch_map(lambda v: v * v, xs, 4, reduction=jnp.add, chunk_reduction=jnp.sum)
+    assert float(out) == float(jnp.sum(xs * xs))
