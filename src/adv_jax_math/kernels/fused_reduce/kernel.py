@@ -152,23 +152,25 @@ def named_jit(call: Callable[..., Any], name: str) -> Callable[..., Any]:
 
 
 def kernel_const_aval(a: Any) -> jax.ShapeDtypeStruct:
-    """0-d constants travel as (1, 1) (no 0-d blocks), bools as int32."""
-    shape = tuple(a.shape) or (1, 1)
+    """0-d and 1-d constants travel as ``(1, 1)`` and ``(1, n)`` (no 0-d blocks; a
+    vmapped kernel's blocks of a 1-d constant, ``(1, n)`` of ``(batch, n)``, broke
+    Mosaic's rule for the last two dimensions), bools as int32."""
+    shape = tuple(a.shape)
     dtype = np.dtype(np.int32) if a.dtype == np.bool_ else a.dtype
-    return jax.ShapeDtypeStruct(shape, dtype)
+    return jax.ShapeDtypeStruct((1, *shape) if len(shape) == 1 else shape or (1, 1), dtype)
 
 
 def _to_kernel_const(c: Any) -> Any:
     c = jnp.asarray(c)
     if c.dtype == np.bool_:
         c = c.astype(jnp.int32)
-    return c.reshape(1, 1) if c.ndim == 0 else c
+    return c.reshape(kernel_const_aval(c).shape)
 
 
 def _load_const(ref: Any, aval: Any) -> Any:
     value = ref[...]
-    if not aval.shape:
-        value = value.reshape(())
+    if len(aval.shape) < 2:
+        value = value.reshape(aval.shape)
     if aval.dtype == np.bool_:
         value = value != 0
     return value
