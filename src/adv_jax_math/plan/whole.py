@@ -114,7 +114,7 @@ def _kept_per_row(closed: ClosedJaxpr, rows: int) -> float:
     ``rows`` rows): its residuals with a row axis, other than its inputs and outputs
     (which the call holds anyway), computed from a reduction over features. XLA
     recomputes elementwise ones in the backward pass's fusions (measured on XLA:CPU:
-    no temporaries for 8 tanh layers, nor for bench/workloads.py's 360-equation
+    no temporaries for 8 tanh layers, nor for bench/cases/workloads.py's 360-equation
     fun), but keeps those behind a reduction (a softmax layer: 1.5 times the rows'
     inputs and outputs, eight layers 12 times)."""
     structs = [jax.ShapeDtypeStruct(*_type(v)) for v in closed.jaxpr.invars]
