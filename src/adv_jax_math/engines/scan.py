@@ -69,7 +69,8 @@ __all__ = ["RECOMPUTED", "ScanEngine", "merge_all", "merge_shares", "tangent_sha
 TWO_PASSES = (
     "native logsumexp not used: fun is elementwise, so each of the fold's two passes (max, "
     "then the shifted sum) computes the chunk again fused into its reduction, which XLA "
-    "vectorizes (a stored chunk read twice measured 3.3x slower: bench/cases/workloads.py's logsumexp)"
+    "vectorizes (a stored chunk read twice measured 3.3x slower: the logsumexp of "
+    "bench/cases/workloads.py)"
 )
 _NATIVE_LOGSUMEXP = functools.partial(native.logsumexp, axis=0)  # one pass over the rows
 
