@@ -54,7 +54,7 @@ from ..plan.base import target_platform
 from . import tiles as _tiles
 from .grad import Pairs, fused
 from .kernel import first_row, layout_problem, recognized
-from .matmul import blocks
+from .matmul import blocks, expanded
 from .scan import scan, scan_y
 
 __all__ = ["PairwisePlan", "explain_pairwise", "pairwise"]
@@ -336,6 +336,8 @@ def _plan(
                 f"one chunk of the reduction with the x rows as its items: f's dot products "
                 f"over a tile one matmul"
             )
+            if distances := expanded(f, x, y, red):
+                why += f"; {distances}"
             scan_why = "f mapped over one x row at a time: matrix-vector products"
             plan = PairwisePlan(n, m, (bi, bj), what, _MATMUL, why, (*rejected, (_SCAN, scan_why)))
             return plan, red, Layout("matmul", (bi, bj), per_y=per_y)
