@@ -20,10 +20,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-__all__ = ["linear_call"]
+__all__ = ["cotangent_for", "linear_call"]
 
 
 class _Spec:
@@ -125,3 +126,12 @@ ad.primitive_jvps[_linear] = _jvp
 ad.primitive_transposes[_linear] = _transpose
 batching.primitive_batchers[_linear] = _batch
 mlir.register_lowering(_linear, mlir.lower_fun(_impl, multiple_results=True))
+
+
+def cotangent_for(value: Any, ct: Any = None) -> Any:
+    """``value``'s cotangent for ``jax.vjp`` (``value`` an array or its aval): ``ct``
+    in its dtype, zeros where no cotangent was given (None), float0 for an integer
+    value."""
+    if not jnp.issubdtype(value.dtype, jnp.inexact):
+        return np.zeros(value.shape, jax.dtypes.float0)
+    return jnp.zeros(value.shape, value.dtype) if ct is None else ct.astype(value.dtype)

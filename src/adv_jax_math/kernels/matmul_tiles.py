@@ -26,9 +26,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
+from ..core.linear import cotangent_for
 from ..monoids.base import index_dtype
 from ..monoids.reduction import MonoidReduction
 from .pairwise import _pad_rows
@@ -134,7 +134,7 @@ def tile_cotangents(
             if tally is not None:
                 hit = leaf.monoid.tally.selected(reads[0], idx, tally)
                 counts.append(jnp.sum(hit if keep is None else hit * keep, axis=0))
-        return (*vjp([_cotangent(s, g) for s, g in zip(src, cot, strict=True)]), counts)
+        return (*vjp([cotangent_for(s, g) for s, g in zip(src, cot, strict=True)]), counts)
 
     def per_x(carry: tuple, args: tuple) -> tuple:
         dc, dy = carry
@@ -175,11 +175,3 @@ def tile_cotangents(
 
 def _sum(a: list, b: list) -> list:
     return [u + v for u, v in zip(a, b, strict=True)]
-
-
-def _cotangent(s: Any, g: Any) -> Any:
-    """A value's cotangent for ``jax.vjp``: ``g``, zeros where no term gave one,
-    float0 for an integer value."""
-    if not jnp.issubdtype(s.dtype, jnp.inexact):
-        return np.zeros(s.shape, jax.dtypes.float0)
-    return jnp.zeros_like(s) if g is None else g.astype(s.dtype)

@@ -32,7 +32,7 @@ import numpy as np
 from jax import lax
 
 from ..analysis.tangent import nonzero
-from ..core.linear import linear_call
+from ..core.linear import cotangent_for, linear_call
 from ..kernels.pairwise_device import Layout
 from ..monoids.base import index_dtype
 from ..monoids.reduction import MonoidReduction
@@ -163,14 +163,6 @@ def _zero(t: Any) -> bool:
     return isinstance(t, jax.custom_derivatives.SymbolicZero)
 
 
-def _cotangent(s: Any, g: Any) -> Any:
-    """A source's cotangent for ``jax.vjp``: ``g``, zeros where no term gave one,
-    float0 for an integer source."""
-    if not _inexact(s):
-        return np.zeros(s.shape, jax.dtypes.float0)
-    return jnp.zeros_like(s) if g is None else g.astype(s.dtype)
-
-
 def _reverse(p: Pairs, cts: list, res: tuple, items: list, pos: list) -> tuple:
     """The cotangents of the nonzero tangents (``pos`` per argument) from the result's
     (``cts``: per term, its float leaves; None for integer ones)."""
@@ -225,7 +217,7 @@ def _kernel_reverse(p: Pairs, cts: list, res: tuple, items: list, pos: list) -> 
                     cot[s] = g[0] if cot[s] is None else cot[s] + g[0]
             if tally is not None:
                 counts.append(leaf.monoid.tally.selected(reads[0], j[None], tally)[0])
-        cot = [_cotangent(s, g) for s, g in zip(src, cot, strict=True)]
+        cot = [cotangent_for(s, g) for s, g in zip(src, cot, strict=True)]
         return (*vjp(cot), counts)
 
     pc, px, py = pos

@@ -23,6 +23,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
+from ...core.linear import cotangent_for
 from ...core.targets import KERNEL_NAME
 from ...monoids.base import index_dtype
 from .interpreter import evaluate
@@ -74,12 +75,6 @@ class Backward(Grid):
 
     def key(self) -> tuple:
         return ("backward", *super().key(), str(self.per_term), self.c_idx, self.x_idx)
-
-
-def _zero_cotangent(y: jax.ShapeDtypeStruct) -> Any:
-    if jnp.issubdtype(y.dtype, jnp.inexact):
-        return jnp.zeros(y.shape, y.dtype)
-    return np.zeros(y.shape, jax.dtypes.float0)
 
 
 def _pallas_call(k: Backward) -> Callable[..., Any]:
@@ -135,10 +130,7 @@ def _pallas_call(k: Backward) -> Callable[..., Any]:
                 for s, c in zip(term.leaf.sources, row_cts, strict=True):
                     if c is not None:
                         ct_ys[s] = c if ct_ys[s] is None else ct_ys[s] + c
-            ct_ys = [
-                _zero_cotangent(y) if c is None else c.astype(y.dtype)
-                for y, c in zip(ys, ct_ys, strict=True)
-            ]
+            ct_ys = [cotangent_for(y, c) for y, c in zip(ys, ct_ys, strict=True)]
             dc, dx = vjp(ct_ys)
             for o_ref, d in zip(dx_refs, dx, strict=True):
                 at = ... if k.steps == 1 else rows_at(start, k.rows, o_ref.ndim)
@@ -182,7 +174,7 @@ def _block_vjp(k: Backward, consts: list, xs: list) -> list:
     f = lambda c, x: evaluate(k.jaxpr, c, x, upcast=k.target.triton)
     ys, vjp = jax.vjp(f, consts, xs)
     cts = [
-        jnp.ones(y.shape, y.dtype) if jnp.issubdtype(y.dtype, jnp.inexact) else _zero_cotangent(y)
+        jnp.ones(y.shape, y.dtype) if jnp.issubdtype(y.dtype, jnp.inexact) else cotangent_for(y)
         for y in ys
     ]
     return jax.tree.leaves(vjp(cts))
