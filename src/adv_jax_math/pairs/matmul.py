@@ -189,19 +189,25 @@ def _expanded(a: jax.Array, b: jax.Array, axes: Sequence[int], dtype: Any) -> ja
     return jnp.maximum(norm_b[:, None] + norm_a[None] - 2 * ab, 0)
 
 
-def _tile(pair: Callable, c: list, xt: Any, yt: Any, found: list | None = None) -> list:
-    """``pair(c, xi, yj)``'s values on a tile of x rows ``xt`` and y rows ``yt`` (their
-    leaves' leading axes), each a :class:`_Value`: its jaxpr walked, every equation
-    bound on the rows it depends on, and each squared distance between an x-only and
-    a y-only vector over :data:`MIN_FEATURES` or more features made by
-    :func:`_expanded` (each one's features and whether it was expanded noted in
-    ``found``)."""
-    xdef, ydef = jax.tree.structure(xt), jax.tree.structure(yt)
-    xs, ys = jax.tree.leaves(xt), jax.tree.leaves(yt)
+def _pair_jaxpr(pair: Callable, c: list, x: Any, y: Any) -> Any:
+    """``pair(c, xi, yj)`` on one row of ``x`` and of ``y`` (pytrees of rows), traced:
+    a jaxpr of ``c``, then the leaves of ``xi`` and of ``yj``, to the leaves of its
+    values."""
+    xdef, ydef = jax.tree.structure(x), jax.tree.structure(y)
     fun = lambda c, xs, ys: jax.tree.leaves(
         pair(c, jax.tree.unflatten(xdef, xs), jax.tree.unflatten(ydef, ys))
     )
-    closed = jax.make_jaxpr(fun)([struct(a) for a in c], first_row(xs), first_row(ys))
+    rows = lambda t: first_row(jax.tree.leaves(t))
+    return jax.make_jaxpr(fun)([struct(a) for a in c], rows(x), rows(y))
+
+
+def _tile(closed: Any, c: list, xs: list, ys: list, found: list | None = None) -> list:
+    """The values of ``closed`` (a :func:`_pair_jaxpr`) on a tile of x rows ``xs`` and
+    y rows ``ys`` (leaves, rows first), each a :class:`_Value`: its equations walked,
+    each bound on the rows it depends on, and each squared distance between an x-only
+    and a y-only vector over :data:`MIN_FEATURES` or more features made by
+    :func:`_expanded` (each one's features and whether it was expanded noted in
+    ``found``)."""
 
     def rule(eqn: Any, ins: list[_Value]) -> list[_Value]:
         if (match := _squared_distance(eqn, ins)) is not None:
@@ -224,17 +230,19 @@ def _tile(pair: Callable, c: list, xt: Any, yt: Any, found: list | None = None) 
     return walk(closed.jaxpr, consts, args, rule, literal=literal, const=const, enter=enter)
 
 
-def _sources(conv: Callable, x: Any, y: Any, red: MonoidReduction, per_y: tuple) -> Callable:
+def _sources(
+    conv: Callable, consts: list, x: Any, y: Any, red: MonoidReduction, per_y: tuple
+) -> Callable:
     """``sources(consts, x tile leaves, y tile leaves)`` of ``kernels.matmul_tiles``:
-    each value ``(bj, bi, ...)``, or ``(bj, ...)`` where ``per_y`` says."""
-    xdef, ydef = jax.tree.structure(x), jax.tree.structure(y)
+    each value ``(bj, bi, ...)``, or ``(bj, ...)`` where ``per_y`` says (``f`` traced
+    once, here, for every tile)."""
     pair = lambda c, xi, yj: red.prologue(conv(xi, yj, *c))
+    closed = _pair_jaxpr(pair, consts, x, y)
 
     def sources(c: list, xs: list, ys: list) -> list:
-        xt, yt = jax.tree.unflatten(xdef, xs), jax.tree.unflatten(ydef, ys)
         bi, bj = xs[0].shape[0], ys[0].shape[0]
         out = []
-        for v, own in zip(_tile(pair, c, xt, yt), per_y, strict=True):
+        for v, own in zip(_tile(closed, c, xs, ys), per_y, strict=True):
             a = v.get()
             if v.kind in "cx":
                 a = jnp.broadcast_to(a, (bj, *a.shape))
@@ -249,10 +257,10 @@ def _sources(conv: Callable, x: Any, y: Any, red: MonoidReduction, per_y: tuple)
 def expanded(f: Callable, x: Any, y: Any, red: MonoidReduction) -> str:
     """What the matmul tiles do with the squared distances in ``f`` (for the plan)."""
     found: list[tuple[int, bool]] = []
-    pair = lambda c, xi, yj: red.prologue(f(xi, yj))
-    two = lambda t: jax.tree.map(lambda a: jax.ShapeDtypeStruct((2, *a.shape), a.dtype), t)
-    tile = lambda xt, yt: [v.get() for v in _tile(pair, [], xt, yt, found)]
-    jax.eval_shape(tile, two(first_row(x)), two(first_row(y)))
+    closed = _pair_jaxpr(lambda c, xi, yj: red.prologue(f(xi, yj)), [], x, y)
+    two = lambda t: [jax.ShapeDtypeStruct((2, *a.shape), a.dtype) for a in first_row(t)]
+    tile = lambda xs, ys: [v.get() for v in _tile(closed, [], xs, ys, found)]
+    jax.eval_shape(tile, two(jax.tree.leaves(x)), two(jax.tree.leaves(y)))
     counts = lambda used: "/".join(sorted({str(n) for n, u in found if u == used}))
     says = []
     if any(u for _, u in found):
@@ -337,7 +345,7 @@ def states(
     """Each term's state for every x row and its items (one row's), as
     ``pairs.kernel.kernel_states`` gives them, from the matmul tiles."""
     row = _row_items(conv, consts, red, x, y)
-    sources = _sources(conv, x, y, red, layout.per_y)
+    sources = _sources(conv, consts, x, y, red, layout.per_y)
     out = tile_states(sources, red, consts, jax.tree.leaves(x), jax.tree.leaves(y), layout.tiles)
     axes = _x_axes(_init, red, row, layout.per_y)
     n = jax.tree.leaves(x)[0].shape[0]
@@ -355,7 +363,7 @@ def reverse(
     bi, xs, ys = layout.tiles[0], jax.tree.leaves(x), jax.tree.leaves(y)
     n = xs[0].shape[0]
     row = _row_items(conv, c, red, x, y)
-    sources = _sources(conv, x, y, red, layout.per_y)
+    sources = _sources(conv, list(c), x, y, red, layout.per_y)
     state_axes = _x_axes(_init, red, row, layout.per_y)
     result_axes = _x_axes(_finalize, red, row, layout.per_y)
     whole = -(-n // bi) * bi
