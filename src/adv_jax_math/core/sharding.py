@@ -31,6 +31,7 @@ __all__ = [
     "row_sharding",
     "sharding_of",
     "typed_mesh",
+    "whole",
     "zeros",
 ]
 
@@ -173,6 +174,16 @@ def follow_layout(xs: Any) -> Any:
         return _follow(x) if split else x
 
     return jax.tree.map(follow, xs)
+
+
+def whole(a: Any) -> Any:
+    """``a`` replicated where its type has it split (Explicit axes): read whole by
+    every device (as a value closed over is), e.g. every row of ``y`` by every x row
+    of a pairwise reduction, or the tiles' loops over rows."""
+    sharding = sharding_of(a)
+    if not explicit(sharding) or all(s is None for s in sharding.spec):
+        return a
+    return jax.sharding.reshard(a, NamedSharding(sharding.mesh, PartitionSpec()))
 
 
 def zeros(shape: tuple[int, ...], dtype: Any, like: Any = None, fill: Any = 0) -> jax.Array:

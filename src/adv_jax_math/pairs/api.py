@@ -44,7 +44,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ..core import config as _config
-from ..core.sharding import explicit, sharding_of, typed_mesh
+from ..core.sharding import explicit, sharding_of, typed_mesh, whole
 from ..core.targets import pallas_triton, tpu_vmem_limit
 from ..core.targets import target as device_target
 from ..kernels.pairwise_device import Layout
@@ -187,9 +187,9 @@ def _pairwise(
     if plan.engine == _SCAN_Y:  # every device reduces its y rows for every x row,
         # on the mesh x and y are typed on where none is given or set
         with typed_mesh(*([] if mesh else [x, y])):
-            out = scan_y(f, jax.tree.map(_whole, x), y, red, reduction, plan.tiles[1], mesh)
+            out = scan_y(f, jax.tree.map(whole, x), y, red, reduction, plan.tiles[1], mesh)
         return jax.tree.map(lambda o: _rows_like(o, x), out)
-    y = jax.tree.map(_whole, y)
+    y = jax.tree.map(whole, y)
     if plan.engine == _SCAN:
         # (the mesh only where x is spread over it: ``chunked`` warns of one ignored)
         return scan(f, x, y, reduction, plan.tiles, bool(shard), mesh if shard else None)
@@ -235,15 +235,6 @@ def _check_monoids(tree: Any, name: str) -> None:
             f"pairwise: {name}={tree!r} is not a Monoid (or a pytree of them); pass "
             "ajm.ADD, ajm.LOGSUMEXP, ajm.ARGMIN, ajm.top_k(k), ..."
         )
-
-
-def _whole(a: Any) -> Any:
-    """A leaf of ``y`` replicated where its type has it split (Explicit axes): every
-    x row reads every row of ``y`` (as a value closed over by ``f`` would be)."""
-    sharding = sharding_of(a)
-    if not explicit(sharding) or all(s is None for s in sharding.spec):
-        return a
-    return jax.sharding.reshard(a, NamedSharding(sharding.mesh, PartitionSpec()))
 
 
 def _rows_like(out: jax.Array, x: Any) -> jax.Array:

@@ -64,6 +64,7 @@ import numpy as np
 from jax import lax
 
 from ..analysis.jaxpr_graph import CUSTOM_DERIVATIVES, bind, deps, graph, subjaxpr, walk
+from ..core.sharding import whole
 from ..kernels.matmul_tiles import tile_cotangents, tile_states
 from ..kernels.pairwise import _pad_rows
 from ..kernels.pairwise_device import Layout
@@ -346,7 +347,11 @@ def states(
     ``pairs.kernel.kernel_states`` gives them, from the matmul tiles."""
     row = _row_items(conv, consts, red, x, y)
     sources = _sources(conv, consts, x, y, red, layout.per_y)
-    out = tile_states(sources, red, consts, jax.tree.leaves(x), jax.tree.leaves(y), layout.tiles)
+    # the loops run over every x row on every device: x rows split on Explicit axes
+    # are made whole (lax.map takes no split leading axis); the results typed as x by
+    # the caller
+    xs = [whole(a) for a in jax.tree.leaves(x)]
+    out = tile_states(sources, red, consts, xs, jax.tree.leaves(y), layout.tiles)
     axes = _x_axes(_init, red, row, layout.per_y)
     n = jax.tree.leaves(x)[0].shape[0]
     per_row = [_to_rows(s, a, n) for s, a in zip(out, axes, strict=True)]
@@ -360,15 +365,16 @@ def reverse(
     the leaves numbered in ``pos`` (``res``: constants, x, y, the per-row states;
     ``cts``: each term's result cotangents, per x row)."""
     c, x, y, per_term = res
-    bi, xs, ys = layout.tiles[0], jax.tree.leaves(x), jax.tree.leaves(y)
+    bi, ys = layout.tiles[0], jax.tree.leaves(y)
+    xs = [whole(a) for a in jax.tree.leaves(x)]  # as in states (dx typed as x by pairs.grad)
     n = xs[0].shape[0]
     row = _row_items(conv, c, red, x, y)
     sources = _sources(conv, list(c), x, y, red, layout.per_y)
     state_axes = _x_axes(_init, red, row, layout.per_y)
     result_axes = _x_axes(_finalize, red, row, layout.per_y)
-    whole = -(-n // bi) * bi
-    copies = lambda a: _pad_rows(a, whole)
-    zeros = lambda a: jnp.pad(a, [(0, whole - n)] + [(0, 0)] * (a.ndim - 1))
+    rows = -(-n // bi) * bi  # whole tiles
+    copies = lambda a: _pad_rows(a, rows)
+    zeros = lambda a: jnp.pad(a, [(0, rows - n)] + [(0, 0)] * (a.ndim - 1))
     tile_st = [_to_tiles(s, a, bi, copies) for s, a in zip(per_term, state_axes, strict=True)]
     tile_ct = [_to_tiles(t, a, bi, zeros) for t, a in zip(cts, result_axes, strict=True)]
     # a max/min's tied pairs, tallied by the forward tiles (``Monoid.tally``)
