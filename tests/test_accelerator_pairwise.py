@@ -13,6 +13,8 @@ import jax.numpy as jnp
 import pytest
 from helpers import KERNEL_MARKERS, assert_tree_close
 from test_pairwise import CASES, DIFFERENTIABLE, dense, inputs, scaled_loss
+from test_pairwise_matmul import CASES as MATMUL_CASES
+from test_pairwise_matmul import inputs as matmul_inputs
 
 import adv_jax_math as ajm
 
@@ -73,3 +75,42 @@ def test_device_kernel_at_a_size_that_needs_many_tiles():
         )
     )(x, yb)
     assert_tree_close(got, expect, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("name", list(MATMUL_CASES))
+def test_matmul_kernel_matches_dense_oracle(name):
+    # the shared reductions at D = 64 (tests/test_pairwise_matmul.py): the tile kernel
+    # declines the wide dot products and distances, the matmul tile kernel takes them
+    case = MATMUL_CASES[name]
+    x, y = matmul_inputs()
+    plan = ajm.explain_pairwise(case.f, x, y, case.reduction)
+    assert plan.engine.startswith("pairwise kernel (matmul"), str(plan)
+    call = jax.jit(lambda x, y: ajm.pairwise(case.f, x, y, case.reduction))
+    assert any(m in call.lower(x, y).as_text() for m in KERNEL_MARKERS[PLATFORM])
+    assert_tree_close(
+        call(x, y), _oracle(jax.jit(lambda x, y: case.oracle(dense(case.f, x, y))))(x, y), **TOL
+    )
+    if case.differentiable:
+        loss = scaled_loss(case.f)
+        ours = lambda g, x, y: ajm.pairwise(g, x, y, case.reduction)
+        dense_run = lambda g, x, y: case.oracle(dense(g, x, y))
+        got = jax.jit(jax.grad(lambda *a: loss(ours, *a), argnums=(0, 1, 2)))(0.7, x, y)
+        grad = jax.jit(jax.grad(lambda *a: loss(dense_run, *a), argnums=(0, 1, 2)))
+        assert_tree_close(got, _oracle(grad)(0.7, x, y), rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_matmul_kernel_attention_at_ragged_sizes(dtype):
+    n, m, d = 1031, 2053, 64
+    q, k, v = (
+        jax.random.normal(jax.random.key(i), (r, d)).astype(dtype) for i, r in enumerate((n, m, m))
+    )
+    # at full float32 precision, as the oracle (a TPU's default is bfloat16 passes)
+    f = lambda q, kv: (jnp.dot(q, kv[0], precision="highest") * d**-0.5, kv[1])
+    run = jax.jit(lambda q, k, v: ajm.pairwise(f, q, (k, v), ajm.SOFTMAX_WEIGHTED))
+    plain = lambda q, k, v: jax.nn.dot_product_attention(
+        q[None, :, None], k[None, :, None], v[None, :, None], implementation="xla"
+    )[0, :, 0]
+    got, want = run(q, k, v), _oracle(jax.jit(plain))(q, k, v)
+    tol = TOL if dtype == jnp.float32 else dict(rtol=2e-2, atol=2e-2)
+    assert_tree_close(got.astype(jnp.float32), want.astype(jnp.float32), **tol)

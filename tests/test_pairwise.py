@@ -310,7 +310,9 @@ def test_gpu_and_tpu_plans_take_the_tile_kernel(platform):
     assert refused.engine == MATMUL and "tiles=(48, 100)" in str(refused), str(refused)
     assert vector.engine == f"pairwise kernel ({kind})", str(vector)  # (2,) values per pair
     assert scores.engine == f"pairwise kernel ({kind})", str(scores)  # two heads
-    assert dots.engine == MATMUL and "contracts 64 features" in str(dots), str(dots)
+    # a dot over 64 features: the matmul tile kernel
+    assert dots.engine == f"pairwise kernel (matmul, {kind})", str(dots)
+    assert "contracts 64 features" in str(dots), str(dots)
 
 
 @pytest.mark.parametrize("backend", list(ENGINES))

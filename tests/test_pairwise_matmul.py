@@ -5,7 +5,8 @@ Every reduction of the shared case list (``bench/cases/pairwise.py``) at D = 64
 features, where the unrolled CPU tiles decline (131 values per pair); ragged N and M,
 a tie across a y tile border; values, reverse and forward mode with respect to x, y
 and a value ``f`` closes over; attention as the dot product it is, its second order
-and bfloat16 inputs.
+and bfloat16 inputs. The same reductions on the Pallas matmul tile kernel (both
+layouts, interpreted), values and reverse mode.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from cases.pairwise import REDUCTIONS, attention
 from helpers import assert_tree_close, normal
 
 import adv_jax_math as ajm
+from adv_jax_math.pairs import api as pairs_api
 
 N, M, D, TILES = 37, 53, 64, (8, 16)
 MATMUL = "pairwise tiles (matmul)"
@@ -42,6 +44,39 @@ def test_values_match_dense_oracle(name, tiles):
     assert plan.engine == MATMUL, str(plan)
     got = jax.jit(lambda x, y: ajm.pairwise(case.f, x, y, case.reduction, tiles=tiles))(x, y)
     assert_tree_close(got, case.oracle(dense(case.f, x, y)), rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("on", ["gpu", "tpu"])
+@pytest.mark.parametrize(
+    "name",
+    [pytest.param(n, marks=() if i % 3 == 0 else pytest.mark.slow) for i, n in enumerate(CASES)],
+)
+def test_kernel_interpreted_matches_dense_oracle(name, on, monkeypatch):
+    # the Pallas kernel of the GPU (a program per x tile, a loop over the y tiles) and
+    # of the TPU (a grid, the states in the output block), with ragged tiles
+    monkeypatch.setattr(pairs_api, "INTERPRET_LAYOUT", on)
+    case = CASES[name]
+    x, y = inputs()
+    run = lambda x, y: ajm.pairwise(case.f, x, y, case.reduction, tiles=TILES)
+    oracle = lambda x, y: case.oracle(dense(case.f, x, y))
+    with ajm.config(backend="interpret"):
+        plan = ajm.explain_pairwise(case.f, x, y, case.reduction, tiles=TILES)
+        assert f"{on} matmul tile kernel, interpreted" in plan.reason, str(plan)
+        got = jax.jit(run)(x, y)
+        if case.differentiable:
+            loss = loss_of(case.f)
+            ours = lambda *a: loss(
+                lambda g, x, y: ajm.pairwise(g, x, y, case.reduction, tiles=TILES), *a
+            )
+            got_grad = jax.jit(jax.grad(ours, argnums=(0, 1, 2)))(0.7, x, y)
+            got_fwd = jax.jit(lambda s: jax.jvp(lambda s: ours(s, x, y), (s,), (1.0,)))(0.7)
+    assert_tree_close(got, oracle(x, y), rtol=2e-5, atol=2e-5)
+    if case.differentiable:
+        plain = lambda *a: loss(lambda g, x, y: case.oracle(dense(g, x, y)), *a)
+        want = jax.jit(jax.grad(plain, argnums=(0, 1, 2)))(0.7, x, y)
+        assert_tree_close(got_grad, want, rtol=2e-4, atol=2e-4)
+        want_fwd = jax.jit(lambda s: jax.jvp(lambda s: plain(s, x, y), (s,), (1.0,)))(0.7)
+        assert_tree_close(got_fwd, want_fwd, rtol=2e-4)
 
 
 def loss_of(f):
@@ -92,11 +127,20 @@ def _dense_attention(q, kv):
     return (jax.nn.softmax(s, axis=1) @ v.astype(jnp.float32)).astype(q.dtype)
 
 
-def test_attention_reverse_and_second_order():
+@pytest.mark.parametrize("backend", ["auto", "interpret"])
+def test_attention_reverse_and_second_order(backend):
+    # the XLA loops, and the Pallas kernel (interpreted): its second order in XLA
     f = attention(32).f
     q, kv = _attention_inputs(32)
+    with ajm.config(backend=backend):
+        _attention_orders(f, q, kv)
+
+
+def _attention_orders(f, q, kv):
     plan = ajm.explain_pairwise(f, q, kv, ajm.SOFTMAX_WEIGHTED, tiles=TILES)
-    assert plan.engine == MATMUL and "f contracts 32 features" in str(plan), str(plan)
+    assert "matmul" in plan.engine + plan.reason and "f contracts 32 features" in str(plan), str(
+        plan
+    )
     ours = lambda q, kv: ajm.pairwise(f, q, kv, ajm.SOFTMAX_WEIGHTED, tiles=TILES)
     loss = lambda run: lambda q, kv: jnp.sum(jnp.sin(run(q, kv)))
     assert_tree_close(jax.jit(ours)(q, kv), _dense_attention(q, kv), rtol=1e-5, atol=1e-6)

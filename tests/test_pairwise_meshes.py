@@ -83,22 +83,28 @@ def test_every_engine_on_meshes_matches_dense(axis_type, spec, set_mesh):
 
 @pytest.mark.parametrize("set_mesh", [False, True], ids=["no_mesh", "set_mesh"])
 @pytest.mark.parametrize("spec", [P(), P("x")], ids=["P()", "P(x)"])
-def test_interpret_kernel_on_an_explicit_mesh(spec, set_mesh):
-    # a cumsum in f: not unrolled, so not tiled; the interpret kernel (under
-    # shard_map with whole arguments) runs forward and in the reverse pass
+@pytest.mark.parametrize("kernel", ["interpret", "matmul"])
+def test_interpret_kernel_on_an_explicit_mesh(spec, set_mesh, kernel):
+    # a cumsum in f: not unrolled, so not tiled; values that depend on the x row
+    # neither go to the matmul tile kernel: the interpret kernel (under shard_map with
+    # whole arguments) runs forward and in the reverse pass; y's values alone: the
+    # matmul tile kernel, interpreted
     mesh = jax.make_mesh((4,), ("x",), axis_types=(AxisType.Explicit,))
     host_x = jnp.linspace(-2.0, 2.0, N * 3).reshape(N, 3)
     host_y = jnp.cos(jnp.arange(M * 3.0)).reshape(M, 3)
     x, y = (jax.device_put(a, NamedSharding(mesh, spec)) for a in (host_x, host_y))
     reduction, _, want = CASES["softmax_weighted"]
     f = lambda a, b: (-jnp.sum((a - b) ** 2), jnp.cumsum(b)[:2])
+    if kernel == "interpret":
+        f = lambda a, b: (-jnp.sum((a - b) ** 2), jnp.cumsum(b)[:2] * a[0])
     loss = lambda run: lambda x, y: jnp.sum(jnp.sin(run(x, y)))
     ours = lambda x, y: ajm.pairwise(f, x, y, reduction, tiles=(4, 8))
     with (
         ajm.config(backend="interpret"),
         jax.set_mesh(mesh) if set_mesh else contextlib.nullcontext(),
     ):
-        assert "the interpret kernel" in ajm.explain_pairwise(f, x, y, reduction).reason
+        said = {"interpret": "the interpret kernel", "matmul": "matmul tile kernel, interpreted"}
+        assert said[kernel] in ajm.explain_pairwise(f, x, y, reduction).reason
         got = jax.jit(jax.value_and_grad(loss(ours), (0, 1)))(x, y)
     expect = jax.value_and_grad(loss(lambda x, y: want(dense(f, x, y))), (0, 1))(host_x, host_y)
     assert_tree_close(jax.device_get(got), expect, rtol=2e-5, atol=2e-5)

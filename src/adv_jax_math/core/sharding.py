@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, TypeGuard
 
 import jax
@@ -27,6 +27,7 @@ __all__ = [
     "follow_layout",
     "mesh_context",
     "on_context_mesh",
+    "on_every_device",
     "place",
     "row_sharding",
     "sharding_of",
@@ -184,6 +185,21 @@ def whole(a: Any) -> Any:
     if not explicit(sharding) or all(s is None for s in sharding.spec):
         return a
     return jax.sharding.reshard(a, NamedSharding(sharding.mesh, PartitionSpec()))
+
+
+def on_every_device(kernel: Callable, *args: Any) -> Any:
+    """``kernel(*args)``; under an Explicit mesh (the context's, or that of ``args``'
+    types) on every device, its arguments replicated: a kernel runs with manual mesh
+    axes only (as the 1-D kernel does)."""
+    with typed_mesh(args):
+        mesh = jax.sharding.get_abstract_mesh()
+        if mesh.empty or AxisType.Explicit not in tuple(mesh.axis_types):
+            return kernel(*args)
+        replicated = NamedSharding(mesh, PartitionSpec())
+        args = jax.tree.map(lambda a: jax.sharding.reshard(jnp.asarray(a), replicated), args)
+        spec = PartitionSpec()
+        run = jax.shard_map(kernel, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False)
+        return run(*args)
 
 
 def zeros(shape: tuple[int, ...], dtype: Any, like: Any = None, fill: Any = 0) -> jax.Array:

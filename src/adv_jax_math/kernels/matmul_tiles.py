@@ -21,6 +21,7 @@ caller.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -29,11 +30,17 @@ import jax.numpy as jnp
 from jax import lax
 
 from ..core.linear import cotangent_for
+from ..core.sharding import on_every_device
 from ..monoids.base import index_dtype
 from ..monoids.reduction import MonoidReduction
 from .pairwise import _pad_rows
+from .pairwise_device import Layout
+from .tile_loops import Tiled, tile_kernel
 
-__all__ = ["tile_cotangents", "tile_states"]
+__all__ = ["KERNEL_NAME", "tile_cotangents", "tile_states"]
+
+KERNEL_NAME = "adv_jax_math_matmul_tiles"
+REVERSE_KERNEL_NAME = "adv_jax_math_matmul_tiles_reverse"
 
 Sources = Callable[[list, list, list], list]  # (consts, x tile leaves, y tile leaves)
 
@@ -50,32 +57,59 @@ def _rows(ys: list, j: Any, bj: int) -> list:
     return [lax.dynamic_slice_in_dim(a, j * bj, bj) for a in ys]
 
 
+def _fold(
+    sources: Sources,
+    red: MonoidReduction,
+    c: list,
+    x: list,
+    y: list,
+    start: Any,
+    m: int,
+    fast: bool,
+) -> list:
+    """Each term's state over one tile: the y rows ``y`` from row ``start`` on (those
+    from row ``m`` on weighted out). In XLA (``fast``) the rows' indices and weights
+    are vectors; in a kernel each has its value's shape (Mosaic makes no column of a
+    vector)."""
+    src = sources(c, x, y)
+    if fast:  # the values computed once, as the reverse pass reads them
+        src = list(lax.optimization_barrier(src))
+    bj = y[0].shape[0]
+    rows = lambda a: start + lax.broadcasted_iota(jnp.int32, a.shape if not fast else (bj,), 0)
+    out = []
+    for leaf in red.leaves:
+        reads, w = [src[s] for s in leaf.sources], None
+        j0 = rows(reads[0])
+        if m % bj:
+            col = lambda a: (
+                (rows(a) if not fast else rows(a).reshape((bj,) + (1,) * (a.ndim - 1))) < m
+            )
+            reads, w = leaf.monoid.without(reads, col, j0 < m)
+        out.append(leaf.fold(reads, j0.astype(index_dtype()), w, fast=fast))
+    return out
+
+
 def tile_states(
     sources: Sources,
     red: MonoidReduction,
     consts: list,
     xs: list,
     ys: list,
-    tiles: tuple[int, int],
+    layout: Layout,
 ) -> list:
     """Each term's state for every x tile (leading axis: the x tiles; the tile's x
-    rows where its items put them)."""
-    bj, m = tiles[1], ys[0].shape[0]
-    xt, ys, _, nyt = _tiled(xs, ys, tiles)
-
-    def fold(x: list, j: Any) -> list:
-        # the values computed once, as the reverse pass reads them (behind a barrier)
-        src = list(lax.optimization_barrier(sources(consts, x, _rows(ys, j, bj))))
-        j0 = j * bj + lax.iota(jnp.int32, bj)
-        idx, out = j0.astype(index_dtype()), []
-        for leaf in red.leaves:
-            reads, w = [src[s] for s in leaf.sources], None
-            if m % bj:
-                keep = j0 < m
-                kept = lambda a, keep=keep: keep.reshape((bj,) + (1,) * (a.ndim - 1))
-                reads, w = leaf.monoid.without(reads, kept, keep)
-            out.append(leaf.fold(reads, idx, w, fast=True))
-        return out
+    rows where its items put them): XLA's loops, or ``layout.on``'s kernel."""
+    if layout.on != "xla":
+        # A Pallas call has no derivative of its own: differentiated (from the second
+        # order on), the states are those of the same tiles in XLA's loops.
+        loops = dataclasses.replace(layout, on="xla")
+        kernel = jax.custom_jvp(lambda *a: _kernel(sources, red, *a, layout))
+        in_xla = lambda *a: tile_states(sources, red, *a, loops)
+        kernel.defjvp(lambda primals, tangents: jax.jvp(in_xla, primals, tangents))
+        return on_every_device(kernel, consts, xs, ys)
+    bj, m = layout.tiles[1], ys[0].shape[0]
+    xt, ys, _, nyt = _tiled(xs, ys, layout.tiles)
+    fold = lambda x, j: _fold(sources, red, consts, x, _rows(ys, j, bj), j * bj, m, True)
 
     def per_x(x: list) -> list:
         acc = fold(x, 0)
@@ -85,6 +119,36 @@ def tile_states(
     return lax.map(per_x, xt)
 
 
+def _kernel(
+    sources: Sources, red: MonoidReduction, consts: list, xs: list, ys: list, layout: Layout
+) -> list:
+    """:func:`tile_states` as one Pallas kernel (``kernels/tile_loops.py``): the x
+    tiles outer, the y tiles inner, the states merged across them."""
+    (bi, bj), m = layout.tiles, ys[0].shape[0]
+    xt, ys, nxt, nyt = _tiled(xs, ys, layout.tiles)
+    xs = [a.reshape(nxt * bi, *a.shape[2:]) for a in xt]
+    tree: list = []
+
+    def body(c: list, x: list, y: list, i: Any, t: Any) -> list:
+        states = _fold(sources, red, c, x, y, t * bj, m, False)
+        leaves, treedef = jax.tree.flatten(states)
+        tree[:] = [treedef]
+        return leaves
+
+    def merge(a: list, b: list) -> list:
+        u, v = (jax.tree.unflatten(tree[0], s) for s in (a, b))
+        merged = [leaf.monoid.merge(p, q) for leaf, p, q in zip(red.leaves, u, v, strict=True)]
+        return jax.tree.leaves(merged)
+
+    outer, inner = [Tiled(a, bi) for a in xs], [Tiled(a, bj) for a in ys]
+    out = tile_kernel(body, merge, consts, outer, inner, (nxt, nyt), *_how(layout), KERNEL_NAME)
+    return jax.tree.unflatten(tree[0], out)
+
+
+def _how(layout: Layout) -> tuple:
+    return layout.on, layout.interpret, layout.params
+
+
 def tile_cotangents(
     sources: Sources,
     red: MonoidReduction,
@@ -92,7 +156,7 @@ def tile_cotangents(
     consts: list,
     xs: list,
     ys: list,
-    tiles: tuple[int, int],
+    layout: Layout,
     states: list,
     cts: list,
     tallies: list,
@@ -106,35 +170,154 @@ def tile_cotangents(
     ``tallies`` (``Monoid.tally``'s state with the shares, or None) are per term, each
     for every x tile as :func:`tile_states` gives them; ``items`` each term's items in
     a tile."""
-    bj, m = tiles[1], ys[0].shape[0]
-    xt, ys, _, nyt = _tiled(xs, ys, tiles)
+    bj, m = layout.tiles[1], ys[0].shape[0]
+    xt, ys, nxt, nyt = _tiled(xs, ys, layout.tiles)
+    rows = (list(cts), list(states), list(tallies))
+    args = (sources, red, items, m, pos)
+    if layout.on != "xla":
+        run = lambda *a: _reverse_kernel(*args, *a, (nxt, nyt), layout)
+        dc, dx, dy, counts = on_every_device(run, consts, xt, ys, rows)
+    else:
+        dc, dx, dy, counts = _reverse_loops(*args, consts, xt, ys, rows, nyt, bj)
+    wrong = jnp.asarray(False)
+    tallied = [t for t in tallies if t is not None]
+    for got, tally in zip(counts, tallied, strict=True):
+        wrong = wrong | jnp.any((got != tally[2]) & (tally[3] > 0))
+    n = xs[0].shape[0]
+    dx = [d.reshape(-1, *d.shape[2:])[:n] for d in dx]
+    return dc, dx, [d[:m] for d in dy], wrong
+
+
+def _tile_cotangents(
+    sources: Sources,
+    red: MonoidReduction,
+    items: Sequence[Sequence[Any]],
+    m: int,
+    pos: tuple[Sequence[int], Sequence[int], Sequence[int]],
+    consts: list,
+    x: list,
+    row: tuple,
+    y: list,
+    start: Any,
+    fast: bool,
+) -> tuple:
+    """The cotangents ``(dc, dx, dy)`` of one tile's constants, x rows and y rows (from
+    row ``start`` on) numbered in ``pos``, and its selected counts."""
     pc, px, py = pos
     put = lambda leaves, ks, vs: [
         dict(zip(ks, vs, strict=True)).get(k, a) for k, a in enumerate(leaves)
     ]
+    f = lambda cn, xn, yn: sources(put(consts, pc, cn), put(x, px, xn), put(y, py, yn))
+    picked = ([consts[k] for k in pc], [x[k] for k in px], [y[k] for k in py])
+    src, vjp = jax.vjp(f, *picked)
+    if fast:  # the values as the forward folds read them (behind a barrier too)
+        src = list(lax.optimization_barrier(src))
+    cot: list = [None] * len(src)
+    counts = []
+    bj = y[0].shape[0]
+    for leaf, it, ct, state, tally in zip(red.leaves, items, *row, strict=True):
+        reads = [src[s] for s in leaf.sources]
+        j0 = start + lax.broadcasted_iota(jnp.int32, reads[0].shape, 0)
+        keep = (j0 < m).astype(jnp.float32) if m % bj else None
+        idx = j0.astype(index_dtype())
+        got = leaf.monoid.cotangent(ct, reads, idx, keep, state, it, tally)
+        for s, g in zip(leaf.sources, got, strict=True):
+            if g is not None:
+                cot[s] = g if cot[s] is None else cot[s] + g
+        if tally is not None:
+            hit = leaf.monoid.tally.selected(reads[0], idx, tally)
+            counts.append(jnp.sum(hit if keep is None else hit * keep, axis=0))
+    return (*vjp([cotangent_for(s, g) for s, g in zip(src, cot, strict=True)]), counts)
+
+
+def _reverse_kernel(
+    sources: Sources,
+    red: MonoidReduction,
+    items: Sequence[Sequence[Any]],
+    m: int,
+    pos: tuple,
+    consts: list,
+    xt: list,
+    ys: list,
+    rows: tuple,
+    counts: tuple[int, int],
+    layout: Layout,
+) -> tuple:
+    """:func:`tile_cotangents` as two Pallas kernels (flash attention's backward):
+    ``dx``, ``dc`` and the counts over the x tiles (each looping over the y tiles),
+    ``dy`` over the y tiles (each looping over the x tiles); sums in float32."""
+    (bi, bj), (nxt, nyt) = layout.tiles, counts
+    pc, px, py = pos
+    xs = [a.reshape(nxt * bi, *a.shape[2:]) for a in xt]
+    leaves, tree = jax.tree.flatten(rows, is_leaf=lambda a: a is None)
+    held = [a for a in leaves if a is not None]
+    per_x = [Tiled(a, None) for a in held]
+
+    def unrow(vals: list) -> tuple:
+        it = iter(vals)
+        return jax.tree.unflatten(tree, [None if a is None else next(it) for a in leaves])
+
+    wide = lambda vs: [v.astype(jnp.float32) if _inexact(v) else v for v in vs]
+    run = lambda body, outer, inner, n: tile_kernel(
+        body, _sum, consts, outer, inner, n, *_how(layout), REVERSE_KERNEL_NAME
+    )
+    nx = len(xs)
+    dc: list = []
+    dx: list = []
+    found: list = []
+    if px or pc or any(t is not None for t in rows[2]):
+
+        def over_y(c: list, outer: list, y: list, i: Any, t: Any) -> list:
+            x, row = outer[:nx], unrow(outer[nx:])
+            dcj, dxj, _, cj = _tile_cotangents(
+                sources, red, items, m, (pc, px, ()), c, x, row, y, t * bj, False
+            )
+            return wide([*dxj, *dcj, *cj])
+
+        outer = [Tiled(a, bi) for a in xs] + per_x
+        out = run(over_y, outer, [Tiled(a, bj) for a in ys], (nxt, nyt))
+        dx = [d.astype(xs[k].dtype) for d, k in zip(out, px, strict=False)]
+        dc = [
+            jnp.sum(d, 0).astype(jnp.result_type(consts[k]))
+            for d, k in zip(out[len(px) :], pc, strict=False)
+        ]
+        found = out[len(px) + len(pc) :]
+    dy: list = []
+    if py:
+
+        def over_x(c: list, y: list, inner: list, i: Any, t: Any) -> list:
+            x, row = inner[:nx], unrow(inner[nx:])
+            _, _, dyj, _ = _tile_cotangents(
+                sources, red, items, m, ((), (), py), c, x, row, y, i * bj, False
+            )
+            return wide(dyj)
+
+        inner = [Tiled(a, bi) for a in xs] + per_x
+        out = run(over_x, [Tiled(a, bj) for a in ys], inner, (nyt, nxt))
+        dy = [d.reshape(-1, *d.shape[2:]).astype(ys[k].dtype) for d, k in zip(out, py, strict=True)]
+    return dc, dx, dy, found
+
+
+def _reverse_loops(
+    sources: Sources,
+    red: MonoidReduction,
+    items: Sequence[Sequence[Any]],
+    m: int,
+    pos: tuple,
+    consts: list,
+    xt: list,
+    ys: list,
+    rows: tuple,
+    nyt: int,
+    bj: int,
+) -> tuple:
+    """:func:`tile_cotangents` in XLA's loops: a scan over the x tiles, each a loop
+    over the y tiles."""
+    pc, _, py = pos
 
     def pair_tile(x: list, row: tuple, j: Any) -> tuple:
-        """The cotangents of one tile and its selected counts."""
         y = _rows(ys, j, bj)
-        f = lambda cn, xn, yn: sources(put(consts, pc, cn), put(x, px, xn), put(y, py, yn))
-        picked = ([consts[k] for k in pc], [x[k] for k in px], [y[k] for k in py])
-        src, vjp = jax.vjp(f, *picked)
-        src = list(lax.optimization_barrier(src))
-        cot: list = [None] * len(src)
-        counts = []
-        for leaf, it, ct, state, tally in zip(red.leaves, items, *row, strict=True):
-            reads = [src[s] for s in leaf.sources]
-            j0 = j * bj + lax.broadcasted_iota(jnp.int32, reads[0].shape, 0)
-            keep = (j0 < m).astype(jnp.float32) if m % bj else None
-            idx = j0.astype(index_dtype())
-            got = leaf.monoid.cotangent(ct, reads, idx, keep, state, it, tally)
-            for s, g in zip(leaf.sources, got, strict=True):
-                if g is not None:
-                    cot[s] = g if cot[s] is None else cot[s] + g
-            if tally is not None:
-                hit = leaf.monoid.tally.selected(reads[0], idx, tally)
-                counts.append(jnp.sum(hit if keep is None else hit * keep, axis=0))
-        return (*vjp([cotangent_for(s, g) for s, g in zip(src, cot, strict=True)]), counts)
+        return _tile_cotangents(sources, red, items, m, pos, consts, x, row, y, j * bj, True)
 
     def per_x(carry: tuple, args: tuple) -> tuple:
         dc, dy = carry
@@ -160,18 +343,13 @@ def tile_cotangents(
 
     dc0 = [jnp.zeros(jnp.shape(consts[k]), jnp.result_type(consts[k])) for k in pc]
     dy0 = [jnp.zeros_like(ys[k]) for k in py]
-    rows = (list(cts), list(states), list(tallies))
-    dx: list
-    counts: list
     (dc, dy), (dx, counts) = lax.scan(per_x, (dc0, dy0), (xt, rows))
-    wrong = jnp.asarray(False)
-    tallied = [t for t in tallies if t is not None]
-    for got, tally in zip(counts, tallied, strict=True):
-        wrong = wrong | jnp.any((got != tally[2]) & (tally[3] > 0))
-    n = xs[0].shape[0]
-    dx = [d.reshape(-1, *d.shape[2:])[:n] for d in dx]
-    return dc, dx, [d[:m] for d in dy], wrong
+    return dc, dx, dy, counts
 
 
 def _sum(a: list, b: list) -> list:
     return [u + v for u, v in zip(a, b, strict=True)]
+
+
+def _inexact(a: Any) -> bool:
+    return bool(jnp.issubdtype(a.dtype, jnp.inexact))

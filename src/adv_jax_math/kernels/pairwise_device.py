@@ -52,13 +52,17 @@ class Layout:
     """How the kernel is built: ``kind`` (``"gpu"``, ``"tpu"``, ``"xla"``; ``"matmul"``:
     ``kernels/matmul_tiles.py``), tiles ``(bi, bj)``, ``interpret`` on CPU, the
     compiler parameters (None in interpret mode and for ``"xla"``), and for
-    ``"matmul"`` which of ``f``'s values stay one per y row (``per_y``)."""
+    ``"matmul"`` which of ``f``'s values stay one per y row (``per_y``), where its
+    loops run (``on``: ``"xla"``, or a Pallas kernel for ``"gpu"`` or ``"tpu"``) and
+    the tiles of its reverse pass's kernels (``back``; None: XLA's loops)."""
 
     kind: str
     tiles: tuple[int, int]
     interpret: bool = False
     params: Any = None
     per_y: tuple[bool, ...] = ()
+    on: str = "xla"
+    back: tuple[int, int] | None = None
 
 
 def device_states(

@@ -45,13 +45,12 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from ..core import config as _config
 from ..core.sharding import explicit, sharding_of, typed_mesh, whole
-from ..core.targets import pallas_triton, tpu_vmem_limit
-from ..core.targets import target as device_target
 from ..kernels.pairwise_device import Layout
 from ..monoids.base import Monoid, is_monoid_tree
 from ..monoids.reduction import MonoidReduction
 from ..plan.base import target_platform
 from . import tiles as _tiles
+from .choose import device_kernel, kernel_for
 from .grad import Pairs, fused
 from .kernel import first_row, layout_problem, recognized
 from .matmul import blocks, expanded
@@ -280,25 +279,39 @@ def _plan(
     elif shard:
         kernel_why = "shard=True: the kernel does not spread over devices yet"
     elif backend == "interpret":
-        tiled = Layout(INTERPRET_LAYOUT, (bi, bj), interpret=True)
-        problem = layout_problem(f, x, y, red, tiled)
+        found, problem = kernel_for(f, x, y, red, Layout(INTERPRET_LAYOUT, (bi, bj), True), None)
         kernel = f"the {INTERPRET_LAYOUT} tile kernel, interpreted"
-        if problem is not None:
+        if found is None:
             kernel = f"the interpret kernel ({problem})"
+        elif found.kind == "matmul":
+            kernel = f"the {INTERPRET_LAYOUT} matmul tile kernel, interpreted ({problem})"
         plan = PairwisePlan(
             n, m, (bi, bj), what, _KERNEL, f"requested (backend='interpret'): {kernel}"
         )
-        return plan, red, tiled if problem is None else None
+        return plan, red, found
     elif backend in ("auto", "pallas") and platform in ("gpu", "cuda", "rocm", "tpu"):
-        found = _device(f, x, y, red, tiles, platform)
-        if isinstance(found, Layout):
+        found, kernel_why = device_kernel(f, x, y, red, tiles, platform)
+        if found is not None:
             bi, bj = found.tiles
+            on = found.on if found.kind == "matmul" else found.kind
             why = f"a program per {bi} x rows, looping over tiles of {bj} y rows"
-            if found.kind == "tpu":
+            if on == "tpu":
                 why = f"a grid of {bi} x rows (parallel) by {bj} y rows (arbitrary)"
-            engine = f"pairwise kernel ({found.kind})"
-            return PairwisePlan(n, m, found.tiles, what, engine, why), red, found
-        kernel_why = found
+            engine = f"pairwise kernel ({on})"
+            lost: tuple = ()
+            if found.kind == "matmul":
+                engine = f"pairwise kernel (matmul, {on})"
+                why += ": f's dot products over a tile one matmul"
+                if distances := expanded(f, x, y, red):
+                    why += f"; {distances}"
+                back = found.back
+                why += "; the reverse pass: " + (
+                    f"kernels over {back[0]} x rows by {back[1]} y rows (dx, dy apart)"
+                    if back
+                    else "XLA's loops (on TPU measured faster; on GPU no reverse kernel compiled)"
+                )
+                lost = (("pairwise kernel", kernel_why),)
+            return PairwisePlan(n, m, found.tiles, what, engine, why, lost), red, found
     elif backend == "auto":
         kernel_why = f"only on request on {platform} (backend='interpret')"
         bi, bj = _tiles.xla(tiles, n, m, red)
@@ -351,28 +364,3 @@ def _plan_y(n: int, m: int, tiles: Any, what: str) -> PairwisePlan:
     )
     lost = (("pairwise kernel", "shard='y': the kernel does not spread over devices yet"),)
     return PairwisePlan(n, m, (n, bj), what, _SCAN_Y, why, lost)
-
-
-def _device(
-    f: Callable, x: Any, y: Any, red: MonoidReduction, tiles: Any, platform: str
-) -> Layout | str:
-    """The tile kernel's layout for ``platform``, compiled (or lowered) at its tiles,
-    or why not."""
-    kind = "tpu" if platform == "tpu" else "gpu"
-    target = device_target(platform)
-    vmem = tpu_vmem_limit(target.device_kind)
-    chosen = _tiles.device(kind, tiles, vmem)
-    if isinstance(chosen, str):
-        return chosen
-    if kind == "tpu":
-        from jax.experimental.pallas import tpu as pltpu
-
-        params: Any = pltpu.CompilerParams(
-            dimension_semantics=("parallel", "arbitrary"),
-            vmem_limit_bytes=vmem,
-        )
-    else:
-        params = pallas_triton().CompilerParams(num_warps=4)
-    layout = Layout(kind, chosen, params=params)
-    problem = layout_problem(f, x, y, red, layout, target)
-    return layout if problem is None else f"the tile kernel: {problem}"

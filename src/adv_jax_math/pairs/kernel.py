@@ -20,10 +20,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from ..analysis.recognize import recognize
-from ..core.sharding import explicit, sharding_of, typed_mesh
+from ..core.sharding import explicit, on_every_device, sharding_of
 from ..core.trace import rows_aval
 from ..kernels.fused_reduce.probe import probe
 from ..kernels.pairwise import states
@@ -134,18 +133,7 @@ def kernel_states(
     # in plain JAX.
     kernel = jax.custom_jvp(primal)
     kernel.defjvp(lambda primals, tangents: jax.jvp(interpreted(True), primals, tangents))
-    with typed_mesh(args):
-        mesh = jax.sharding.get_abstract_mesh()
-        if mesh.empty or AxisType.Explicit not in tuple(mesh.axis_types):
-            return kernel(*args), items
-        # A kernel runs with manual mesh axes only: under an Explicit context mesh, on
-        # every device, its arguments replicated (as the 1-D kernel does).
-        whole = NamedSharding(mesh, PartitionSpec())
-        args = jax.tree.map(lambda a: jax.sharding.reshard(jnp.asarray(a), whole), args)
-        everywhere = jax.shard_map(
-            kernel, mesh=mesh, in_specs=PartitionSpec(), out_specs=PartitionSpec(), check_vma=False
-        )
-        return everywhere(*args), items
+    return on_every_device(kernel, *args), items
 
 
 def layout_problem(
@@ -160,11 +148,11 @@ def layout_problem(
     structs = lambda tree: [struct(a) for a in jax.tree.leaves(tree)]
     args = ([struct(c) for c in [*pair.consts, *consts]], structs(x), structs(y))
     problem = tile_problem(run, args)
-    if problem is None and not layout.interpret:
+    if problem is None:  # (interpreted as on the device it stands for)
         problem = _unrolled_problem(pair.jaxpr, layout.kind)
     if problem is not None or target is None:
         return problem
-    return probe(_Probe(target, layout, run, args, str(pair.jaxpr))).problem
+    return Probe(target, layout, run, args, str(pair.jaxpr)).problem()
 
 
 MAX_CONTRACTION = 16  # wider dot products: the matmul tiles are faster
@@ -191,8 +179,8 @@ def _unrolled_problem(pair: Any, kind: str) -> str | None:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class _Probe:
-    """The tile kernel as ``fused_reduce.probe`` compiles it: ``call(*args())``."""
+class Probe:
+    """A tile kernel as ``fused_reduce.probe`` compiles it: ``call(*args())``."""
 
     target: Any
     layout: Layout
@@ -213,6 +201,10 @@ class _Probe:
 
     def call(self) -> Callable:
         return self.run
+
+    def problem(self) -> str | None:
+        """Why the kernel does not build for its target (cached), or None."""
+        return probe(self).problem
 
 
 def tile_problem(run: Callable, args: Any) -> str | None:

@@ -22,6 +22,10 @@ TILE_ELEMENTS = 1 << 18  # bi * bj of an "auto" tile: 1 MiB per float32 output l
 MAX_Y_TILE = 2048  # bj of an "auto" tile
 SORT_TILE_ELEMENTS, SORT_MAX_Y_TILE = 1 << 20, 8192  # the same for top-k on the CPU tiles
 DEVICE_TILES = {"gpu": (64, 64), "tpu": (512, 256)}  # (bi, bj) of an "auto" tile kernel
+# of an "auto" matmul tile kernel. TPU v5e, attention N = M = 16384, d = 64, bf16:
+# (512, 256) 4.1 ms, (256, 512) 3.2, (512, 512) 2.5, (1024, 512) 2.2, (512, 1024) 2.05,
+# (1024, 1024) 2.0, (256, 2048) 2.0 (min of 5; XLA's dot_product_attention 5.1 ms)
+MATMUL_TILES = {"gpu": (64, 64), "tpu": (512, 1024)}
 SMALL_VMEM = 32 << 20  # a TPU with less (v4: 16 MiB) takes half the "auto" kernel tiles
 
 
@@ -73,20 +77,20 @@ def xla(tiles: Any, n: int, m: int, red: MonoidReduction) -> tuple[int, int]:
     return _fill(SORT_TILE_ELEMENTS, min(m, -(-bj // 8) * 8), n)
 
 
-def kernel(kind: str, vmem: int) -> tuple[int, int]:
-    """The tile kernel's "auto" tiles on ``kind`` (``"gpu"``, ``"tpu"``) with ``vmem``
-    bytes of VMEM (a TPU's): halved on TPU v4 (16 MiB), where the reverse pass's D
-    sums overflow."""
-    bi, bj = DEVICE_TILES[kind]
+def kernel(kind: str, vmem: int, matmul: bool = False) -> tuple[int, int]:
+    """The tile kernel's (or the ``matmul`` tile kernel's) "auto" tiles on ``kind``
+    (``"gpu"``, ``"tpu"``) with ``vmem`` bytes of VMEM (a TPU's): halved on TPU v4
+    (16 MiB), where the reverse pass's D sums overflow."""
+    bi, bj = (MATMUL_TILES if matmul else DEVICE_TILES)[kind]
     return (bi // 2, bj // 2) if kind == "tpu" and vmem < SMALL_VMEM else (bi, bj)
 
 
-def device(kind: str, tiles: Any, vmem: int) -> tuple[int, int] | str:
+def device(kind: str, tiles: Any, vmem: int, matmul: bool = False) -> tuple[int, int] | str:
     """The tile kernel's tiles on ``kind``: "auto" :func:`kernel`'s, or the given
     ``tiles``; or why those cannot be: on GPU powers of two, on TPU multiples of 128
     (x and y rows on lanes)."""
     if tiles == "auto":
-        return kernel(kind, vmem)
+        return kernel(kind, vmem, matmul)
     bi, bj = tiles
     if kind == "gpu" and (bi & (bi - 1) or bj & (bj - 1)):
         return f"tiles={tiles!r}: Triton needs powers of two (default {DEVICE_TILES['gpu']})"
