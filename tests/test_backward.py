@@ -192,6 +192,9 @@ def test_forward_mode_and_second_order_still_equal_plain_jax():
         assert_tree_close(jax.jacfwd(f)(w), jax.jacfwd(g)(w), rtol=1e-4, atol=1e-5)
         assert_tree_close(jax.hessian(f)(w), jax.hessian(g)(w), rtol=1e-4, atol=1e-5)
         assert_tree_close(jax.jacrev(jax.jacrev(f))(w), jax.hessian(g)(w), rtol=1e-4, atol=1e-5)
+        # forward over forward, no vmap between (jacfwd's): the tangent's own JVP
+        jj = lambda h: jax.jvp(lambda w: jax.jvp(h, (w,), (w[::-1],))[1], (w,), (w,))[1]
+        assert_tree_close(jj(f), jj(g), rtol=1e-4, atol=1e-5)
 
 
 def test_softmax_weighted_hessian_vector_product_under_vmap():
