@@ -16,6 +16,7 @@ from jax import lax
 
 import adv_jax_math as ajm
 from adv_jax_math.kernels.fused_reduce import backward
+from adv_jax_math.monoids import shifted
 
 pytestmark = needs_kernel
 
@@ -191,6 +192,36 @@ def test_forward_mode_and_second_order_still_equal_plain_jax():
         assert_tree_close(jax.jacfwd(f)(w), jax.jacfwd(g)(w), rtol=1e-4, atol=1e-5)
         assert_tree_close(jax.hessian(f)(w), jax.hessian(g)(w), rtol=1e-4, atol=1e-5)
         assert_tree_close(jax.jacrev(jax.jacrev(f))(w), jax.hessian(g)(w), rtol=1e-4, atol=1e-5)
+        # forward over forward, no vmap between (jacfwd's): the tangent's own JVP
+        jj = lambda h: jax.jvp(lambda w: jax.jvp(h, (w,), (w[::-1],))[1], (w,), (w,))[1]
+        assert_tree_close(jj(f), jj(g), rtol=1e-4, atol=1e-5)
+
+
+def test_softmax_weighted_hessian_vector_product_under_vmap():
+    # The fused engine's tangent weighs each row by the softmax against the forward's
+    # state; under vmap (the pairwise scan route: a batch_map per query row) the
+    # tangent's recomputed scores came out an ulp above the state's top on some rows,
+    # and the clamp of the exponent to 0 cut the derivative of that row's weight: the
+    # second derivative was off by O(1) there, first order and values right.
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.normal(size=(8, 8)), jnp.float32)
+    k = jnp.asarray(rng.normal(size=(29, 8)), jnp.float32)
+    one = lambda qi: ours(ajm.SOFTMAX_WEIGHTED, lambda r: (r @ qi, jnp.cos(r)), k, 16)
+    plain = lambda qi: jax.nn.softmax(k @ qi) @ jnp.cos(k)
+    grad = jax.grad(lambda q, f: jnp.sum(jnp.sin(jax.vmap(f)(q))))
+    hvp = lambda f: jax.jvp(lambda q: grad(q, f), (q,), (0.3 * q,))[1]
+    assert_tree_close(hvp(one), hvp(plain), rtol=1e-4, atol=1e-5)
+
+
+def test_softmax_weights_derivative_whole_a_row_an_ulp_above_the_top():
+    # A row computed again may exceed the state's top by an ulp: its exponent is
+    # clamped to 0, but its weight keeps the derivative of exp(y - top) / total.
+    y = jnp.asarray([0.5, 1.0, -2.0], jnp.float32)
+    top = jnp.nextafter(jnp.float32(1.0), jnp.float32(-np.inf))
+    total = jnp.sum(jnp.exp(y - top))
+    dy = jnp.asarray([0.25, 1.0, -0.5], jnp.float32)
+    got = jax.jvp(lambda y: shifted._softmax(y, top, total), (y,), (dy,))[1]
+    assert_tree_close(got, jnp.exp(y - top) / total * dy, rtol=1e-5, atol=1e-7)
 
 
 def test_explain_says_how_reverse_mode_runs():

@@ -84,14 +84,14 @@ def _abstract_eval(*avals: Any, spec: _Spec) -> list:
 
 
 def _zeros(t: Any, x: Any) -> Any:
-    if type(t) is ad.Zero:
-        return jnp.zeros(jnp.shape(x), jnp.result_type(x))
+    if type(t) is ad.Zero:  # float0 for an integer residual (a row index, a count)
+        return cotangent_for(jax.core.ShapedArray(jnp.shape(x), jnp.result_type(x)))
     return t
 
 
 def _jvp(primals: list, tangents: list, *, spec: _Spec) -> tuple:
-    tangents = [_zeros(t, x) for t, x in zip(tangents, primals, strict=True)]
-    return jax.jvp(lambda *f: spec.call(*f), primals, tangents)
+    tangents = tuple(_zeros(t, x) for t, x in zip(tangents, primals, strict=True))
+    return jax.jvp(lambda *f: spec.call(*f), tuple(primals), tangents)
 
 
 def _transpose(cts: list, *args: Any, spec: _Spec) -> list:

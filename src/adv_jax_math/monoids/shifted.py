@@ -49,11 +49,21 @@ def _shifted(v: jax.Array, top: jax.Array) -> jax.Array:
     return jnp.where(jnp.isinf(top), fallback, v - top)
 
 
+@jax.custom_jvp
 def _at_most_0(exponent: jax.Array) -> jax.Array:
     """An exponent shifted by the maximum, at most 0 even for a row computed again a
-    few ulps above it; its derivative whole at 0 (``jnp.minimum``'s is halved)."""
+    few ulps above it. Its derivative is the exponent's everywhere: the clamp only
+    undoes rounding, and a row a last bit above the maximum (the row at the top,
+    computed again) is still the top row; cut there (``lax.select``'s derivative),
+    the softmax weights' derivative lost that row's share (second derivatives of
+    SOFTMAX_WEIGHTED through the fused kernel's tangent off by 0.4)."""
     # (lax.select: jnp.where failed to linearize on rows without elements under vmap)
     return lax.select(exponent > 0, jnp.zeros_like(exponent), exponent)
+
+
+@_at_most_0.defjvp
+def _at_most_0_jvp(primals: tuple, tangents: tuple) -> tuple:
+    return _at_most_0(primals[0]), tangents[0]
 
 
 def _at_least_one(s: jax.Array, top: jax.Array) -> jax.Array:
