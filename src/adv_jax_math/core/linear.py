@@ -90,8 +90,8 @@ def _zeros(t: Any, x: Any) -> Any:
 
 
 def _jvp(primals: list, tangents: list, *, spec: _Spec) -> tuple:
-    tangents = tuple(_zeros(t, x) for t, x in zip(tangents, primals, strict=True))
-    return jax.jvp(lambda *f: spec.call(*f), tuple(primals), tangents)
+    zeros = tuple(_zeros(t, x) for t, x in zip(tangents, primals, strict=True))
+    return jax.jvp(lambda *f: spec.call(*f), tuple(primals), zeros)
 
 
 def _transpose(cts: list, *args: Any, spec: _Spec) -> list:

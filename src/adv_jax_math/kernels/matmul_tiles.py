@@ -103,8 +103,8 @@ def tile_states(
         # A Pallas call has no derivative of its own: differentiated (from the second
         # order on), the states are those of the same tiles in XLA's loops.
         loops = dataclasses.replace(layout, on="xla")
-        kernel = jax.custom_jvp(lambda *a: _kernel(sources, red, *a, layout))
-        in_xla = lambda *a: tile_states(sources, red, *a, loops)
+        kernel = jax.custom_jvp(lambda c, x, y: _kernel(sources, red, c, x, y, layout))
+        in_xla = lambda c, x, y: tile_states(sources, red, c, x, y, loops)
         kernel.defjvp(lambda primals, tangents: jax.jvp(in_xla, primals, tangents))
         return on_every_device(kernel, consts, xs, ys)
     bj, m = layout.tiles[1], ys[0].shape[0]
@@ -141,12 +141,8 @@ def _kernel(
         return jax.tree.leaves(merged)
 
     outer, inner = [Tiled(a, bi) for a in xs], [Tiled(a, bj) for a in ys]
-    out = tile_kernel(body, merge, consts, outer, inner, (nxt, nyt), *_how(layout), KERNEL_NAME)
+    out = tile_kernel(body, merge, consts, outer, inner, (nxt, nyt), layout, KERNEL_NAME)
     return jax.tree.unflatten(tree[0], out)
-
-
-def _how(layout: Layout) -> tuple:
-    return layout.on, layout.interpret, layout.params
 
 
 def tile_cotangents(
@@ -173,12 +169,15 @@ def tile_cotangents(
     bj, m = layout.tiles[1], ys[0].shape[0]
     xt, ys, nxt, nyt = _tiled(xs, ys, layout.tiles)
     rows = (list(cts), list(states), list(tallies))
-    args = (sources, red, items, m, pos)
     if layout.on != "xla":
-        run = lambda *a: _reverse_kernel(*args, *a, (nxt, nyt), layout)
+        run = lambda c, x, y, r: _reverse_kernel(
+            sources, red, items, m, pos, c, x, y, r, (nxt, nyt), layout
+        )
         dc, dx, dy, counts = on_every_device(run, consts, xt, ys, rows)
     else:
-        dc, dx, dy, counts = _reverse_loops(*args, consts, xt, ys, rows, nyt, bj)
+        dc, dx, dy, counts = _reverse_loops(
+            sources, red, items, m, pos, consts, xt, ys, rows, nyt, bj
+        )
     wrong = jnp.asarray(False)
     tallied = [t for t in tallies if t is not None]
     for got, tally in zip(counts, tallied, strict=True):
@@ -259,7 +258,7 @@ def _reverse_kernel(
 
     wide = lambda vs: [v.astype(jnp.float32) if _inexact(v) else v for v in vs]
     run = lambda body, outer, inner, n: tile_kernel(
-        body, _sum, consts, outer, inner, n, *_how(layout), REVERSE_KERNEL_NAME
+        body, _sum, consts, outer, inner, n, layout, REVERSE_KERNEL_NAME
     )
     nx = len(xs)
     dc: list = []
@@ -343,6 +342,8 @@ def _reverse_loops(
 
     dc0 = [jnp.zeros(jnp.shape(consts[k]), jnp.result_type(consts[k])) for k in pc]
     dy0 = [jnp.zeros_like(ys[k]) for k in py]
+    dx: list
+    counts: list
     (dc, dy), (dx, counts) = lax.scan(per_x, (dc0, dy0), (xt, rows))
     return dc, dx, dy, counts
 

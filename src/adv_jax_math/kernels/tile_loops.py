@@ -50,15 +50,14 @@ def tile_kernel(
     outer: Sequence[Tiled],
     inner: Sequence[Tiled],
     tiles: tuple[int, int],
-    on: str,
-    interpret: bool,
-    params: Any,
+    layout: Any,
     name: str,
 ) -> list:
     """``combine``-d over the inner tiles ``t`` of ``body(whole, outer, inner, i, t)``
     (flat lists of the operands' blocks in their own shapes, the outer tile ``i``),
     for each outer tile: one array per output, its leading axis the outer tiles
-    (``tiles``: how many outer and inner tiles)."""
+    (``tiles``: how many outer and inner tiles; ``layout``: a
+    ``pairwise_device.Layout``, its ``on``, ``interpret`` and ``params``)."""
     n_outer, n_inner = tiles
     block = lambda op: (op.rows, *op.array.shape[1:]) if op.rows else op.array.shape[1:]
     w_shapes = [jnp.shape(a) for a in whole]
@@ -107,7 +106,7 @@ def tile_kernel(
             )
         return pl.BlockSpec((None, *a.shape[1:]), lambda *ij: (ij[axis],) + (0,) * (a.ndim - 1))
 
-    if on == "gpu":
+    if layout.on == "gpu":
 
         def kernel(*refs: Any) -> None:
             w_refs, o_refs, i_refs, out_refs = split(refs)
@@ -158,8 +157,8 @@ def tile_kernel(
         grid=grid,
         in_specs=in_specs,
         out_specs=out_specs,
-        interpret=interpret,
-        compiler_params=params,
+        interpret=layout.interpret,
+        compiler_params=layout.params,
         name=name,
     )
     out = named_jit(call, name)(*ws, *os_, *is_)

@@ -279,12 +279,12 @@ def _plan(
     elif shard:
         kernel_why = "shard=True: the kernel does not spread over devices yet"
     elif backend == "interpret":
-        found, problem = kernel_for(f, x, y, red, Layout(INTERPRET_LAYOUT, (bi, bj), True), None)
+        found, declined = kernel_for(f, x, y, red, Layout(INTERPRET_LAYOUT, (bi, bj), True), None)
         kernel = f"the {INTERPRET_LAYOUT} tile kernel, interpreted"
         if found is None:
-            kernel = f"the interpret kernel ({problem})"
+            kernel = f"the interpret kernel ({declined})"
         elif found.kind == "matmul":
-            kernel = f"the {INTERPRET_LAYOUT} matmul tile kernel, interpreted ({problem})"
+            kernel = f"the {INTERPRET_LAYOUT} matmul tile kernel, interpreted ({declined})"
         plan = PairwisePlan(
             n, m, (bi, bj), what, _KERNEL, f"requested (backend='interpret'): {kernel}"
         )

@@ -95,7 +95,7 @@ def _reverse_tiles(
     runs in XLA's loops)."""
     conv, consts = jax.closure_convert(f, first_row(x), first_row(y))
     xdef, ydef = jax.tree.structure(x), jax.tree.structure(y)
-    nx = xdef.num_leaves
+    nx = len(jax.tree.leaves(x))
     bi, bj = layout.tiles
     least = 128 if layout.on == "tpu" else 16
     pair = pair_jaxpr(lambda c, xi, yj: red.prologue(conv(xi, yj, *c)), consts, x, y)
@@ -112,7 +112,7 @@ def _reverse_tiles(
                 args = list(leaves)
                 for k, v in zip(floats, vals, strict=True):
                     args[k] = v
-                xt, yt = xdef.unflatten(args[:nx]), ydef.unflatten(args[nx:])
+                xt, yt = jax.tree.unflatten(xdef, args[:nx]), jax.tree.unflatten(ydef, args[nx:])
                 out = jax.tree.leaves(fused(pairs, c, xt, yt))
                 inexact = [o for o in out if jnp.issubdtype(o.dtype, jnp.inexact)]
                 return sum(jnp.sum(o.astype(jnp.float32)) for o in inexact)
