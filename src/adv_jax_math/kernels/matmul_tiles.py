@@ -1,4 +1,5 @@
-"""Pairwise reductions as matmul tiles, in plain XLA (the CPU engine).
+"""Pairwise reductions as matmul tiles: XLA's loops (the CPU engine), or Pallas
+kernels for GPUs and TPUs (``kernels/tile_loops.py``, as ``Layout.on`` says).
 
 A tile of ``bi`` x rows by ``bj`` y rows is one chunk of a monoid reduction over its
 y rows whose items are its x rows: ``sources(consts, xt, yt)`` gives each value of
@@ -8,11 +9,12 @@ products over a tile are then one matmul (XLA's dot), and so are a softmax-weigh
 sum's ``P @ V`` and, in the reverse pass, its ``P^T @ dO`` and ``dO @ V^T``.
 
 * :func:`tile_states`: each term's state for every x tile (a loop over the x tiles,
-  each a loop over the y tiles);
+  each a loop over the y tiles; one kernel);
 * :func:`tile_cotangents`: the reverse pass: per tile, each term's
   ``Monoid.cotangent`` of the values from the final states (flash attention's
   recipe for every monoid), then one VJP of ``sources`` for the tile's x rows, y rows
-  and constants: nothing ``N x M`` stored.
+  and constants: nothing ``N x M`` stored (XLA's loops, or two kernels: ``dx`` over
+  the x tiles, ``dy`` over the y tiles, as flash attention's backward).
 
 x and y are padded to whole tiles with copies of their last row; padded y rows are
 filled and weighted out (``Monoid.without``), padded x rows' results dropped by the
