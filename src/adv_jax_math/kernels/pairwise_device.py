@@ -54,7 +54,7 @@ class Layout:
     compiler parameters (None in interpret mode and for ``"xla"``), and for
     ``"matmul"`` which of ``f``'s values stay one per y row (``per_y``), where its
     loops run (``on``: ``"xla"``, or a Pallas kernel for ``"gpu"`` or ``"tpu"``) and
-    the tiles of its reverse pass's kernels (``back``; None: XLA's loops)."""
+    the device kind its kernels were compiled for (``target``; None: interpreted)."""
 
     kind: str
     tiles: tuple[int, int]
@@ -62,7 +62,7 @@ class Layout:
     params: Any = None
     per_y: tuple[bool, ...] = ()
     on: str = "xla"
-    back: tuple[int, int] | None = None
+    target: Any = None
 
 
 def device_states(

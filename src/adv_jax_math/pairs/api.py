@@ -304,11 +304,11 @@ def _plan(
                 why += ": f's dot products over a tile one matmul"
                 if distances := expanded(f, x, y, red):
                     why += f"; {distances}"
-                back = found.back
                 why += "; the reverse pass: " + (
-                    f"kernels over {back[0]} x rows by {back[1]} y rows (dx, dy apart)"
-                    if back
-                    else "XLA's loops (on TPU measured faster; on GPU no reverse kernel compiled)"
+                    "XLA's loops (faster than its kernels on a TPU v5e)"
+                    if on == "tpu"
+                    else "two kernels (dx over the x tiles, dy over the y tiles) at the "
+                    "largest of these tiles down to a quarter that compiles, else XLA's loops"
                 )
                 lost = (("pairwise kernel", kernel_why),)
             return PairwisePlan(n, m, found.tiles, what, engine, why, lost), red, found
