@@ -73,9 +73,15 @@ def kernel_for(
             problem = f"f's squared distances over {wide[-1]} features: a matmul, not unrolled"
     if problem is None:
         return layout, ""
-    tiles = matmul_tiles or layout.tiles
-    on = dataclasses.replace(layout, kind="matmul", tiles=tiles, on=layout.kind)
-    matmul = kernel_layout(f, x, y, red, on, target)
-    if isinstance(matmul, Layout):
-        return matmul, f"the tile kernel: {problem}"
+    bi, bj = matmul_tiles or layout.tiles
+    least = 128 if layout.kind == "tpu" else 16
+    # its tiles, else halves of them (TPU v4's 16 MiB of VMEM: a top-k at 256 x 512)
+    tried = [(bi, bj), (bi, bj // 2), (bi // 2, bj // 2)]
+    for tiles in dict.fromkeys(t for t in tried if target is None or min(t) >= least):
+        on = dataclasses.replace(layout, kind="matmul", tiles=tiles, on=layout.kind)
+        matmul = kernel_layout(f, x, y, red, on, target)
+        if isinstance(matmul, Layout):
+            return matmul, f"the tile kernel: {problem}"
+        if target is None:  # (traced only: not a matter of size)
+            break
     return None, f"the tile kernel: {problem}; the matmul tile kernel: {matmul}"
