@@ -92,7 +92,8 @@ def compile_case(platform, mesh, point, mode: str) -> dict:
     rec = {"case": case.name, "mode": mode, "dtype": point.dtype, "n": n, "m": m, "d": d}
     with jax.set_mesh(mesh):
         plan = ajm.explain_pairwise(case.f, x, y, case.reduction)
-        rec.update(engine=plan.engine, tiles=list(plan.tiles))
+        rec.update(engine=plan.engine, tiles=list(plan.tiles), reason=plan.reason)
+        rec["rejected"] = [list(r) for r in plan.rejected]
         if "dump" in _PTX:
             ptx.collect(_PTX["dump"])  # drop what the planner's probes compiled
         keep = _Keep(jax.jit(run))
@@ -124,8 +125,9 @@ def _gpu_code(kernels: list[str]) -> dict:
     }
 
 
-def run(target: str, quick: bool) -> list[dict]:
-    """Every compile of the grid on ``target``, printed as it goes."""
+def run(target: str, quick: bool, only: list[str] | None = None) -> list[dict]:
+    """Every compile of the grid on ``target`` (``only``: of these cases), printed as it
+    goes."""
     import json
 
     from cases import pairwise
@@ -134,6 +136,8 @@ def run(target: str, quick: bool) -> list[dict]:
     platform, mesh = make_mesh(target)
     records = []
     for point in pairwise.matmul_grid(quick):
+        if only and point.case.name not in only:
+            continue
         for mode in ("forward", "value_and_grad")[: 1 + point.case.differentiable]:
             rec = compile_case(platform, mesh, point, mode)
             print(target, json.dumps(rec), flush=True)
@@ -145,6 +149,8 @@ def run(target: str, quick: bool) -> list[dict]:
 
 
 def status(rec: dict) -> str:
+    if rec.get("unfinished"):  # a record the run left: the compile was stopped, not failed
+        return f"not finished: {rec['unfinished']}"
     if not rec.get("compiled"):
         return "**FAIL**: " + (rec.get("error") or "").splitlines()[0][:80].replace("|", "/")
     loops = rec.get("while_loops") or 0
@@ -231,10 +237,12 @@ def table(directory: pathlib.Path) -> str:
                     str(r.get("while_loops", "")),
                     *(gpu_cells(r) if gpu else tpu_cells(r)),
                     "" if temp is None else f"{temp / 2**20:,.1f}",
-                    f"{r.get('seconds', 0):.0f}",
+                    f"{r['seconds']:.0f}" if "seconds" in r else "",
                 ]
             )
-        parts += [f"\n## {target}: {KINDS[target]}\n", markdown_table(rows)]
+        parts += [f"\n## {target}: {KINDS[target]}\n", markdown_table(rows), ""]
+        plans = {(r["case"], r.get("engine"), r.get("reason", "")) for r in records[target]}
+        parts += [f"- {c}: **{e}**: {why[:300]}" for c, e, why in sorted(plans) if why]
     return "\n".join(parts) + "\n"
 
 
@@ -268,7 +276,7 @@ def main_args(args) -> int:
         if args.out:
             pathlib.Path(args.out).write_text(text)
         return 0
-    records = run(args.target, args.quick)
+    records = run(args.target, args.quick, args.case)
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(records, indent=1))
     return 0 if all(r.get("compiled") for r in records) else 1

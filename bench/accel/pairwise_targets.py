@@ -117,6 +117,7 @@ def main() -> None:
     ap.add_argument("--readme")
     ap.add_argument("--matmul", action="store_true", help="issue 41's matrix-unit grid")
     ap.add_argument("--out", help="--matmul --table: also write the Markdown here")
+    ap.add_argument("--case", action="append", help="--matmul: only this case (repeatable)")
     args = ap.parse_args()
     if args.matmul:
         import matmul_targets
