@@ -11,7 +11,7 @@ VENV_COMPAT ?= .venv-compat
 PIP_FLAGS ?= --quiet --disable-pip-version-check
 PYTEST_FLAGS ?=
 
-.PHONY: all demo test test-slow test-upstream test-compat test-asan test-accel accel-pairwise test-clients lint bench \
+.PHONY: all demo test test-slow test-upstream test-compat test-asan test-accel accel-pairwise accel-pairwise-matmul test-clients lint bench \
   bench-monoids bench-pairwise docs clean
 
 all: test
@@ -111,6 +111,26 @@ accel-pairwise: $(VENV)/.installed
 	done; \
 	$(VENV)/bin/python bench/accel/pairwise_targets.py --table $(PAIRWISE_OUT) \
 	  $(if $(PAIRWISE_FLAGS),,--readme README.md); \
+	exit $$status
+
+# Issue 41's matrix-unit cases (attention d=16/64/128 f32+bf16 fwd and value_and_grad,
+# k-NN top-8 D=128, Sinkhorn D=64) compiled for the same targets
+# (bench/accel/pairwise_targets.py --matmul): engine, kernel or XLA loops, ptxas figures
+# and the PTX's tensor-core instructions (GPU), into bench/results/accel-pairwise-matmul.md.
+# MATMUL_FLAGS=--quick compiles the small size, d=64 only.
+MATMUL_FLAGS ?=
+MATMUL_OUT ?= bench/results/accel-pairwise-matmul
+accel-pairwise-matmul: $(VENV)/.installed
+	bash bench/accel/setup_venvs.sh
+	mkdir -p $(MATMUL_OUT)
+	status=0; for t in $(ACCEL_TARGETS); do \
+	  case $$t in v*) venv=.venv-accel-tpu;; *) venv=.venv-accel-gpu;; esac; \
+	  JAX_PLATFORMS=cpu PYTHONPATH=src $$venv/bin/python bench/accel/pairwise_targets.py --matmul \
+	    --target $$t --json $(MATMUL_OUT)/$$t.json $(MATMUL_FLAGS) > $(MATMUL_OUT)/$$t.log 2>&1 \
+	    || { status=1; tail -n 20 $(MATMUL_OUT)/$$t.log; }; \
+	done; \
+	$(VENV)/bin/python bench/accel/pairwise_targets.py --matmul --table $(MATMUL_OUT) \
+	  --out $(MATMUL_OUT).md > /dev/null; \
 	exit $$status
 
 # Downstream: DESC (desc-opt) installed next to this checkout by pip, DESC's own

@@ -14,7 +14,13 @@ tests). Workloads, from ``workloads``:
     the mapped inputs, a mixture log-likelihood with respect to its means, a max
     with respect to a closed-over vector), ``batch_map[pallas]`` (the backward
     kernels) against ``batch_map[scan]``, each time printed next to the roofline
-    model's (``explain().roofline``).
+    model's (``explain().roofline``);
+(d) the pairwise tile kernel on KeOps' Gaussian kernel sum;
+(e) ``--matmul`` (alone): issue 41's matrix-unit cases (``pairwise.matmul_grid``):
+    attention, forward and ``value_and_grad`` w.r.t. q, k and v, ``ajm.pairwise``
+    against ``jax.nn.dot_product_attention`` (XLA; on a GPU also cuDNN's, bfloat16),
+    k-NN top-8 at D = 128 and Sinkhorn's logsumexp at D = 64 against the dense XLA
+    expression (``--full``: the whole grid, else its quick subset).
 
 Engines: ``fused`` (the kernel alone: ``batch_size = n`` under ``backend="pallas"``,
 so the block is the engine's own choice, printed from ``explain``),
@@ -27,6 +33,7 @@ Pallas interpret mode, to check this script without a GPU.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from collections.abc import Callable
 
 import jax
@@ -178,18 +185,100 @@ def pairwise_sums(*, interpret: bool, reps: int) -> None:
             )
 
 
+def _dense(case, x, y):
+    """The dense XLA expression of a matrix-unit case (attention: ``dot_product_attention``)."""
+    if case.name == "attention":
+        k, v = y
+        one = lambda a: a[None, :, None, :]  # (batch, rows, heads, d)
+        out = jax.nn.dot_product_attention(one(x), one(k), one(v), scale=x.shape[1] ** -0.5)
+        return out[0, :, 0, :]
+    points = y[0] if case.name == "sinkhorn" else y
+    d2 = (x * x).sum(1)[:, None] + (points * points).sum(1)[None, :] - 2 * x @ points.T
+    if case.name == "sinkhorn":
+        return jax.nn.logsumexp((y[1][None, :] - d2) / pairwise.EPS, axis=1)
+    return -jax.lax.top_k(-d2, 8)[0]  # the 8 smallest distances, ascending
+
+
+def _arrays(structs):
+    """Normal samples of the ``ShapeDtypeStruct``s' shapes and dtypes."""
+    rng = np.random.default_rng(0)
+    return jax.tree.map(lambda s: jnp.asarray(rng.normal(size=s.shape), s.dtype), structs)
+
+
+def _engines(case, x, y, cudnn: bool) -> dict[str, Callable]:
+    """name -> function of ``(x, y)``: dense XLA (first: the reference), ``ajm.pairwise``
+    (k-NN: its distances), and (``cudnn``, attention) cuDNN's ``dot_product_attention``."""
+    ours = lambda x, y: ajm.pairwise(case.f, x, y, case.reduction)
+    mine = (lambda x, y: ours(x, y)[0]) if case.name == "knn_top8" else ours
+    plan = ajm.explain_pairwise(case.f, x, y, case.reduction)
+    engines = {"xla (dense)": lambda x, y: _dense(case, x, y), f"pairwise: {plan.engine}": mine}
+    if cudnn and case.name == "attention":
+        scale = x.shape[1] ** -0.5
+        one = lambda a: a[None, :, None, :]
+        engines["cudnn"] = lambda q, kv: jax.nn.dot_product_attention(
+            one(q), one(kv[0]), one(kv[1]), scale=scale, implementation="cudnn"
+        )[0, :, 0, :]
+    return engines
+
+
+def matrix_units(*, interpret: bool, reps: int, full: bool) -> None:
+    """(e): ``ajm.pairwise`` on issue 41's matrix-unit cases against dense XLA."""
+    gpu = jax.default_backend() == "gpu"
+    print("\n## matrix-unit cases (issue 41): ajm.pairwise against dense XLA")
+    print("| case | dtype | N x M, d | pass | engine | ms | TFLOP/s (attention) | max rel err |")
+    print("|---|---|---|---|---|---|---|---|")
+    grid = pairwise.matmul_grid(quick=not full)
+    if interpret:  # tiny, on the CPU: one of each case
+        grid = [dataclasses.replace(p, n=257, m=515) for p in grid[:1] + grid[-2:]]
+    for point in grid:
+        case, n, m, d = point.case, point.n, point.m, point.d
+        x, y = _arrays(case.inputs(n, m, d))
+        engines = _engines(case, x, y, cudnn=gpu and point.dtype == "bfloat16")
+        passes = {"forward": 1.0}
+        if case.name != "knn_top8":
+            passes["value_and_grad"] = 2.5  # FlashAttention's count for the backward
+        for name_pass, bwd in passes.items():
+            reference = None
+            for name, fun in engines.items():
+                if name_pass == "value_and_grad":
+                    fun = jax.value_and_grad(
+                        lambda x, y, fun=fun: jnp.sum(fun(x, y).astype(jnp.float32)), (0, 1)
+                    )
+                try:
+                    meas = measure(jax.jit(fun), (x, y), repeats=reps, warmup=1)
+                except Exception as e:  # one engine failing is a result too
+                    err = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+                    print(f"| {case.name} | {point.dtype} | {n} x {m}, {d} | {name_pass} | "
+                          f"{name} | failed: {err} | | |", flush=True)  # fmt: skip
+                    continue
+                reference = meas.out if reference is None else reference
+                seconds = meas.time.median
+                flops = 4.0 * n * m * d * (1 + (bwd if name_pass != "forward" else 0))
+                rate = f"{flops / seconds / 1e12:.3g}" if case.name == "attention" else "-"
+                print(
+                    f"| {case.name} | {point.dtype} | {n} x {m}, {d} | {name_pass} | {name} | "
+                    f"{seconds * 1e3:.3f} | {rate} | {max_rel_error(meas.out, reference):.1e} |",
+                    flush=True,
+                )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--interpret", action="store_true", help="tiny sizes, interpret mode")
     h200 = DEVICES["NVIDIA H200"].bandwidth
     parser.add_argument("--peak", type=float, default=h200, help="peak bytes/s if unknown")
     parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--matmul", action="store_true", help="only (e), the matrix units")
+    parser.add_argument("--full", action="store_true", help="(e): the whole grid")
     args = parser.parse_args()
     if not args.interpret and jax.default_backend() not in ("gpu", "tpu"):
         raise SystemExit(f"no GPU or TPU: jax.devices() = {jax.devices()}; use --interpret")
     peak, kind = peak_bandwidth(args.peak)
     print(f"jax {jax.__version__} on {kind}; peak bandwidth {peak / 1e12:.2f} TB/s")
     common = {"interpret": args.interpret, "peak": peak, "reps": args.reps}
+    if args.matmul:  # (e) alone: device_check*.sh run it as a step of its own
+        matrix_units(interpret=args.interpret, reps=args.reps, full=args.full)
+        return
 
     # (a) x + 1 reduced over 1 GiB of float32, chunks of 1/16 of it
     n = 1 << (12 if args.interpret else 28)

@@ -258,3 +258,86 @@ def pairwise_cost(f: Callable, x: Any, y: Any, reduction: Monoid | str | float,
             passes.append(_pass(("dx", "dy")[side], d, own, other, swap, cost, *per_row))
     alu = pair[0] + SPECIAL_FLOPS * pair[1]
     return PairwiseCost(d, n, m, (bi, bj), alu, pair[1], tuple(passes))
+
+
+# -- attention on the matrix units (issue 41): a flash-attention-style kernel ------------
+
+# Dense bfloat16 tensor-core peaks (datasheets: H100 SXM 989 TFLOP/s, 1979 with
+# sparsity; A100 312); ``Device.peak`` holds TF32's for GPUs. TPUs: ``Device.peak``.
+BF16_PEAK = {"NVIDIA H100 80GB HBM3": 989e12, "NVIDIA H200": 989e12,
+             "NVIDIA A100-SXM4-80GB": 312e12}  # fmt: skip
+ALU_PER_SCORE = {"forward": 4.0, "backward": 6.0}  # vector flops per score (assumed)
+BWD_FLOPS = 2.5  # FlashAttention's count: backward = 2.5 x forward's 4 N M d
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionPass:
+    """One pass of attention on ``heads`` heads of N x M scores (``d`` features)."""
+
+    name: str
+    flops: float  # FlashAttention's count: 4 N M d (forward), 2.5x that (backward)
+    programs: int
+    parallel: float  # share of the SMs / cores the programs keep busy (whole waves)
+    mma: float  # seconds of the matmuls at the bf16 tensor-core / MXU peak, all units busy
+    exp: float  # seconds of the exps on the SFUs / EUP
+    alu: float  # seconds of the softmax's other flops on the vector units
+    hbm: float  # bytes
+    l2: float  # bytes the programs stream through L2 (GPU)
+    memory: float  # seconds: HBM or L2, whichever is longer
+    launch: float
+
+    @property
+    def seconds(self) -> float:
+        """Matmuls, exps and the rest overlapped (FlashAttention-3's ping-pong)."""
+        return max(max(self.mma, self.exp, self.alu) / self.parallel, self.memory) + self.launch
+
+    @property
+    def serial(self) -> float:
+        """Matmuls, then the softmax's exps and flops: no overlap (FlashAttention-2)."""
+        return max((self.mma + self.exp + self.alu) / self.parallel, self.memory) + self.launch
+
+    @property
+    def bound(self) -> str:
+        parts = {"MMA": self.mma, "exp": self.exp, "ALU": self.alu}
+        name = max(parts, key=lambda k: parts[k])
+        return name if parts[name] / self.parallel >= self.memory else "memory"
+
+
+def attention_cost(n: int, m: int, d: int, device: Device | str = H100, *, heads: int = 1,
+                   tiles: tuple[int, int] = (128, 128), itemsize: int = 2,
+                   grad: bool = False) -> tuple[AttentionPass, ...]:  # fmt: skip
+    """The model's forward (and with ``grad`` backward) pass of softmax attention as a
+    flash-attention kernel would run it: a program per ``bi`` query rows per head
+    streaming K and V in tiles of ``bj`` rows (backward: a program per ``bj`` key rows
+    streaming Q, dO and the row statistics, dQ accumulated in float32 through L2)."""
+    dev = DEVICES[device] if isinstance(device, str) else device
+    peak = BF16_PEAK.get(dev.kind, dev.peak) if itemsize == 2 else dev.peak
+    bi, bj = tiles
+    n_pad, m_pad = -(-n // bi) * bi, -(-m // bj) * bj
+    scores, gpu = float(n_pad) * m_pad * heads, dev.platform == "cuda"
+    passes = []
+    for name in ("forward", "backward")[: 1 + grad]:
+        fwd = name == "forward"
+        tiles_own = -(-n // bi) if fwd else -(-m // bj)
+        programs = tiles_own * heads
+        parallel = programs / (dev.cores * -(-programs // dev.cores))
+        flops = 4.0 * n * m * d * heads * (1 if fwd else BWD_FLOPS)
+        mma = 4.0 * scores * d * (1 if fwd else BWD_FLOPS) / peak
+        exp, alu = scores / dev.special, scores * ALU_PER_SCORE[name] / dev.vector
+        if fwd:  # Q read, O written, row logsumexp written; K, V streamed per program
+            own, streamed = n * heads * (2 * d * itemsize + 4), 2 * m * d * itemsize
+        else:  # K, V read, dK, dV written; Q, dO, O read, dQ (f32) twice; stats streamed
+            own = heads * (4 * m * d * itemsize + n * d * (3 * itemsize + 8) + 8 * n)
+            streamed = n * (2 * d * itemsize + 8)
+        # the streamed side of the heads in flight served from L2 when it fits in half
+        in_flight = max(1, min(heads, dev.cores // max(tiles_own, 1)))
+        resident = gpu and streamed * in_flight <= dev.cache / 2
+        hbm = own + streamed * heads * (1 if resident else tiles_own)
+        l2 = streamed * programs + (0 if fwd else 8.0 * n * d * heads * tiles_own)
+        memory = max(hbm / dev.bandwidth, l2 / dev.cache_bandwidth if gpu else 0.0)
+        launch = (2 if fwd else 3) * dev.launch + (
+            0 if gpu else scores / heads / bi / bj * dev.step
+        )
+        passes.append(AttentionPass(name, flops, programs, parallel, mma, exp, alu, hbm, l2,
+                                    memory, launch))  # fmt: skip
+    return tuple(passes)

@@ -12,7 +12,11 @@ gives it (``pairs.tiles.kernel``: GPU (64, 64), TPU (512, 256), halved on v4) on
 * attention for one head: softmax-weighted sums of the values by ``q . k / sqrt(D)``,
   N = M = 8192 and 32768, D = 64 and 128, forward;
 * cross-entropy's logsumexp over the vocabulary: tokens x vocabulary rows of a dot
-  product, T = 8192, V = 32768 and 128256, D = 4096, forward.
+  product, T = 8192, V = 32768 and 128256, D = 4096, forward;
+* issue 41: attention as a flash-attention-style kernel on the matrix units would run it
+  (``pairwise_model.attention_cost``: the matmul tiles' flops at the bf16 tensor-core
+  peak), forward and backward, bf16, H100 and A100, d = 64 and 128, N = M = 8k-32k,
+  beside FlashAttention-2's and -3's published figures (``attention_section``).
 
 Prints the Markdown; ``--out`` also writes it (``bench/results/pairwise_roofline.md``).
 """
@@ -30,7 +34,15 @@ from collections.abc import Callable
 from typing import Any
 
 from kinds import KINDS
-from pairwise_model import SPECIAL_FLOPS, PairwiseCost, pairwise_cost
+from pairwise_model import (
+    ALU_PER_SCORE,
+    BF16_PEAK,
+    BWD_FLOPS,
+    SPECIAL_FLOPS,
+    PairwiseCost,
+    attention_cost,
+    pairwise_cost,
+)
 
 from adv_jax_math.plan.roofline import DEVICES
 
@@ -158,6 +170,98 @@ def reading(costs: dict[tuple[str, str, str, bool], PairwiseCost]) -> list[str]:
     ]
 
 
+# Published TFLOP/s, FP16, non-causal, H100 80GB SXM5, batch x seqlen = 16k, 2048 hidden
+# (FlashAttention-3 paper, arXiv 2407.08608, its forward / backward speed figures, as
+# read from the figures' bar labels): (direction, d, N) -> (FA2, FA3, cuDNN).
+FA_H100 = {
+    ("forward", 64, 8192): (322, 496, 412), ("forward", 64, 16384): (324, 497, 413),
+    ("forward", 128, 8192): (370, 646, 600), ("forward", 128, 16384): (370, 648, 595),
+    ("backward", 128, 8192): (318, 559, 518), ("backward", 128, 16384): (322, 561, 516),
+}  # fmt: skip
+ATTENTION_SIZES = (8192, 16384, 32768)
+
+
+def heads(n: int, d: int) -> int:
+    """FlashAttention's benchmark shape: batch x N = 16k tokens (batch 1 from 16k on),
+    2048 hidden = heads x d; batch x heads programs' worth of heads."""
+    return max(16384 // n, 1) * 2048 // d
+
+
+def attention_section() -> list[str]:
+    """The flash-attention model's rows on H100 and A100 beside the published figures."""
+    h100, a100 = "NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB"
+    alu = " and ".join(f"{v:g} ({k})" for k, v in ALU_PER_SCORE.items())
+    out = [
+        "\n## Attention on the matrix units (issue 41): MODEL beside FlashAttention-2/3\n",
+        ATTENTION_NOTE.format(alu=alu, bwd=BWD_FLOPS, h100=BF16_PEAK[h100] / 1e12,
+                              a100=BF16_PEAK[a100] / 1e12),
+        "| GPU | d | N = M | batch x heads | pass | model time | model TFLOP/s (overlap) "
+        "| no overlap | % of bf16 peak | bound | exp / MMA time | published TFLOP/s "
+        "FA2 / FA3 / cuDNN (H100, FP16) |",
+        "|---|---:|---:|---:|---|---:|---:|---:|---:|---|---:|---|",
+    ]  # fmt: skip
+    for kind in (h100, a100):
+        dev = DEVICES[kind]
+        for d in (64, 128):
+            for n in ATTENTION_SIZES:
+                bh = heads(n, d)
+                for p in attention_cost(n, n, d, kind, heads=bh, grad=True):
+                    fa = FA_H100.get((p.name, d, n)) if kind == h100 else None
+                    pub = " / ".join(map(str, fa)) if fa else "-"
+                    out.append(
+                        f"| {dev.name} | {d} | {n:,} | {bh} | {p.name} | "
+                        f"{fmt_seconds(p.seconds)} | **{p.flops / p.seconds / 1e12:,.0f}** | "
+                        f"{p.flops / p.serial / 1e12:,.0f} | "
+                        f"{p.flops / p.seconds / BF16_PEAK[kind]:.0%} | {p.bound} | "
+                        f"{p.exp / p.mma:.2f} | {pub} |"
+                    )
+    one = [attention_cost(n, n, 128, h100, heads=1)[0] for n in (8192, 32768)]
+    serial = {k: attention_cost(16384, 16384, 128, k, heads=16)[0] for k in (h100, a100)}
+    serial = {k: f"{p.flops / p.serial / 1e12:,.0f}" for k, p in serial.items()}
+    out += [
+        "",
+        "- Published, for scale: FlashAttention-3 (FP16) reaches up to 740 TFLOP/s on H100, "
+        "75% of its peak, FlashAttention-2 35% there (FA3 abstract); FlashAttention-2 reaches "
+        "50-73% of A100's peak (FA2 abstract, arXiv 2307.08691): up to about 228 of 312 "
+        "TFLOP/s. The per-size figures above are FA3's own charts (H100; d = 64 backward "
+        "and 32k not shown there).",
+        "- Reading it: with matmuls, exps and the rest overlapped the model sits at the bf16 "
+        "peak (it is an upper bound); without overlap it gives "
+        f"{serial[h100]} TFLOP/s on H100 at d = 128, between FA2's 370 and FA3's 648, and "
+        f"{serial[a100]} on A100, at FA2's published 73%. At d = 64 the exps take about as "
+        "long as the matmuls on H100 (ratio 0.9): the SFUs, not the tensor cores, set the "
+        "pace unless they overlap, which is why FA3's d = 64 figures (about 500) trail "
+        "its d = 128 ones.",
+        f"- One head (what one `ajm.pairwise` call is): at d = 128, N = 8k the forward pass "
+        f"has {one[0].programs} programs for 132 SMs ({one[0].parallel:.0%} busy), "
+        f"{fmt_seconds(one[0].seconds)}; at 32k {one[1].programs} programs "
+        f"({one[1].parallel:.0%}), {fmt_seconds(one[1].seconds)}: heads or batch must fill "
+        "the device, or the kernel must split the key rows (flash-decoding's split-K).",
+    ]
+    return out
+
+
+ATTENTION_NOTE = """\
+`pairwise_model.attention_cost`: what a flash-attention-style kernel on the tensor cores
+would take (no such kernel in the library yet: today the matmul tiles run as XLA loops on
+GPUs and TPUs, `bench/results/accel-pairwise-matmul.md`). Assumptions:
+
+- **flops** as FlashAttention counts them: 4 N M d per head forward (two matmuls), {bwd}x
+  that backward (five matmuls); run at the **dense bf16 tensor-core peak** ({h100:.0f}
+  TFLOP/s H100 SXM, {a100:.0f} A100), on padded 128 x 128 tiles (forward: a program per
+  128 query rows per head; backward: per 128 key rows, FA2's split).
+- **softmax**: one exp per score on the SFUs (16 per clock per SM: 4.2 T/s H100, 2.4 A100)
+  and {alu} vector flops per score (scale, max, subtract, sum; backward
+  dS) on the FP32 units. **overlap**: the model time takes the longest of matmuls, exps
+  and the rest (FA3's ping-pong of two warpgroups); **no overlap** adds them (FA2).
+- **bytes**: Q, K, V, O (and LSE) once from HBM; K and V streamed per program through L2
+  (5120 B/clock) and from HBM once when the heads in flight fit in half the L2, else per
+  program; backward: Q, dO, O read, dK, dV written, dQ accumulated in float32 through L2.
+- **shape**: FlashAttention's benchmark, batch x N = 16k tokens (batch 1 from N = 16k
+  on), hidden 2048 = heads x d; the programs fill the SMs in whole waves; 4 us a launch.
+"""
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", type=pathlib.Path, help="also write the Markdown here")
@@ -170,7 +274,7 @@ def main() -> None:
                 f, x, y, red, device=kind, grad=grad
             )
             parts.append(row(name, sizes, grad, c))
-    text = "\n".join(parts + reading(costs)) + "\n"
+    text = "\n".join(parts + reading(costs) + attention_section()) + "\n"
     print(text)
     if args.out:
         args.out.write_text(text)

@@ -16,6 +16,11 @@ trace); records the engine ``explain_pairwise`` plans and what
 lines), whether the program holds the kernel, its HLO while loops, the compiled temp
 bytes and the compile time. ``--table DIR`` prints the Markdown table
 of every ``DIR/*.json`` (``--readme README.md`` rewrites its section).
+
+``--matmul``: issue 41's matrix-unit grid instead (attention, k-NN top-8, Sinkhorn;
+``matmul_targets.py``), its own records and table (``--table DIR --out FILE.md``);
+on a GPU target it first routes XLA's PTX through a ptxas wrapper (``ptx.py``), so it
+is set up here, before jax loads.
 """
 
 from __future__ import annotations
@@ -31,6 +36,10 @@ import pathlib
 import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+if "--matmul" in sys.argv and "--target" in sys.argv[:-1]:
+    import matmul_targets
+
+    matmul_targets.setup(sys.argv[sys.argv.index("--target") + 1])
 from compile_targets import compile_fn, make_mesh  # first: it sets the TPU environment up
 from kinds import KINDS
 from publish import markdown_table, write_section
@@ -106,7 +115,14 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--table")
     ap.add_argument("--readme")
+    ap.add_argument("--matmul", action="store_true", help="issue 41's matrix-unit grid")
+    ap.add_argument("--out", help="--matmul --table: also write the Markdown here")
+    ap.add_argument("--case", action="append", help="--matmul: only this case (repeatable)")
     args = ap.parse_args()
+    if args.matmul:
+        import matmul_targets
+
+        sys.exit(matmul_targets.main_args(args))
     if args.table:
         text = table(pathlib.Path(args.table))
         print(text)

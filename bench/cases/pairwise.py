@@ -8,7 +8,12 @@
 * the workloads, :func:`gaussian` (KeOps' benchmark), :data:`KNN`, :data:`SINKHORN`,
   :func:`attention` and :data:`CROSS_ENTROPY`: ``bench/bench_pairwise.py`` measures
   the first three, ``bench/accel/pairwise_roofline.py`` models the Gaussian sum,
-  attention and cross-entropy.
+  attention and cross-entropy;
+* the matrix-unit grid, :func:`matmul_grid` (issue 41: dot-product pairs that the matmul
+  tiles take): attention at d = 16, 64, 128 in float32 and bfloat16, k-NN top-8 at
+  D = 128 (:data:`KNN_TOP8`) and a Sinkhorn logsumexp at D = 64, at 8191 x 16411 and
+  30011 x 100003 rows; ``bench/accel/pairwise_targets.py --matmul`` compiles it for
+  GPUs and TPUs, ``bench/device_check.py --matmul`` times it on a device.
 
 The oracle of a case is the plain-JAX reduction along axis 1 of the dense
 ``(N, M, ...)`` outputs of ``f`` (``vmap(vmap(f))``): :attr:`Pairwise.oracle`.
@@ -45,6 +50,7 @@ class Pairwise:
     f: Callable  # f(x row, y row)
     y: Callable[[int, int], Any] = points
     differentiable: bool = True  # False: integer results only (nothing to differentiate)
+    dtype: Any = F32  # the float leaves of x and y (bfloat16: the half-precision cases)
 
     @property
     def oracle(self) -> Callable:
@@ -52,8 +58,10 @@ class Pairwise:
         return oracle(self.reduction, axis=1)
 
     def inputs(self, n: int, m: int, d: int) -> tuple:
-        """``(x, y)`` as ``ShapeDtypeStruct``s: ``n`` and ``m`` rows of ``d`` features."""
-        return points(n, d), self.y(m, d)
+        """``(x, y)`` as ``ShapeDtypeStruct``s: ``n`` and ``m`` rows of ``d`` features,
+        float leaves in :attr:`dtype`."""
+        cast = lambda s: S(s.shape, self.dtype) if s.dtype == F32 else s
+        return jax.tree.map(cast, (points(n, d), self.y(m, d)))
 
     def pair_args(self, d: int) -> tuple:
         """One x row and one y row (``ShapeDtypeStruct``s), for ``f``'s jaxpr."""
@@ -122,6 +130,7 @@ def gaussian(p: float = 1.0) -> Pairwise:
 
 
 KNN = Pairwise("knn", ajm.top_k(10, smallest=True), sqdist)  # the 10 nearest y rows
+KNN_TOP8 = Pairwise("knn_top8", ajm.top_k(8, smallest=True), sqdist)  # the 8 nearest
 
 
 def sinkhorn_pair(xi, yg):
@@ -143,3 +152,40 @@ def attention(d: int) -> Pairwise:
 
 # cross-entropy's logsumexp over the vocabulary: a token's logit for each of its rows
 CROSS_ENTROPY = Pairwise("cross_entropy", ajm.LOGSUMEXP, jnp.dot)
+
+
+# -- the matrix-unit grid (issue 41) ----------------------------------------------------
+
+MATMUL_SIZES = ((8191, 16411), (30011, 100003))  # N x M rows: odd, so tiles are ragged
+MATMUL_DTYPES = (F32, jnp.bfloat16)
+
+
+@dataclasses.dataclass(frozen=True)
+class MatmulCase:
+    """One point of the grid: ``case`` at ``n x m`` rows of ``d`` features."""
+
+    case: Pairwise
+    n: int
+    m: int
+    d: int
+
+    @property
+    def dtype(self) -> str:
+        return jnp.dtype(self.case.dtype).name
+
+
+def matmul_grid(quick: bool = False) -> list[MatmulCase]:
+    """Attention (d = 16, 64, 128; float32 and bfloat16), k-NN top-8 at D = 128 and the
+    Sinkhorn logsumexp at D = 64, at each of :data:`MATMUL_SIZES`; ``quick``: the
+    smaller size and attention at d = 64 only (8 compiles with both passes)."""
+    sizes = MATMUL_SIZES[:1] if quick else MATMUL_SIZES
+    dims = (64,) if quick else (16, 64, 128)
+    out = []
+    for n, m in sizes:
+        out += [
+            MatmulCase(dataclasses.replace(attention(d), dtype=t), n, m, d)
+            for d in dims
+            for t in MATMUL_DTYPES
+        ]
+        out += [MatmulCase(KNN_TOP8, n, m, 128), MatmulCase(SINKHORN, n, m, 64)]
+    return out
