@@ -157,19 +157,11 @@ def _expanded(a: jax.Array, b: jax.Array, axes: Sequence[int], dtype: Any) -> ja
     a, b = a - centre, b - centre
     feat = tuple(1 + k for k in axes)
     kept = tuple(k for k in range(1, a.ndim) if k not in feat)
+    norm_a, norm_b = jnp.sum(a * a, feat), jnp.sum(b * b, feat)
     dims = ((feat, feat), (kept, kept))
     ab = lax.dot_general(b, a, dims, precision=lax.Precision.HIGHEST)  # (*kept, bj, bi)
     ab = jnp.moveaxis(ab, (-2, -1), (0, 1))
-    if kept:
-        norm_a, norm_b = jnp.sum(a * a, feat), jnp.sum(b * b, feat)
-        return jnp.maximum(norm_b[:, None] + norm_a[None] - 2 * ab, 0)
-    # rows of features: the norms as a row (1, bi) and a column (bj, 1) by matmuls (a
-    # TPU v4 does not sum a tile's lanes into a column: "sublane gather")
-    ones = jnp.ones((1, *a.shape[1:]), dtype)
-    by = lambda u, v: lax.dot_general(
-        u, v, ((feat, feat), ((), ())), precision=lax.Precision.HIGHEST
-    )
-    return jnp.maximum(by(b * b, ones) + by(ones, a * a) - 2 * ab, 0)
+    return jnp.maximum(norm_b[:, None] + norm_a[None] - 2 * ab, 0)
 
 
 def pair_jaxpr(pair: Callable, c: list, x: Any, y: Any) -> Any:
