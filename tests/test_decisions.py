@@ -1,6 +1,7 @@
 """Every decision of the DESIGN.md §1 table, each with a test."""
 
 import operator
+import re
 
 import jax
 import jax.numpy as jnp
@@ -48,7 +49,11 @@ def test_row_local_maps_run_whole():
     norms = lambda c: c / jnp.linalg.norm(c, axis=-1, keepdims=True)
     plan = ajm.explain(norms, x, 64)
     assert plan.chunks == 1 and plan.derivatives is None
-    assert "whole too: reverse mode keeps 12 B of fun's intermediates per row" in plan.backward
+    # (12 B per row with jax <= 0.12.0, 8 B with 0.12.1: fewer residuals saved)
+    kept = re.search(
+        r"whole too: reverse mode keeps (\d+) B of fun's intermediates per row", plan.backward
+    )
+    assert kept is not None and int(kept[1]) <= 12, plan.backward
     assert_tree_close(ajm.batch_map(norms, x, 64), norms(x))
     # a softmax: reverse mode run whole would keep its exponentials for all rows, more
     # than the rows' inputs and outputs: the derivatives run in the chunks

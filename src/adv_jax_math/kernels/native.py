@@ -98,7 +98,10 @@ def _self_test() -> None:
     with np.errstate(divide="ignore"):
         expected = np.log(np.exp(x.astype(np.float64)).sum(axis=0)).astype(np.float32)
     cpu = jax.devices("cpu")[0]
-    spec = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=jax.sharding.SingleDeviceSharding(cpu))
+    # (jax 0.12.1 deprecates jax.sharding.SingleDeviceSharding for this function)
+    one = getattr(jax.sharding, "make_single_device_sharding", None)
+    sharding = one(cpu) if one is not None else jax.sharding.SingleDeviceSharding(cpu)
+    spec = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
     call = functools.partial(_ffi_logsumexp, axis=0)
     with jax.ensure_compile_time_eval():  # run now, even when first called inside a trace
         got = np.asarray(jax.jit(call).lower(spec).compile()(jax.device_put(x, cpu)))
