@@ -71,8 +71,11 @@ def grad_temp_bytes(n, batch_size, targets=256):
 
 def test_gradient_memory_flat_in_n():
     small, big = grad_temp_bytes(1000, 128), grad_temp_bytes(16 * 1000, 128)
-    # Plain autodiff would keep (256 x n x 3) intermediates: 16x growth.
-    assert big <= 2 * small, (small, big)
+    # Plain autodiff would keep (256 x n x 3) intermediates: 256 copies of src, 16x
+    # growth. What may grow with n is a few src-sized buffers (its cotangent, chunked
+    # copies): 1.25 -> 2.62 MB on jax 0.12.1 (7.6 copies), within 2x on 0.12.0.
+    copies = (big - small) / ((16 - 1) * 1000 * 3 * 4)
+    assert copies <= 10, (small, big, copies)
 
 
 def softmax_layers(r, layers=4):

@@ -30,7 +30,14 @@ if [[ -z "${JAX_VERSION:-}" ]]; then
     echo "error: no main venv at $MAIN_PY; set JAX_VERSION=..." >&2
     exit 2
   fi
-  JAX_VERSION="$("$MAIN_PY" -c 'import jax; print(jax.__version__)')"
+  # The CUDA plugin comes out after jax (jax 0.12.1 had none on its first day): the
+  # newest jax up to the main venv's that has one.
+  JAX_VERSION="$("$MAIN_PY" -m pip index versions jax-cuda12-plugin 2>/dev/null \
+    | sed -n 's/^Available versions: //p' | "$MAIN_PY" -c '
+import sys, jax
+key = lambda v: tuple(int(p) for p in v.split("."))
+have = [v.strip() for v in sys.stdin.read().split(",") if v.strip()]
+print(max((v for v in have if key(v) <= key(jax.__version__)), key=key, default=jax.__version__))')"
 fi
 V="$JAX_VERSION"
 

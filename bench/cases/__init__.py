@@ -39,6 +39,19 @@ def _top_k(k: int, smallest: bool) -> Callable:
     return top_k
 
 
+def logsumexp(a: Any, axis: Any = None, b: Any = None) -> jax.Array:
+    """``jax.nn.logsumexp`` with the derivative plain autodiff gives it: beside a +inf
+    entry 0, at it NaN (``exp(inf - inf)``), as jax < 0.12.1 gave. jax 0.12.1's custom
+    derivative (a softmax) is NaN at every entry once one is +inf; the library keeps the
+    finite entries' 0, so its oracle must not depend on the jax version."""
+    if b is not None:  # (0.12.1 still differentiates the weighted form by autodiff)
+        return jax.nn.logsumexp(a, axis, b=b)
+    top = jnp.max(a, axis)  # written as jax's, so that it is read as LOGSUMEXP
+    top = lax.stop_gradient(jnp.where(jnp.isfinite(top), top, 0))
+    shift = top if axis is None else jnp.expand_dims(top, axis)
+    return jnp.log(jnp.sum(jnp.exp(a - shift), axis)) + top
+
+
 def _softmax_weighted(sv):
     s, v = sv
     return jnp.tensordot(jax.nn.softmax(s, 0), v, ([0], [0]))
@@ -48,7 +61,7 @@ _PLAIN: dict[str, Callable] = {  # a monoid's name: plain JAX over axis 0 of fun
     "add": lambda y: jnp.sum(y, 0),
     "max": lambda y: jnp.max(y, 0),
     "min": lambda y: jnp.min(y, 0),
-    "logsumexp": lambda y: jax.nn.logsumexp(y, 0),
+    "logsumexp": lambda y: logsumexp(y, 0),
     "weighted_logsumexp": lambda y: jax.nn.logsumexp(y[0], 0, b=y[1]),
     "argmin": lambda y: jnp.argmin(y, 0),
     "argmax": lambda y: jnp.argmax(y, 0),
@@ -60,12 +73,12 @@ _PLAIN: dict[str, Callable] = {  # a monoid's name: plain JAX over axis 0 of fun
     "softmax_weighted": _softmax_weighted,
     "softmax_weighted(return_lse=True)": lambda y: (
         _softmax_weighted(y),
-        jax.nn.logsumexp(y[0], 0),
+        logsumexp(y[0], 0),
     ),
 }
 
 
-_ALL_AXES = {"add": jnp.sum, "max": jnp.max, "min": jnp.min, "logsumexp": jax.nn.logsumexp}
+_ALL_AXES = {"add": jnp.sum, "max": jnp.max, "min": jnp.min, "logsumexp": logsumexp}
 _COMBINE = {"add": jnp.add, "max": jnp.maximum, "min": jnp.minimum, "logsumexp": jnp.logaddexp}
 
 

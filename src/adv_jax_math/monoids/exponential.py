@@ -2,8 +2,9 @@
 signed ``WEIGHTED_LOGSUMEXP`` (:func:`weighted_logsumexp`); ``monoids.softmax`` holds
 the softmax-weighted sums, over the same two leaves per row (exponent and
 companion). They shift by their running maximum (an online softmax) and sum
-compensated; a non-finite maximum finalizes as itself, with the derivative
-``jax.grad(jax.nn.logsumexp)`` gives."""
+compensated; a non-finite maximum finalizes as itself, with the derivative autodiff of
+the shifted formula gives: NaN at a +inf row, 0 beside it (jax < 0.12.1's
+``jax.grad(jax.nn.logsumexp)``; 0.12.1's is NaN at every row, docs/guides/gradients.md)."""
 
 from __future__ import annotations
 
