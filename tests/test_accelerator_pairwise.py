@@ -15,6 +15,11 @@ from helpers import KERNEL_MARKERS, assert_tree_close
 from test_pairwise import CASES, DIFFERENTIABLE, dense, inputs, scaled_loss
 from test_pairwise_matmul import CASES as MATMUL_CASES
 from test_pairwise_matmul import inputs as matmul_inputs
+from test_pairwise_special_values import DOT_CASES as SPECIAL_DOT_CASES
+from test_pairwise_special_values import close as close_at_special_values
+from test_pairwise_special_values import dot_inputs as special_dot_inputs
+from test_pairwise_special_values import oracle as special_oracle
+from test_pairwise_special_values import transforms
 
 import adv_jax_math as ajm
 
@@ -111,6 +116,39 @@ def test_matmul_kernel_attention_at_ragged_sizes(dtype):
     plain = lambda q, k, v: jax.nn.dot_product_attention(
         q[None, :, None], k[None, :, None], v[None, :, None], implementation="xla"
     )[0, :, 0]
-    got, want = run(q, k, v), _oracle(jax.jit(plain))(q, k, v)
+    # (ours too: at the default precision a TPU's P @ V is bfloat16 passes, as XLA's)
+    got, want = _oracle(run)(q, k, v), _oracle(jax.jit(plain))(q, k, v)
     tol = TOL if dtype == jnp.float32 else dict(rtol=2e-2, atol=2e-2)
     assert_tree_close(got.astype(jnp.float32), want.astype(jnp.float32), **tol)
+
+
+# Measured on TPU v5e (jax 0.10.2): a Pallas TPU dot at Precision.HIGHEST makes
+# [1, inf] . [1, 1] NaN (XLA's dot: inf; at the default precision both inf), so under
+# jax.default_matmul_precision("highest") an infinite feature spoils every score.
+MOSAIC_HIGHEST_INF = pytest.mark.xfail(
+    PLATFORM == "tpu",
+    strict=True,
+    reason="Mosaic's float32 dot at Precision.HIGHEST: inf * 1 summed to NaN",
+)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(n, marks=MOSAIC_HIGHEST_INF if n in ("LOGSUMEXP", "MAX", "ADD") else ())
+        for n in SPECIAL_DOT_CASES
+    ],
+)
+def test_matmul_kernel_at_special_values(name):
+    # +-inf, +-1e30 and NaN inside the dot products (tests/test_pairwise_special_values.py),
+    # ragged tiles: values, jvp and grad against the dense oracle, NaN and inf exactly
+    reduction, f = SPECIAL_DOT_CASES[name]
+    x, y = special_dot_inputs(not name.endswith("expanded"), 1e30)
+    plan = ajm.explain_pairwise(f, x, y, reduction)  # (TPU tiles: multiples of 128)
+    assert plan.engine.startswith("pairwise kernel (matmul"), str(plan)
+    want = special_oracle(reduction, axis=1)
+    expect = _oracle(lambda x, y: transforms(lambda x, y: want(dense(f, x, y)), x, y))(x, y)
+    ours = lambda x, y: ajm.pairwise(f, x, y, reduction)
+    got = _oracle(jax.jit(lambda x, y: transforms(ours, x, y)))(x, y)
+    for part in expect:
+        close_at_special_values(got[part], expect[part], f"{name} {part}")

@@ -32,9 +32,17 @@ import adv_jax_math as ajm
 
 
 def _top_k(k: int, smallest: bool) -> Callable:
+    """``lax.top_k`` along axis 0, every NaN ranked above +inf (``top_k``'s documented
+    order): ``lax.top_k`` ranks a NaN by its sign bit, which arithmetic does not keep
+    (``inf - inf`` is a negative NaN on x86)."""
+
     def top_k(y):
-        v, i = lax.top_k(jnp.moveaxis(-y if smallest else y, 0, -1), k)
-        return jnp.moveaxis(-v if smallest else v, -1, 0), jnp.moveaxis(i, -1, 0)
+        key = lax.stop_gradient(-y if smallest else y)
+        if jnp.issubdtype(y.dtype, jnp.floating):
+            nan = np.asarray(-np.nan if smallest else np.nan, y.dtype)
+            key = jnp.where(jnp.isnan(key), nan, key)
+        i = jnp.moveaxis(lax.top_k(jnp.moveaxis(key, 0, -1), k)[1], -1, 0)
+        return jnp.take_along_axis(y, i, axis=0), i
 
     return top_k
 

@@ -18,7 +18,10 @@ sum's ``P @ V`` and, in the reverse pass, its ``P^T @ dO`` and ``dO @ V^T``.
 
 x and y are padded to whole tiles with copies of their last row; padded y rows are
 filled and weighted out (``Monoid.without``), padded x rows' results dropped by the
-caller.
+caller. In the reverse pass of a ragged tile, ``sources`` zeroes every value and
+cotangent on the padded rows (``pairs.dots._guard``): the transposes of ``f``'s dot
+products and broadcasts sum over the rows, and a padded copy of an infinite row would
+add ``0 * inf`` (NaN) there.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ __all__ = ["KERNEL_NAME", "tile_cotangents", "tile_states"]
 KERNEL_NAME = "adv_jax_math_matmul_tiles"
 REVERSE_KERNEL_NAME = "adv_jax_math_matmul_tiles_reverse"
 
-Sources = Callable[[list, list, list], list]  # (consts, x tile leaves, y tile leaves)
+Sources = Callable[..., list]  # (consts, x tile leaves, y tile leaves, keep=None)
 
 
 def _tiled(xs: list, ys: list, tiles: tuple[int, int]) -> tuple[list, list, int, int]:
@@ -168,23 +171,22 @@ def tile_cotangents(
     ``tallies`` (``Monoid.tally``'s state with the shares, or None) are per term, each
     for every x tile as :func:`tile_states` gives them; ``items`` each term's items in
     a tile."""
-    bj, m = layout.tiles[1], ys[0].shape[0]
+    n, m = xs[0].shape[0], ys[0].shape[0]
     xt, ys, nxt, nyt = _tiled(xs, ys, layout.tiles)
     rows = (list(cts), list(states), list(tallies))
     if layout.on != "xla":
         run = lambda c, x, y, r: _reverse_kernel(
-            sources, red, items, m, pos, c, x, y, r, (nxt, nyt), layout
+            sources, red, items, (n, m), pos, c, x, y, r, (nxt, nyt), layout
         )
         dc, dx, dy, counts = on_every_device(run, consts, xt, ys, rows)
     else:
         dc, dx, dy, counts = _reverse_loops(
-            sources, red, items, m, pos, consts, xt, ys, rows, nyt, bj
+            sources, red, items, (n, m), pos, consts, xt, ys, rows, nyt, layout.tiles[1]
         )
     wrong = jnp.asarray(False)
     tallied = [t for t in tallies if t is not None]
     for got, tally in zip(counts, tallied, strict=True):
         wrong = wrong | jnp.any((got != tally[2]) & (tally[3] > 0))
-    n = xs[0].shape[0]
     dx = [d.reshape(-1, *d.shape[2:])[:n] for d in dx]
     return dc, dx, [d[:m] for d in dy], wrong
 
@@ -193,29 +195,35 @@ def _tile_cotangents(
     sources: Sources,
     red: MonoidReduction,
     items: Sequence[Sequence[Any]],
-    m: int,
+    sizes: tuple[int, int],
     pos: tuple[Sequence[int], Sequence[int], Sequence[int]],
     consts: list,
     x: list,
     row: tuple,
     y: list,
-    start: Any,
+    starts: tuple[Any, Any],
     fast: bool,
 ) -> tuple:
     """The cotangents ``(dc, dx, dy)`` of one tile's constants, x rows and y rows (from
-    row ``start`` on) numbered in ``pos``, and its selected counts."""
+    rows ``starts`` on, of ``sizes`` real rows) numbered in ``pos``, and its selected
+    counts."""
     pc, px, py = pos
+    (n, m), (bi, bj) = sizes, (x[0].shape[0], y[0].shape[0])
+    keep = None
+    if n % bi or m % bj:  # the real rows, which the values' guards keep
+        real = lambda start, b, size: start + lax.broadcasted_iota(jnp.int32, (b,), 0) < size
+        keep = real(starts[0], bi, n), real(starts[1], bj, m)
     put = lambda leaves, ks, vs: [
         dict(zip(ks, vs, strict=True)).get(k, a) for k, a in enumerate(leaves)
     ]
-    f = lambda cn, xn, yn: sources(put(consts, pc, cn), put(x, px, xn), put(y, py, yn))
+    f = lambda cn, xn, yn: sources(put(consts, pc, cn), put(x, px, xn), put(y, py, yn), keep)
     picked = ([consts[k] for k in pc], [x[k] for k in px], [y[k] for k in py])
     src, vjp = jax.vjp(f, *picked)
     if fast:  # the values as the forward folds read them (behind a barrier too)
         src = list(lax.optimization_barrier(src))
     cot: list = [None] * len(src)
     counts = []
-    bj = y[0].shape[0]
+    start = starts[1]
     for leaf, it, ct, state, tally in zip(red.leaves, items, *row, strict=True):
         reads = [src[s] for s in leaf.sources]
         j0 = start + lax.broadcasted_iota(jnp.int32, reads[0].shape, 0)
@@ -235,7 +243,7 @@ def _reverse_kernel(
     sources: Sources,
     red: MonoidReduction,
     items: Sequence[Sequence[Any]],
-    m: int,
+    sizes: tuple[int, int],
     pos: tuple,
     consts: list,
     xt: list,
@@ -271,7 +279,7 @@ def _reverse_kernel(
         def over_y(c: list, outer: list, y: list, i: Any, t: Any) -> list:
             x, row = outer[:nx], unrow(outer[nx:])
             dcj, dxj, _, cj = _tile_cotangents(
-                sources, red, items, m, (pc, px, ()), c, x, row, y, t * bj, False
+                sources, red, items, sizes, (pc, px, ()), c, x, row, y, (i * bi, t * bj), False
             )
             return wide([*dxj, *dcj, *cj])
 
@@ -289,7 +297,7 @@ def _reverse_kernel(
         def over_x(c: list, y: list, inner: list, i: Any, t: Any) -> list:
             x, row = inner[:nx], unrow(inner[nx:])
             _, _, dyj, _ = _tile_cotangents(
-                sources, red, items, m, ((), (), py), c, x, row, y, i * bj, False
+                sources, red, items, sizes, ((), (), py), c, x, row, y, (t * bi, i * bj), False
             )
             return wide(dyj)
 
@@ -303,7 +311,7 @@ def _reverse_loops(
     sources: Sources,
     red: MonoidReduction,
     items: Sequence[Sequence[Any]],
-    m: int,
+    sizes: tuple[int, int],
     pos: tuple,
     consts: list,
     xt: list,
@@ -316,13 +324,24 @@ def _reverse_loops(
     over the y tiles."""
     pc, _, py = pos
 
-    def pair_tile(x: list, row: tuple, j: Any) -> tuple:
-        y = _rows(ys, j, bj)
-        return _tile_cotangents(sources, red, items, m, pos, consts, x, row, y, j * bj, True)
+    bi = xt[0].shape[1]
 
     def per_x(carry: tuple, args: tuple) -> tuple:
         dc, dy = carry
-        x, row = args
+        x, row, i = args
+        pair_tile = lambda x, row, j: _tile_cotangents(
+            sources,
+            red,
+            items,
+            sizes,
+            pos,
+            consts,
+            x,
+            row,
+            _rows(ys, j, bj),
+            (i * bi, j * bj),
+            True,
+        )
 
         def step(j: Any, acc: tuple) -> tuple:
             dx, dc, dy, counts = acc
@@ -346,7 +365,8 @@ def _reverse_loops(
     dy0 = [jnp.zeros_like(ys[k]) for k in py]
     dx: list
     counts: list
-    (dc, dy), (dx, counts) = lax.scan(per_x, (dc0, dy0), (xt, rows))
+    xs = (xt, rows, jnp.arange(xt[0].shape[0]))
+    (dc, dy), (dx, counts) = lax.scan(per_x, (dc0, dy0), xs)
     return dc, dx, dy, counts
 
 

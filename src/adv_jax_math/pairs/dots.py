@@ -164,6 +164,38 @@ def _expanded(a: jax.Array, b: jax.Array, axes: Sequence[int], dtype: Any) -> ja
     return jnp.maximum(norm_b[:, None] + norm_a[None] - 2 * ab, 0)
 
 
+@jax.custom_vjp
+def _guard(v: jax.Array, keep: jax.Array) -> jax.Array:
+    """``v`` with 0 where ``keep`` (broadcast against it) is False, its cotangent
+    likewise. On the values of padded rows (the reverse pass of a ragged tile): a
+    transpose that sums over the rows (an x-only value broadcast over the y rows, a
+    dot product) then adds 0, never ``0 * inf`` (NaN) of a padded row's value or
+    derivative."""
+    return _zeroed(v, keep)
+
+
+def _zeroed(a: jax.Array, keep: jax.Array) -> jax.Array:
+    return jnp.where(keep, a, jnp.zeros_like(a))
+
+
+_guard.defvjp(lambda v, keep: (_zeroed(v, keep), keep), lambda keep, ct: (_zeroed(ct, keep), None))
+
+
+def _guarded(keep: tuple[jax.Array, jax.Array] | None) -> Callable[[str, Any], Any]:
+    """``guard(kind, a)``: ``a``, a value of that kind on the tile, with its padded rows
+    guarded (:func:`_guard`); ``keep``: whether each x row and each y row of the tile
+    is real (None: all are)."""
+
+    def guard(kind: str, a: Any) -> Any:
+        if keep is None or kind == "c" or not jnp.issubdtype(a.dtype, jnp.inexact):
+            return a
+        kx, ky = keep
+        mask = {"x": kx, "y": ky, "p": ky[:, None] & kx[None]}[kind]
+        return _guard(a, mask.reshape(mask.shape + (1,) * (a.ndim - mask.ndim)))
+
+    return guard
+
+
 def pair_jaxpr(pair: Callable, c: list, x: Any, y: Any) -> Any:
     """``pair(c, xi, yj)`` on one row of ``x`` and of ``y`` (pytrees of rows), traced:
     a jaxpr of ``c``, then the leaves of ``xi`` and of ``yj``, to the leaves of its
@@ -176,13 +208,22 @@ def pair_jaxpr(pair: Callable, c: list, x: Any, y: Any) -> Any:
     return jax.make_jaxpr(fun)([struct(a) for a in c], rows(x), rows(y))
 
 
-def tile(closed: Any, c: list, xs: list, ys: list, found: list | None = None) -> list:
+def tile(
+    closed: Any,
+    c: list,
+    xs: list,
+    ys: list,
+    found: list | None = None,
+    keep: tuple[jax.Array, jax.Array] | None = None,
+) -> list:
     """The values of ``closed`` (a :func:`pair_jaxpr`) on a tile of x rows ``xs`` and
     y rows ``ys`` (leaves, rows first), each a :class:`_Value`: its equations walked,
     each bound on the rows it depends on, and each squared distance between an x-only
     and a y-only vector over :data:`MIN_FEATURES` or more features made by
     :func:`_expanded` (each one's features and whether it was expanded noted in
-    ``found``)."""
+    ``found``). ``keep`` (whether each x row and each y row is real) guards every
+    value's padded rows (:func:`_guard`)."""
+    guard = _guarded(keep)
 
     def rule(eqn: Any, ins: list[_Value]) -> list[_Value]:
         if (match := _squared_distance(eqn, ins)) is not None:
@@ -191,15 +232,21 @@ def tile(closed: Any, c: list, xs: list, ys: list, found: list | None = None) ->
                 found.append((features, features >= MIN_FEATURES))
             if features >= MIN_FEATURES:
                 dtype = eqn.outvars[0].aval.dtype
-                return [_Value("p", _expanded(a.get(), b.get(), eqn.params["axes"], dtype))]
+                d = _expanded(a.get(), b.get(), eqn.params["axes"], dtype)
+                return [_Value("p", guard("p", d))]
         kind = _kind(ins)
         make = functools.cache(
-            lambda: _lift(eqn, ins, kind) if kind != "c" else bind(eqn, [v.get() for v in ins])
+            lambda: [
+                guard(kind, o)
+                for o in (
+                    _lift(eqn, ins, kind) if kind != "c" else bind(eqn, [v.get() for v in ins])
+                )
+            ]
         )
         return [_Value(kind, None, make, k, eqn, tuple(ins)) for k in range(len(eqn.outvars))]
 
     enter = lambda eqn, ins: None if eqn.primitive.name in CUSTOM_DERIVATIVES else subjaxpr(eqn)
-    args = [_Value(k, v) for k, vs in (("c", c), ("x", xs), ("y", ys)) for v in vs]
+    args = [_Value(k, guard(k, v)) for k, vs in (("c", c), ("x", xs), ("y", ys)) for v in vs]
     consts = [_Value("c", v) for v in closed.consts]
     literal, const = lambda v: _Value("c", v.val), lambda v, c: _Value("c", c)
     return walk(closed.jaxpr, consts, args, rule, literal=literal, const=const, enter=enter)
@@ -208,22 +255,24 @@ def tile(closed: Any, c: list, xs: list, ys: list, found: list | None = None) ->
 def sources(
     conv: Callable, consts: list, x: Any, y: Any, red: MonoidReduction, per_y: tuple
 ) -> Callable:
-    """``sources(consts, x tile leaves, y tile leaves)`` of ``kernels.matmul_tiles``:
-    each value ``(bj, bi, ...)``, or ``(bj, ...)`` where ``per_y`` says (``f`` traced
-    once, here, for every tile)."""
+    """``sources(consts, x tile leaves, y tile leaves, keep=None)`` of
+    ``kernels.matmul_tiles``: each value ``(bj, bi, ...)``, or ``(bj, ...)`` where
+    ``per_y`` says (``f`` traced once, here, for every tile); ``keep`` as
+    :func:`tile`'s."""
     pair = lambda c, xi, yj: red.prologue(conv(xi, yj, *c))
     closed = pair_jaxpr(pair, consts, x, y)
 
-    def values(c: list, xs: list, ys: list) -> list:
+    def values(c: list, xs: list, ys: list, keep: tuple | None = None) -> list:
         bi, bj = xs[0].shape[0], ys[0].shape[0]
+        guard = _guarded(keep)
         out = []
-        for v, own in zip(tile(closed, c, xs, ys), per_y, strict=True):
+        for v, own in zip(tile(closed, c, xs, ys, keep=keep), per_y, strict=True):
             a = v.get()
             if v.kind in "cx":
                 a = jnp.broadcast_to(a, (bj, *a.shape))
             if v.kind in "cy" and not own:
                 a = jnp.broadcast_to(a[:, None], (bj, bi, *a.shape[1:]))
-            out.append(a)
+            out.append(guard("y" if own else "p", a))
         return out
 
     return values
