@@ -101,6 +101,20 @@ def _lse_rows(x, y, s):  # plain: reduce over y for every x row
     return jax.nn.logsumexp(-s * sqdist(x[:, None], y[None]), 1)
 
 
+LIFT = np.asarray(normal(2, (3, 16)))  # rows to 16 features: f's dot is read as a matmul
+
+
+def _attention(x, y, s, kw):  # the matmul tiles (the tile kernel declines 16 features)
+    q, k = jnp.tanh(x @ LIFT), jnp.tanh(y @ LIFT)
+    f = lambda a, b: (s * jnp.dot(a, b), b)
+    return ajm.pairwise(f, q, k, ajm.SOFTMAX_WEIGHTED, tiles=(B, BY), **kw)
+
+
+def _attention_plain(x, y, s):
+    q, k = jnp.tanh(x @ LIFT), jnp.tanh(y @ LIFT)
+    return jax.nn.softmax(s * q @ k.T, 1) @ k
+
+
 ROUTES = {
     "map": Route(
         lambda x, y, s, kw: ajm.batch_map(lambda v: _row(v, s), x, B, **kw),
@@ -151,6 +165,7 @@ ROUTES = {
     "nested_map": Route(_nested_map, _lse_rows, closes=True),
     "pairwise": Route(_pairwise, _lse_rows),
     "pairwise_y": Route(_pairwise, _lse_rows, shard_y=True),
+    "pairwise_matmul": Route(_attention, _attention_plain),
     "pairwise_columns": Route(
         lambda x, y, s, kw: _pairwise(x, y, s, kw, columns=ajm.ADD),
         lambda x, y, s: (_lse_rows(x, y, s), (-s * sqdist(x[:, None], y[None])).sum(0)),
@@ -179,7 +194,7 @@ MESHES = {  # name: (axis type or None, rows spec, jax.set_mesh)
 }
 
 TRANSFORMS = ["none", "jit", "grad", "jvp", "vmap", "hvp"]
-SECOND_ORDER = {"sum", "max", "pairing", "nested_vmap", "pairwise", "pairwise_y"}
+SECOND_ORDER = {"sum", "max", "pairing", "nested_vmap", "pairwise", "pairwise_y", "pairwise_matmul"}
 MUST = [
     # issue 39: a global remainder the pairing route took under shard=True (crashed)
     ("pairing", "shard", "none", "grad"),
@@ -335,6 +350,19 @@ def test_every_registered_engine_has_a_column():
     assert {e.name for e in _engines.engines()} == {e for e, _, _ in COLUMNS.values()}
     backends = {b for _, b, _ in COLUMNS.values()}
     assert backends == {"auto", "scan", "pallas", "interpret"}
+
+
+@pytest.mark.parametrize("backend", ["auto", "interpret"])
+def test_the_matmul_route_takes_the_matmul_tiles(backend):
+    # else pairwise_matmul would test the unrolled tiles twice (XLA's loops on CPU;
+    # interpret: the matmul tile kernel as a GPU would run it)
+    x, y, s = _inputs("none")
+    q, k = jnp.tanh(x @ LIFT), jnp.tanh(y @ LIFT)
+    f = lambda a, b: (s * jnp.dot(a, b), b)
+    with ajm.config(backend=backend):
+        plan = ajm.explain_pairwise(f, q, k, ajm.SOFTMAX_WEIGHTED, tiles=(B, BY))
+    assert "matmul" in plan.engine + plan.reason, str(plan)
+    assert backend == "auto" or "matmul tile kernel, interpreted" in plan.reason, str(plan)
 
 
 def test_the_cases_cover_every_pair():
