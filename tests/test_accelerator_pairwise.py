@@ -122,33 +122,21 @@ def test_matmul_kernel_attention_at_ragged_sizes(dtype):
     assert_tree_close(got.astype(jnp.float32), want.astype(jnp.float32), **tol)
 
 
-# Measured on TPU v5e (jax 0.10.2): a Pallas TPU dot at Precision.HIGHEST makes
-# [1, inf] . [1, 1] NaN (XLA's dot: inf; at the default precision both inf), so under
-# jax.default_matmul_precision("highest") an infinite feature spoils every score.
-MOSAIC_HIGHEST_INF = pytest.mark.xfail(
-    PLATFORM == "tpu",
-    strict=True,
-    reason="Mosaic's float32 dot at Precision.HIGHEST: inf * 1 summed to NaN",
-)
-
-
-@pytest.mark.parametrize(
-    "name",
-    [
-        pytest.param(n, marks=MOSAIC_HIGHEST_INF if n in ("LOGSUMEXP", "MAX", "ADD") else ())
-        for n in SPECIAL_DOT_CASES
-    ],
-)
-def test_matmul_kernel_at_special_values(name):
+@pytest.mark.parametrize("name", list(SPECIAL_DOT_CASES))
+@pytest.mark.parametrize("precision", ["default", "highest"])
+def test_matmul_kernel_at_special_values(name, precision):
     # +-inf, +-1e30 and NaN inside the dot products (tests/test_pairwise_special_values.py),
-    # ragged tiles: values, jvp and grad against the dense oracle, NaN and inf exactly
+    # ragged tiles: values, jvp and grad against the dense oracle, NaN and inf exactly.
+    # On a TPU v5e (jax 0.10.2) a Pallas dot at HIGHEST made [1, inf] . [1, 1] NaN
+    # (XLA's: inf): every score of an infinite feature was NaN (dots._keeping_inf)
     reduction, f = SPECIAL_DOT_CASES[name]
     x, y = special_dot_inputs(not name.endswith("expanded"), 1e30)
     plan = ajm.explain_pairwise(f, x, y, reduction)  # (TPU tiles: multiples of 128)
     assert plan.engine.startswith("pairwise kernel (matmul"), str(plan)
     want = special_oracle(reduction, axis=1)
-    expect = _oracle(lambda x, y: transforms(lambda x, y: want(dense(f, x, y)), x, y))(x, y)
     ours = lambda x, y: ajm.pairwise(f, x, y, reduction)
-    got = _oracle(jax.jit(lambda x, y: transforms(ours, x, y)))(x, y)
+    with jax.default_matmul_precision(precision):  # (both: at the default, bfloat16)
+        expect = transforms(lambda x, y: want(dense(f, x, y)), x, y)
+        got = jax.jit(lambda x, y: transforms(ours, x, y))(x, y)
     for part in expect:
         close_at_special_values(got[part], expect[part], f"{name} {part}")

@@ -50,6 +50,7 @@ import numpy as np
 from jax import lax
 
 from ..analysis.jaxpr_graph import CUSTOM_DERIVATIVES, bind, subjaxpr, walk
+from ..kernels.pairwise_device import Layout
 from ..monoids.reduction import MonoidReduction
 from .kernel import first_row, struct
 
@@ -85,13 +86,18 @@ def _kind(ins: list[_Value]) -> str:
     return kinds.pop() if len(kinds) == 1 else "p" if kinds else "c"
 
 
-def _lift(eqn: Any, ins: list[_Value], kind: str) -> list:
+def _lift(eqn: Any, ins: list[_Value], kind: str, tpu: bool) -> list:
     """``eqn`` on the tile: bound under a vmap over the x rows, one over the y rows, or
     both (the y rows outer) as ``kind`` says. A dot product of half floats accumulates
-    in float32 (as the matrix units do; Mosaic takes no other), then is rounded."""
-    fn, kinds = (lambda *a: bind(eqn, a)), [v.kind for v in ins]
+    in float32 (as the matrix units do; Mosaic takes no other), then is rounded; one of
+    float32 on a TPU (``tpu``) above the default precision keeps its infinities
+    (:func:`_keeping_inf`)."""
+    fn: Callable[..., list] = lambda *a: bind(eqn, a)
+    kinds = [v.kind for v in ins]
     if eqn.primitive.name == "dot_general" and jnp.dtype(eqn.outvars[0].aval.dtype).itemsize < 4:
         fn = functools.partial(_half_dot, eqn)
+    elif eqn.primitive.name == "dot_general" and tpu and _split(eqn.params["precision"]):
+        fn = lambda a, b: [_keeping_inf(lambda p: bind(eqn, [a, b], {**eqn.params, **p})[0])]
     if kind in "xp":
         fn = jax.vmap(fn, tuple(0 if k in "xp" else None for k in kinds))
     if kind in "yp":
@@ -121,6 +127,27 @@ def _half_dot_jvp(eqn: Any, primals: tuple, tangents: tuple) -> tuple:
     return _half_dot(eqn, a, b), [t.astype(eqn.outvars[0].aval.dtype)]
 
 
+def _split(precision: Any) -> bool:
+    """Whether a dot product of float32 at ``precision`` (a ``dot_general``'s, None:
+    ``jax_default_matmul_precision``'s) runs as several bfloat16 passes on a TPU."""
+    given = precision if isinstance(precision, tuple) else (precision, precision)
+    if all(p is None for p in given):
+        config = getattr(jax.config, "jax_default_matmul_precision", None)
+        return str(config).lower() not in ("none", "default", "bfloat16", "fastest")
+    return any(p not in (None, lax.Precision.DEFAULT) for p in given)
+
+
+def _keeping_inf(dot: Callable[[dict], jax.Array]) -> jax.Array:
+    """``dot({})``, or where it is NaN ``dot`` at the default precision (one bfloat16
+    pass). Mosaic's float32 dot product in bfloat16 passes (Precision.HIGHEST) is NaN
+    for ``[1, inf] . [1, 1]``, XLA's is inf (measured on a TPU v5e, jax 0.10.2): a
+    split ``inf - bf16(inf)``. One pass keeps the infinities; a finite result has no
+    NaN to replace. It costs a pass more than the dot (six at HIGHEST)."""
+    full = dot({})
+    one = dot({"precision": (lax.Precision.DEFAULT, lax.Precision.DEFAULT)})
+    return jnp.where(jnp.isnan(full), one, full)
+
+
 def _squared_distance(eqn: Any, ins: list[_Value]) -> tuple[_Value, _Value, int] | None:
     """``(A, B, features)`` where ``eqn`` sums ``(A - B)^2`` (``integer_pow``, ``square``
     or ``d * d``, widened or not; either order of the difference) over ``features``
@@ -147,11 +174,12 @@ def _squared_distance(eqn: Any, ins: list[_Value]) -> tuple[_Value, _Value, int]
     return a, b, features
 
 
-def _expanded(a: jax.Array, b: jax.Array, axes: Sequence[int], dtype: Any) -> jax.Array:
+def _expanded(a: jax.Array, b: jax.Array, axes: Sequence[int], dtype: Any, tpu: bool) -> jax.Array:
     """``sum((a_i - b_j)^2)`` over the feature ``axes`` of ``a`` (``(bi, *s)``) and ``b``
     (``(bj, *s)``) as ``|a_i|^2 + |b_j|^2 - 2 a_i . b_j``, ``(bj, bi, *kept)``: both
     centred on the y rows' mean first (the offset they share cancels exactly, not in
-    rounding), the dot products one matmul at full precision, never below 0."""
+    rounding), the dot products one matmul at full precision (on a TPU keeping their
+    infinities: :func:`_keeping_inf`), never below 0."""
     a, b = a.astype(dtype), b.astype(dtype)
     centre = lax.stop_gradient(jnp.mean(b, axis=0))  # any centre: the sum does not move
     a, b = a - centre, b - centre
@@ -159,26 +187,20 @@ def _expanded(a: jax.Array, b: jax.Array, axes: Sequence[int], dtype: Any) -> ja
     kept = tuple(k for k in range(1, a.ndim) if k not in feat)
     norm_a, norm_b = jnp.sum(a * a, feat), jnp.sum(b * b, feat)
     dims = ((feat, feat), (kept, kept))
-    ab = lax.dot_general(b, a, dims, precision=lax.Precision.HIGHEST)  # (*kept, bj, bi)
+    highest = {"precision": lax.Precision.HIGHEST}
+    dot = lambda p: lax.dot_general(b, a, dims, **{**highest, **p})  # (*kept, bj, bi)
+    ab = _keeping_inf(dot) if tpu else dot({})
     ab = jnp.moveaxis(ab, (-2, -1), (0, 1))
     return jnp.maximum(norm_b[:, None] + norm_a[None] - 2 * ab, 0)
 
 
-@jax.custom_vjp
 def _guard(v: jax.Array, keep: jax.Array) -> jax.Array:
-    """``v`` with 0 where ``keep`` (broadcast against it) is False, its cotangent
-    likewise. On the values of padded rows (the reverse pass of a ragged tile): a
-    transpose that sums over the rows (an x-only value broadcast over the y rows, a
-    dot product) then adds 0, never ``0 * inf`` (NaN) of a padded row's value or
-    derivative."""
-    return _zeroed(v, keep)
-
-
-def _zeroed(a: jax.Array, keep: jax.Array) -> jax.Array:
-    return jnp.where(keep, a, jnp.zeros_like(a))
-
-
-_guard.defvjp(lambda v, keep: (_zeroed(v, keep), keep), lambda keep, ct: (_zeroed(ct, keep), None))
+    """``v`` with 0 where ``keep`` (broadcast against it) is False, and so its
+    cotangent (a select's transpose). On the values of padded rows (the reverse pass of
+    a ragged tile): a transpose that sums over the rows (an x-only value broadcast over
+    the y rows, a dot product) then adds 0, never ``0 * inf`` (NaN) of a padded row's
+    value or derivative."""
+    return jnp.where(keep, v, jnp.zeros_like(v))
 
 
 def _guarded(keep: tuple[jax.Array, jax.Array] | None) -> Callable[[str, Any], Any]:
@@ -215,6 +237,7 @@ def tile(
     ys: list,
     found: list | None = None,
     keep: tuple[jax.Array, jax.Array] | None = None,
+    tpu: bool = False,
 ) -> list:
     """The values of ``closed`` (a :func:`pair_jaxpr`) on a tile of x rows ``xs`` and
     y rows ``ys`` (leaves, rows first), each a :class:`_Value`: its equations walked,
@@ -222,7 +245,7 @@ def tile(
     and a y-only vector over :data:`MIN_FEATURES` or more features made by
     :func:`_expanded` (each one's features and whether it was expanded noted in
     ``found``). ``keep`` (whether each x row and each y row is real) guards every
-    value's padded rows (:func:`_guard`)."""
+    value's padded rows (:func:`_guard`); ``tpu``: the tile is a TPU kernel's."""
     guard = _guarded(keep)
 
     def rule(eqn: Any, ins: list[_Value]) -> list[_Value]:
@@ -232,14 +255,14 @@ def tile(
                 found.append((features, features >= MIN_FEATURES))
             if features >= MIN_FEATURES:
                 dtype = eqn.outvars[0].aval.dtype
-                d = _expanded(a.get(), b.get(), eqn.params["axes"], dtype)
+                d = _expanded(a.get(), b.get(), eqn.params["axes"], dtype, tpu)
                 return [_Value("p", guard("p", d))]
         kind = _kind(ins)
         make = functools.cache(
             lambda: [
                 guard(kind, o)
                 for o in (
-                    _lift(eqn, ins, kind) if kind != "c" else bind(eqn, [v.get() for v in ins])
+                    _lift(eqn, ins, kind, tpu) if kind != "c" else bind(eqn, [v.get() for v in ins])
                 )
             ]
         )
@@ -253,12 +276,13 @@ def tile(
 
 
 def sources(
-    conv: Callable, consts: list, x: Any, y: Any, red: MonoidReduction, per_y: tuple
+    conv: Callable, consts: list, x: Any, y: Any, red: MonoidReduction, layout: Layout
 ) -> Callable:
     """``sources(consts, x tile leaves, y tile leaves, keep=None)`` of
     ``kernels.matmul_tiles``: each value ``(bj, bi, ...)``, or ``(bj, ...)`` where
-    ``per_y`` says (``f`` traced once, here, for every tile); ``keep`` as
+    ``layout.per_y`` says (``f`` traced once, here, for every tile); ``keep`` as
     :func:`tile`'s."""
+    per_y, tpu = layout.per_y, layout.on == "tpu"
     pair = lambda c, xi, yj: red.prologue(conv(xi, yj, *c))
     closed = pair_jaxpr(pair, consts, x, y)
 
@@ -266,7 +290,7 @@ def sources(
         bi, bj = xs[0].shape[0], ys[0].shape[0]
         guard = _guarded(keep)
         out = []
-        for v, own in zip(tile(closed, c, xs, ys, keep=keep), per_y, strict=True):
+        for v, own in zip(tile(closed, c, xs, ys, keep=keep, tpu=tpu), per_y, strict=True):
             a = v.get()
             if v.kind in "cx":
                 a = jnp.broadcast_to(a, (bj, *a.shape))

@@ -86,7 +86,7 @@ def kernel_layout(
     if target is None:
         return layout
     conv, consts = jax.closure_convert(f, first_row(x), first_row(y))
-    values = sources(conv, consts, x, y, red, per_y)
+    values = sources(conv, consts, x, y, red, layout)
     run = lambda c, xs, ys: tile_states(values, red, c, xs, ys, layout)
     structs = lambda tree: [struct(a) for a in jax.tree.leaves(tree)]
     args = ([struct(c) for c in consts], structs(x), structs(y))
@@ -192,7 +192,7 @@ def states(
     """Each term's state for every x row and its items (one row's), as
     ``pairs.kernel.kernel_states`` gives them, from the matmul tiles."""
     row = _row_items(conv, consts, red, x, y)
-    values = sources(conv, consts, x, y, red, layout.per_y)
+    values = sources(conv, consts, x, y, red, layout)
     # the loops run over every x row on every device: x rows split on Explicit axes
     # are made whole (lax.map takes no split leading axis); the results typed as x by
     # the caller
@@ -251,7 +251,7 @@ def _reverse(
     xs = [whole(a) for a in jax.tree.leaves(x)]  # as in states (dx typed as x by pairs.grad)
     n = xs[0].shape[0]
     row = _row_items(conv, c, red, x, y)
-    values = sources(conv, list(c), x, y, red, layout.per_y)
+    values = sources(conv, list(c), x, y, red, layout)
     state_axes = _x_axes(_init, red, row, layout.per_y)
     result_axes = _x_axes(_finalize, red, row, layout.per_y)
     rows = -(-n // bi) * bi  # whole tiles
