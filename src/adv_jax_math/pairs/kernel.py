@@ -194,7 +194,7 @@ class Probe:
 
     def key(self) -> tuple:
         shapes = jax.tree.map(lambda a: (a.shape, str(a.dtype)), self.arguments)
-        return (self.text, str(shapes), self.layout.tiles, self.layout.kind)
+        return (self.text, str(shapes), self.layout.tiles, self.layout.kind, self.layout.on)
 
     def args(self) -> tuple:
         return self.arguments
