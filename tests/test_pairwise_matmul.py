@@ -266,6 +266,36 @@ def test_squared_distance_tile_is_a_matmul():
         assert f"f32[{bj},{bi},128]" not in text and f"f32[{bi},{bj},128]" not in text
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("backend", ["auto", "interpret"])
+def test_a_dot_product_written_as_a_sum_of_products(backend, dtype):
+    # jnp.sum(a * g(b)) over D features (bfloat16: summed in float32) is the dot product
+    # it stands for: the matmul tiles, one dot_general per tile and no (bj, bi, D)
+    # product; values, reverse and forward mode as f on every pair
+    x, y = (0.5 * a for a in inputs())
+    x, y = x.astype(dtype), y.astype(dtype)
+    f = lambda a, b: jnp.sum(a * jnp.tanh(b)) + b[0]
+    ours = lambda x, y: ajm.pairwise(f, x, y, ajm.LOGSUMEXP, tiles=TILES)
+    plain = lambda x, y: jax.nn.logsumexp(dense(f, x, y).astype(jnp.float32), 1).astype(dtype)
+    with ajm.config(backend=backend):
+        plan = ajm.explain_pairwise(f, x, y, ajm.LOGSUMEXP, tiles=TILES)
+        assert "matmul" in plan.engine + plan.reason and f"contracts {D} features" in str(plan)
+        bi, bj = TILES
+        for run in (ours, jax.grad(lambda x, y: jnp.sum(ours(x, y)), (0, 1))):
+            text = str(jax.make_jaxpr(run)(x, y))
+            assert "dot_general" in text and f"[{bj},{bi},{D}]" not in text, text
+        got = jax.jit(lambda x, y: _derivatives(ours, x, y))(x, y)
+    tol = dict(rtol=2e-4, atol=2e-4) if dtype == jnp.float32 else dict(rtol=3e-2, atol=3e-2)
+    assert_tree_close(got, _derivatives(plain, x, y), **tol)
+
+
+def _derivatives(run, x, y):
+    """``run(x, y)``, its jvp w.r.t. x and y, and the gradient of a sum of sines."""
+    loss = lambda x, y: jnp.sum(jnp.sin(run(x, y).astype(jnp.float32)))
+    jvp = jax.jvp(run, (x, y), (jnp.ones_like(x), jnp.ones_like(y)))[1]
+    return run(x, y), jvp, jax.grad(loss, (0, 1))(x, y)
+
+
 @pytest.mark.parametrize("d", [3, 16, 128])
 def test_squared_distances_far_from_the_origin(d):
     # points 100 from the origin, their distances ~1e-4 of their norms: the k-NN

@@ -179,9 +179,11 @@ def _pad(a: np.ndarray, fill: Any, config: Sequence[tuple[int, int, int]]) -> np
 def size(jaxpr: Any) -> tuple[int, int]:
     """What unrolling ``jaxpr`` makes: the number of per-pair values its live equations
     produce (each one operation on a tile; dead ones XLA drops), and the widest
-    contraction of its ``dot_general``s (1 without one)."""
+    contraction of its ``dot_general``s and sums of a product of two vectors
+    (``jnp.sum(a * b)``; 1 without one)."""
     values, widest = 0, 1
     live = {v for v in jaxpr.outvars if not isinstance(v, Literal)}
+    made = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
     for eqn in reversed(jaxpr.eqns):
         if not eqn.effects and live.isdisjoint(eqn.outvars):
             continue
@@ -195,7 +197,28 @@ def size(jaxpr: Any) -> tuple[int, int]:
             (lc, _), _ = eqn.params["dimension_numbers"]
             shape = eqn.invars[0].aval.shape
             widest = max(widest, int(np.prod([shape[d] for d in lc], dtype=np.int64)))
+        if (summed := product_sum(eqn, made)) is not None:
+            shape = summed.invars[0].aval.shape
+            width = np.prod([shape[d] for d in eqn.params["axes"]], dtype=np.int64)
+            widest = max(widest, int(width))
     return values, widest
+
+
+def product_sum(eqn: Any, made: dict) -> Any:
+    """The ``mul`` of two different vectors that ``eqn`` sums (``jnp.sum(a * b)``, a
+    dot product written out; through a widening of half floats), or None (``made``:
+    each variable's equation)."""
+    if eqn.primitive.name != "reduce_sum" or isinstance(eqn.invars[0], Literal):
+        return None
+    mul = made.get(eqn.invars[0])
+    if mul is not None and mul.primitive.name == "convert_element_type":
+        mul = None if isinstance(mul.invars[0], Literal) else made.get(mul.invars[0])
+    if mul is None or mul.primitive.name != "mul":
+        return None
+    a, b = mul.invars
+    if isinstance(a, Literal) or isinstance(b, Literal) or a is b or a.aval.shape != b.aval.shape:
+        return None
+    return mul
 
 
 def _barrier(objs: Sequence[np.ndarray]) -> list:

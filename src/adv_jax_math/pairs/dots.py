@@ -2,7 +2,8 @@
 
 :func:`tile` evaluates ``f``'s jaxpr on a tile with the one equation walker, each
 value made on the rows it depends on: x-only ``(bi, ...)``, y-only ``(bj, ...)``, per
-pair ``(bj, bi, ...)`` (a dot product of an x-only and a y-only vector: one matmul).
+pair ``(bj, bi, ...)`` (a dot product of an x-only and a y-only vector, ``jnp.dot``
+or written out as ``jnp.sum(a * b)`` (:func:`_product`): one matmul).
 A squared distance between an x-only and a y-only vector, ``sum((a - b)^2)`` (or
 ``square``, or ``d * d``; either order) over :data:`MIN_FEATURES` or more features
 is made as ``|a|^2 + |b|^2 - 2 a.b`` (:func:`_expanded`): written directly, its
@@ -184,14 +185,37 @@ def _expanded(a: jax.Array, b: jax.Array, axes: Sequence[int], dtype: Any, tpu: 
     centre = lax.stop_gradient(jnp.mean(b, axis=0))  # any centre: the sum does not move
     a, b = a - centre, b - centre
     feat = tuple(1 + k for k in axes)
-    kept = tuple(k for k in range(1, a.ndim) if k not in feat)
     norm_a, norm_b = jnp.sum(a * a, feat), jnp.sum(b * b, feat)
+    ab = _dots(a, b, axes, tpu)
+    return jnp.maximum(norm_b[:, None] + norm_a[None] - 2 * ab, 0)
+
+
+def _dots(a: jax.Array, b: jax.Array, axes: Sequence[int], tpu: bool) -> jax.Array:
+    """``sum(a_i * b_j)`` over the feature ``axes`` of ``a`` (``(bi, *s)``) and ``b``
+    (``(bj, *s)``), ``(bj, bi, *kept)``: one matmul at full precision (as the sum of
+    products in float32 it stands for; on a TPU keeping its infinities:
+    :func:`_keeping_inf`)."""
+    feat = tuple(1 + k for k in axes)
+    kept = tuple(k for k in range(1, a.ndim) if k not in feat)
     dims = ((feat, feat), (kept, kept))
     highest = {"precision": lax.Precision.HIGHEST}
     dot = lambda p: lax.dot_general(b, a, dims, **{**highest, **p})  # (*kept, bj, bi)
-    ab = _keeping_inf(dot) if tpu else dot({})
-    ab = jnp.moveaxis(ab, (-2, -1), (0, 1))
-    return jnp.maximum(norm_b[:, None] + norm_a[None] - 2 * ab, 0)
+    return jnp.moveaxis(_keeping_inf(dot) if tpu else dot({}), (-2, -1), (0, 1))
+
+
+def _product(eqn: Any, ins: list[_Value]) -> tuple[_Value, _Value] | None:
+    """``(A, B)`` where ``eqn`` sums ``A * B`` (a dot product written out, widened or
+    not), ``A`` of the x rows only and ``B`` of the y rows only, of one shape."""
+    if eqn.primitive.name != "reduce_sum" or ins[0].eqn is None:
+        return None
+    m = ins[0]
+    if m.eqn.primitive.name == "convert_element_type" and m.ins and m.ins[0].eqn is not None:
+        m = m.ins[0]
+    if m.eqn.primitive.name != "mul" or {v.kind for v in m.ins} != {"x", "y"}:
+        return None
+    if m.eqn.invars[0].aval.shape != m.eqn.invars[1].aval.shape:
+        return None
+    return (m.ins[0], m.ins[1]) if m.ins[0].kind == "x" else (m.ins[1], m.ins[0])
 
 
 def _guard(v: jax.Array, keep: jax.Array) -> jax.Array:
@@ -249,6 +273,11 @@ def tile(
     guard = _guarded(keep)
 
     def rule(eqn: Any, ins: list[_Value]) -> list[_Value]:
+        if (product := _product(eqn, ins)) is not None:
+            a, b = product
+            dtype = eqn.outvars[0].aval.dtype
+            d = _dots(a.get().astype(dtype), b.get().astype(dtype), eqn.params["axes"], tpu)
+            return [_Value("p", guard("p", d))]
         if (match := _squared_distance(eqn, ins)) is not None:
             a, b, features = match
             if found is not None:
