@@ -215,6 +215,8 @@ def product_sum(eqn: Any, made: dict) -> Any:
         mul = None if isinstance(mul.invars[0], Literal) else made.get(mul.invars[0])
     if mul is None or mul.primitive.name != "mul":
         return None
+    if not jnp.issubdtype(mul.outvars[0].aval.dtype, jnp.floating):
+        return None
     a, b = mul.invars
     if isinstance(a, Literal) or isinstance(b, Literal) or a is b or a.aval.shape != b.aval.shape:
         return None

@@ -209,9 +209,10 @@ def _product(eqn: Any, ins: list[_Value]) -> tuple[_Value, _Value] | None:
     if eqn.primitive.name != "reduce_sum" or ins[0].eqn is None:
         return None
     m = ins[0]
-    if m.eqn.primitive.name == "convert_element_type" and m.ins and m.ins[0].eqn is not None:
-        m = m.ins[0]
-    if m.eqn.primitive.name != "mul" or {v.kind for v in m.ins} != {"x", "y"}:
+    if m.eqn.primitive.name == "convert_element_type" and m.ins[0].eqn is not None:
+        m = m.ins[0]  # jnp.sum of half floats sums in float32
+    floats = jnp.issubdtype(m.eqn.outvars[0].aval.dtype, jnp.floating)
+    if m.eqn.primitive.name != "mul" or not floats or {v.kind for v in m.ins} != {"x", "y"}:
         return None
     if m.eqn.invars[0].aval.shape != m.eqn.invars[1].aval.shape:
         return None
