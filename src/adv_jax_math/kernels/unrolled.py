@@ -31,7 +31,7 @@ from jax.extend.core import Literal
 from ..analysis.jaxpr_graph import ELEMENTWISE, IDENTITY, subjaxpr, walk
 from ..monoids.extrema import _extreme
 
-__all__ = ["NotUnrolled", "evaluate", "objects", "size", "stack", "unstack"]
+__all__ = ["NotUnrolled", "evaluate", "is_product", "objects", "size", "stack", "unstack"]
 
 _REDUCE: dict[str, Callable[[Any, Any], Any]] = {
     "reduce_sum": lax.add,
@@ -213,14 +213,17 @@ def product_sum(eqn: Any, made: dict) -> Any:
     mul = made.get(eqn.invars[0])
     if mul is not None and mul.primitive.name == "convert_element_type":
         mul = None if isinstance(mul.invars[0], Literal) else made.get(mul.invars[0])
-    if mul is None or mul.primitive.name != "mul":
-        return None
-    if not jnp.issubdtype(mul.outvars[0].aval.dtype, jnp.floating):
-        return None
-    a, b = mul.invars
-    if isinstance(a, Literal) or isinstance(b, Literal) or a is b or a.aval.shape != b.aval.shape:
-        return None
-    return mul
+    return mul if mul is not None and is_product(mul) else None
+
+
+def is_product(eqn: Any) -> bool:
+    """Whether ``eqn`` multiplies two different float vectors of one shape (the terms of
+    a dot product written out)."""
+    if eqn.primitive.name != "mul" or not jnp.issubdtype(eqn.outvars[0].aval.dtype, jnp.floating):
+        return False
+    a, b = eqn.invars
+    literal = isinstance(a, Literal) or isinstance(b, Literal)
+    return not literal and a is not b and a.aval.shape == b.aval.shape
 
 
 def _barrier(objs: Sequence[np.ndarray]) -> list:

@@ -52,6 +52,7 @@ from jax import lax
 
 from ..analysis.jaxpr_graph import CUSTOM_DERIVATIVES, bind, subjaxpr, walk
 from ..kernels.pairwise_device import Layout
+from ..kernels.unrolled import is_product
 from ..monoids.reduction import MonoidReduction
 from .kernel import first_row, struct
 
@@ -149,25 +150,36 @@ def _keeping_inf(dot: Callable[[dict], jax.Array]) -> jax.Array:
     return jnp.where(jnp.isnan(full), one, full)
 
 
+def _name(v: _Value) -> str | None:
+    return v.eqn.primitive.name if v.eqn is not None else None
+
+
+def _summed(eqn: Any, ins: list[_Value]) -> _Value | None:
+    """What ``eqn`` sums, if it is a ``reduce_sum``: its operand, or the half floats it
+    widened (``jnp.sum`` of half floats sums in float32)."""
+    if eqn.primitive.name != "reduce_sum":
+        return None
+    v = ins[0]
+    if _name(v) == "convert_element_type" and jnp.issubdtype(
+        v.eqn.invars[0].aval.dtype, jnp.floating
+    ):
+        return v.ins[0]
+    return v
+
+
 def _squared_distance(eqn: Any, ins: list[_Value]) -> tuple[_Value, _Value, int] | None:
     """``(A, B, features)`` where ``eqn`` sums ``(A - B)^2`` (``integer_pow``, ``square``
     or ``d * d``, widened or not; either order of the difference) over ``features``
     features, ``A`` of the x rows only and ``B`` of the y rows only."""
-    name = lambda v: v.eqn.primitive.name if v.eqn is not None else None
-    if eqn.primitive.name != "reduce_sum":
+    if (sq := _summed(eqn, ins)) is None:
         return None
-    sq = ins[0]
-    if name(sq) == "convert_element_type" and jnp.issubdtype(
-        sq.eqn.invars[0].aval.dtype, jnp.floating
-    ):  # jnp.sum of half floats sums in float32
-        sq = sq.ins[0]
     squares = (
-        (name(sq) == "integer_pow" and sq.eqn.params["y"] == 2)
-        or name(sq) == "square"
-        or (name(sq) == "mul" and sq.ins[0] is sq.ins[1])
+        (_name(sq) == "integer_pow" and sq.eqn.params["y"] == 2)
+        or _name(sq) == "square"
+        or (_name(sq) == "mul" and sq.ins[0] is sq.ins[1])
     )
     d = sq.ins[0] if squares else None
-    if d is None or name(d) != "sub" or {v.kind for v in d.ins} != {"x", "y"}:
+    if d is None or _name(d) != "sub" or {v.kind for v in d.ins} != {"x", "y"}:
         return None
     shape = eqn.invars[0].aval.shape
     features = int(np.prod([shape[k] for k in eqn.params["axes"]]))
@@ -205,16 +217,10 @@ def _dots(a: jax.Array, b: jax.Array, axes: Sequence[int], tpu: bool) -> jax.Arr
 
 def _product(eqn: Any, ins: list[_Value]) -> tuple[_Value, _Value] | None:
     """``(A, B)`` where ``eqn`` sums ``A * B`` (a dot product written out, widened or
-    not), ``A`` of the x rows only and ``B`` of the y rows only, of one shape."""
-    if eqn.primitive.name != "reduce_sum" or ins[0].eqn is None:
-        return None
-    m = ins[0]
-    if m.eqn.primitive.name == "convert_element_type" and m.ins[0].eqn is not None:
-        m = m.ins[0]  # jnp.sum of half floats sums in float32
-    floats = jnp.issubdtype(m.eqn.outvars[0].aval.dtype, jnp.floating)
-    if m.eqn.primitive.name != "mul" or not floats or {v.kind for v in m.ins} != {"x", "y"}:
-        return None
-    if m.eqn.invars[0].aval.shape != m.eqn.invars[1].aval.shape:
+    not; ``kernels.unrolled.is_product``, which the engine choice reads too), ``A`` of
+    the x rows only and ``B`` of the y rows only."""
+    m = _summed(eqn, ins)
+    if m is None or m.eqn is None or not is_product(m.eqn) or {v.kind for v in m.ins} != {"x", "y"}:
         return None
     return (m.ins[0], m.ins[1]) if m.ins[0].kind == "x" else (m.ins[1], m.ins[0])
 
