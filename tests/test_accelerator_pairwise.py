@@ -11,6 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import pytest
+from cases import oracle
 from helpers import KERNEL_MARKERS, assert_tree_close
 from test_pairwise import CASES, DIFFERENTIABLE, dense, inputs, scaled_loss
 from test_pairwise_matmul import CASES as MATMUL_CASES
@@ -18,7 +19,6 @@ from test_pairwise_matmul import inputs as matmul_inputs
 from test_pairwise_special_values import DOT_CASES as SPECIAL_DOT_CASES
 from test_pairwise_special_values import close as close_at_special_values
 from test_pairwise_special_values import dot_inputs as special_dot_inputs
-from test_pairwise_special_values import oracle as special_oracle
 from test_pairwise_special_values import transforms
 
 import adv_jax_math as ajm
@@ -133,7 +133,7 @@ def test_matmul_kernel_at_special_values(name, precision):
     x, y = special_dot_inputs(not name.endswith("expanded"), 1e30)
     plan = ajm.explain_pairwise(f, x, y, reduction)  # (TPU tiles: multiples of 128)
     assert plan.engine.startswith("pairwise kernel (matmul"), str(plan)
-    want = special_oracle(reduction, axis=1)
+    want = oracle(reduction, axis=1)
     ours = lambda x, y: ajm.pairwise(f, x, y, reduction)
     with jax.default_matmul_precision(precision):  # (both: at the default, bfloat16)
         expect = transforms(lambda x, y: want(dense(f, x, y)), x, y)

@@ -80,28 +80,25 @@ def _log_zero(xi, yj):  # -inf where yj[1] <= 0, its tangent t * log(0) (r11 of 
     return special(xi, yj) + (xi[2] ** 2 + 0.1) * jnp.log(jnp.abs(yj[0]) * (yj[1] > 0))
 
 
-# name: (reduction, f, oracle on the dense (N, M, ...) outputs: plain JAX, bench/cases)
+# name: (reduction, f); the oracle on the dense (N, M, ...) outputs: plain JAX, bench/cases
 CASES = {
-    name: (reduction, f, oracle(reduction, axis=1))
-    for name, (reduction, f) in {
-        "ADD": (ajm.ADD, special),
-        "MAX": (ajm.MAX, special),
-        "MAX(t log 0)": (ajm.MAX, _log_zero),
-        "MIN": (ajm.MIN, special),
-        "LOGSUMEXP": (ajm.LOGSUMEXP, special),
-        "MIN_ARGMIN": (ajm.MIN_ARGMIN, special),
-        "MAX_ARGMAX": (ajm.MAX_ARGMAX, special),
-        "ARGMIN": (ajm.ARGMIN, special),
-        "MEAN": (ajm.MEAN, special),
-        "VAR": (ajm.VAR, special),
-        "top_k(3, smallest)": (ajm.top_k(3, smallest=True), special),
-        "SOFTMAX_WEIGHTED(scores)": (ajm.SOFTMAX_WEIGHTED, _scores),
-        "SOFTMAX_WEIGHTED(values)": (ajm.SOFTMAX_WEIGHTED, _values),
-        "WEIGHTED_LOGSUMEXP": (
-            ajm.WEIGHTED_LOGSUMEXP,
-            lambda a, b: (special(a, b), b[1] ** 2 + 0.1),
-        ),
-    }.items()
+    "ADD": (ajm.ADD, special),
+    "MAX": (ajm.MAX, special),
+    "MAX(t log 0)": (ajm.MAX, _log_zero),
+    "MIN": (ajm.MIN, special),
+    "LOGSUMEXP": (ajm.LOGSUMEXP, special),
+    "MIN_ARGMIN": (ajm.MIN_ARGMIN, special),
+    "MAX_ARGMAX": (ajm.MAX_ARGMAX, special),
+    "ARGMIN": (ajm.ARGMIN, special),
+    "MEAN": (ajm.MEAN, special),
+    "VAR": (ajm.VAR, special),
+    "top_k(3, smallest)": (ajm.top_k(3, smallest=True), special),
+    "SOFTMAX_WEIGHTED(scores)": (ajm.SOFTMAX_WEIGHTED, _scores),
+    "SOFTMAX_WEIGHTED(values)": (ajm.SOFTMAX_WEIGHTED, _values),
+    "WEIGHTED_LOGSUMEXP": (
+        ajm.WEIGHTED_LOGSUMEXP,
+        lambda a, b: (special(a, b), b[1] ** 2 + 0.1),
+    ),
 }
 ENGINES = {
     "scan": "pairwise scan",
@@ -191,16 +188,22 @@ def _cases():
 
 @pytest.mark.parametrize(("name", "backend"), list(_cases()))
 def test_special_values_match_dense_oracle(name, backend):
-    reduction, f, want = CASES[name]
-    x, y = inputs()
+    reduction, f = CASES[name]
+    check(reduction, f, *inputs(), f"{name} {backend}", backend, ENGINES[backend])
+
+
+def check(reduction, f, x, y, what, backend, engine, reason=""):
+    """``pairwise(f, x, y, reduction)`` on ``backend`` (planned as ``engine``, ``reason``
+    in its reason) against the dense oracle: values, jvp and grad (:func:`transforms`)."""
+    want = oracle(reduction, axis=1)
     expect = transforms(lambda x, y: want(dense(f, x, y)), x, y)
     with ajm.config(backend=backend):
         plan = ajm.explain_pairwise(f, x, y, reduction, tiles=TILES)
         ours = lambda x, y: ajm.pairwise(f, x, y, reduction, tiles=TILES)
         got = jax.jit(lambda x, y: transforms(ours, x, y))(x, y)
-    assert plan.engine == ENGINES[backend], str(plan)
-    for what in expect:
-        close(got[what], expect[what], f"{name} {backend} {what}")
+    assert plan.engine == engine and reason in plan.reason, str(plan)
+    for part in expect:
+        close(got[part], expect[part], f"{what} {part}")
 
 
 @pytest.mark.parametrize("backend", list(ENGINES))
@@ -415,14 +418,6 @@ def test_special_values_in_the_tpu_matmul_kernel_interpreted(name, monkeypatch):
 
 
 def _check_matmul_tiles(reduction, f, x, y, what, backend, on="gpu"):
-    want = oracle(reduction, axis=1)
-    expect = transforms(lambda x, y: want(dense(f, x, y)), x, y)
     engine, reason = MATMUL_ENGINES[backend]
     reason = reason.replace("matmul", f"{on} matmul") if backend == "interpret" else reason
-    with ajm.config(backend=backend):
-        plan = ajm.explain_pairwise(f, x, y, reduction, tiles=TILES)
-        ours = lambda x, y: ajm.pairwise(f, x, y, reduction, tiles=TILES)
-        got = jax.jit(lambda x, y: transforms(ours, x, y))(x, y)
-    assert plan.engine == engine and reason in plan.reason, str(plan)
-    for part in expect:
-        close(got[part], expect[part], f"{what} {part}")
+    check(reduction, f, x, y, what, backend, engine, reason)
