@@ -391,15 +391,10 @@ def test_special_values_in_matmul_tiles_match_dense_oracle(name, backend, infini
 
 @pytest.mark.parametrize("side", ["x", "y"])
 @pytest.mark.parametrize("backend", list(MATMUL_ENGINES))
-@pytest.mark.xfail(
-    strict=True,
-    reason="NaN where plain JAX is +-inf: the derivative of an x-only term of f (|a|^2 "
-    "at a = inf) times the sum of its cotangents over the y rows; the tiles sum per y "
-    "tile and multiply each, 0 * inf in a tile where top_k selected no pair (the fix: "
-    "the x-only values' cotangents summed over all y tiles, then one VJP per x tile; "
-    "likewise y-only terms over the x tiles)",
-)
 def test_an_infinite_one_sided_derivative_across_tiles(backend, side):
+    # the derivative of an x-only term of f (|a|^2 at a = inf) meets the sum of its
+    # cotangents over every y tile (+-inf), as in plain JAX, not each tile's: 0 in a
+    # tile where top_k selected no pair (0 * inf: NaN; dots.Sides)
     reduction, f = DOT_CASES["top_k(3) expanded"]
     x, y = dot_inputs(side == "y", INF if side == "x" else 1e30)
     _check_matmul_tiles(reduction, f, x, y, f"{side} inf", backend)

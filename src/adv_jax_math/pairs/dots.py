@@ -56,7 +56,7 @@ from ..kernels.unrolled import is_product
 from ..monoids.reduction import MonoidReduction
 from .kernel import first_row, struct
 
-__all__ = ["MIN_FEATURES", "pair_jaxpr", "sources", "tile"]
+__all__ = ["MIN_FEATURES", "Sides", "pair_jaxpr", "sides", "sources", "tile"]
 
 
 MIN_FEATURES = 16  # squared distances over fewer features stay direct (module docstring)
@@ -269,6 +269,8 @@ def tile(
     found: list | None = None,
     keep: tuple[jax.Array, jax.Array] | None = None,
     tpu: bool = False,
+    given: dict[int, Any] | None = None,
+    made: list | None = None,
 ) -> list:
     """The values of ``closed`` (a :func:`pair_jaxpr`) on a tile of x rows ``xs`` and
     y rows ``ys`` (leaves, rows first), each a :class:`_Value`: its equations walked,
@@ -276,23 +278,36 @@ def tile(
     and a y-only vector over :data:`MIN_FEATURES` or more features made by
     :func:`_expanded` (each one's features and whether it was expanded noted in
     ``found``). ``keep`` (whether each x row and each y row is real) guards every
-    value's padded rows (:func:`_guard`); ``tpu``: the tile is a TPU kernel's."""
+    value's padded rows (:func:`_guard`); ``tpu``: the tile is a TPU kernel's.
+
+    Every value is appended to ``made`` as it is walked (its number there the same in
+    every walk of ``closed``); ``given`` numbers values to take as they are (guarded)
+    instead of making them, and what only they read is never made (:func:`sides`)."""
     guard = _guarded(keep)
+    made = [] if made is None else made
+    given = given or {}
+
+    def value(kind: str, make: Callable[[], list], idx: int = 0, eqn: Any = None, ins=()) -> _Value:
+        v = _Value(kind, None, make, idx, eqn, tuple(ins))
+        if len(made) in given:
+            v.val = guard(kind, given[len(made)])
+        made.append(v)
+        return v
 
     def rule(eqn: Any, ins: list[_Value]) -> list[_Value]:
         if (product := _product(eqn, ins)) is not None:
             a, b = product
-            dtype = eqn.outvars[0].aval.dtype
-            d = _dots(a.get().astype(dtype), b.get().astype(dtype), eqn.params["axes"], tpu)
-            return [_Value("p", guard("p", d))]
+            dtype, axes = eqn.outvars[0].aval.dtype, eqn.params["axes"]
+            dot = lambda: _dots(a.get().astype(dtype), b.get().astype(dtype), axes, tpu)
+            return [value("p", lambda: [guard("p", dot())], ins=(a, b))]
         if (match := _squared_distance(eqn, ins)) is not None:
             a, b, features = match
             if found is not None:
                 found.append((features, features >= MIN_FEATURES))
             if features >= MIN_FEATURES:
-                dtype = eqn.outvars[0].aval.dtype
-                d = _expanded(a.get(), b.get(), eqn.params["axes"], dtype, tpu)
-                return [_Value("p", guard("p", d))]
+                dtype, axes = eqn.outvars[0].aval.dtype, eqn.params["axes"]
+                d = lambda: _expanded(a.get(), b.get(), axes, dtype, tpu)
+                return [value("p", lambda: [guard("p", d())], ins=(a, b))]
         kind = _kind(ins)
         make = functools.cache(
             lambda: [
@@ -302,13 +317,28 @@ def tile(
                 )
             ]
         )
-        return [_Value(kind, None, make, k, eqn, tuple(ins)) for k in range(len(eqn.outvars))]
+        return [value(kind, make, k, eqn, ins) for k in range(len(eqn.outvars))]
 
     enter = lambda eqn, ins: None if eqn.primitive.name in CUSTOM_DERIVATIVES else subjaxpr(eqn)
-    args = [_Value(k, guard(k, v)) for k, vs in (("c", c), ("x", xs), ("y", ys)) for v in vs]
+    arg = lambda kind, v: value(kind, lambda: [guard(kind, v)])  # (None: never read)
+    args = [arg(kind, v) for kind, vs in (("c", c), ("x", xs), ("y", ys)) for v in vs]
     consts = [_Value("c", v) for v in closed.consts]
     literal, const = lambda v: _Value("c", v.val), lambda v, c: _Value("c", c)
     return walk(closed.jaxpr, consts, args, rule, literal=literal, const=const, enter=enter)
+
+
+def _outputs(vals: list[_Value], per_y: tuple, bi: int, bj: int, guard: Callable) -> list:
+    """The values of a tile as ``kernels.matmul_tiles`` takes them: ``(bj, bi, ...)``,
+    or ``(bj, ...)`` where ``per_y`` says."""
+    out = []
+    for v, own in zip(vals, per_y, strict=True):
+        a = v.get()
+        if v.kind in "cx":
+            a = jnp.broadcast_to(a, (bj, *a.shape))
+        if v.kind in "cy" and not own:
+            a = jnp.broadcast_to(a[:, None], (bj, bi, *a.shape[1:]))
+        out.append(guard("y" if own else "p", a))
+    return out
 
 
 def sources(
@@ -319,20 +349,83 @@ def sources(
     ``layout.per_y`` says (``f`` traced once, here, for every tile); ``keep`` as
     :func:`tile`'s."""
     per_y, tpu = layout.per_y, layout.on == "tpu"
-    pair = lambda c, xi, yj: red.prologue(conv(xi, yj, *c))
-    closed = pair_jaxpr(pair, consts, x, y)
+    closed = pair_jaxpr(lambda c, xi, yj: red.prologue(conv(xi, yj, *c)), consts, x, y)
 
     def values(c: list, xs: list, ys: list, keep: tuple | None = None) -> list:
-        bi, bj = xs[0].shape[0], ys[0].shape[0]
-        guard = _guarded(keep)
-        out = []
-        for v, own in zip(tile(closed, c, xs, ys, keep=keep, tpu=tpu), per_y, strict=True):
-            a = v.get()
-            if v.kind in "cx":
-                a = jnp.broadcast_to(a, (bj, *a.shape))
-            if v.kind in "cy" and not own:
-                a = jnp.broadcast_to(a[:, None], (bj, bi, *a.shape[1:]))
-            out.append(guard("y" if own else "p", a))
-        return out
+        vals = tile(closed, c, xs, ys, keep=keep, tpu=tpu)
+        return _outputs(vals, per_y, xs[0].shape[0], ys[0].shape[0], _guarded(keep))
 
     return values
+
+
+@dataclasses.dataclass(frozen=True)
+class Sides:
+    """``f``'s values on a tile cut where they start to depend on both rows: ``x(c,
+    xs)`` gives the x-only values that the rest reads (of every x row given: the x rows'
+    leaves themselves, or values made of them alone, ``|a|^2``), ``y(c, ys)`` the
+    y-only ones, and ``pairs(c, bx, by, keep=None)`` the values from a tile of those,
+    as :func:`sources`' from a tile of x and y rows. ``floats``: per side, which of its
+    values are floats (the others have no cotangent).
+
+    The reverse pass sums the cotangents of ``bx`` over every y tile before one VJP of
+    ``x`` (and of ``by`` over every x tile), as plain JAX's transpose of a broadcast
+    does: a derivative of an x-only value that is infinite (``|a|^2`` at ``a = inf``)
+    then meets the sum of its cotangents, not a tile's, which can be 0 (NaN)."""
+
+    x: Callable[[list, list], list]
+    y: Callable[[list, list], list]
+    pairs: Callable[..., list]
+    floats: tuple[tuple[int, ...], tuple[int, ...]]
+
+
+def sides(
+    conv: Callable, consts: list, x: Any, y: Any, red: MonoidReduction, layout: Layout
+) -> Sides:
+    """:class:`Sides` of ``f``'s values (``layout.per_y`` as :func:`sources`')."""
+    per_y, tpu = layout.per_y, layout.on == "tpu"
+    closed = pair_jaxpr(lambda c, xi, yj: red.prologue(conv(xi, yj, *c)), consts, x, y)
+    nc, nx = len(consts), len(jax.tree.leaves(x))
+    cut: dict[str, list[int]] = {}
+
+    def find(c: list, xs: list, ys: list) -> None:
+        made: list = []
+        outs = tile(closed, c, xs, ys, made=made, tpu=tpu)
+        number = {id(v): k for k, v in enumerate(made)}
+        ends = {"x": [v for v in outs if v.kind == "x"], "y": [v for v in outs if v.kind == "y"]}
+        seen, todo = set(), [v for v in outs if v.kind == "p"]
+        while todo:  # the per-pair values made, and what of one side they read
+            v = todo.pop()
+            if id(v) not in seen:
+                seen.add(id(v))
+                todo += [u for u in v.ins if u.kind == "p"]
+                for kind, vals in ends.items():
+                    vals += [u for u in v.ins if u.kind == kind]
+        for kind, first in (("x", nc), ("y", nc + nx)):  # never none: a tile's rows
+            cut[kind] = sorted({number[id(v)] for v in ends[kind] if id(v) in number} or {first})
+        out = [made[k].get() for k in cut["x"] + cut["y"]]
+        cut["floats"] = [k for k, a in enumerate(out) if jnp.issubdtype(a.dtype, jnp.inexact)]
+
+    two = lambda t: [jax.ShapeDtypeStruct((2, *a.shape), a.dtype) for a in first_row(t)]
+    jax.eval_shape(
+        find, [struct(a) for a in consts], two(jax.tree.leaves(x)), two(jax.tree.leaves(y))
+    )
+    nbx = len(cut["x"])
+    nones = lambda t: [None] * len(jax.tree.leaves(t))
+
+    def side(kind: str) -> Callable[[list, list], list]:
+        def run(c: list, rows: list) -> list:
+            made: list = []
+            xs, ys = (rows, nones(y)) if kind == "x" else (nones(x), rows)
+            tile(closed, c, xs, ys, made=made, tpu=tpu)
+            return [made[k].get() for k in cut[kind]]
+
+        return run
+
+    def pairs(c: list, bx: list, by: list, keep: tuple | None = None) -> list:
+        given = dict(zip(cut["x"] + cut["y"], bx + by, strict=True))
+        vals = tile(closed, c, nones(x), nones(y), keep=keep, tpu=tpu, given=given)
+        return _outputs(vals, per_y, bx[0].shape[0], by[0].shape[0], _guarded(keep))
+
+    floats = cut["floats"]
+    split = (tuple(k for k in floats if k < nbx), tuple(k - nbx for k in floats if k >= nbx))
+    return Sides(side("x"), side("y"), pairs, split)

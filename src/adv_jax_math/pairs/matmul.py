@@ -29,13 +29,14 @@ import jax
 import jax.numpy as jnp
 
 from ..analysis.jaxpr_graph import deps, graph
+from ..core.linear import cotangent_for
 from ..core.sharding import whole
 from ..kernels.matmul_tiles import tile_cotangents, tile_states
 from ..kernels.pairwise import _pad_rows
 from ..kernels.pairwise_device import Layout
 from ..monoids.reduction import LeafReduction, MonoidReduction
 from ..monoids.softmax import SoftmaxWeighted
-from .dots import MIN_FEATURES, pair_jaxpr, sources, tile
+from .dots import MIN_FEATURES, pair_jaxpr, sides, sources, tile
 from .kernel import Probe, first_row, struct
 
 __all__ = ["blocks", "distances", "expanded", "kernel_layout", "reverse", "states"]
@@ -247,6 +248,7 @@ def _reverse(
     conv: Callable, red: MonoidReduction, layout: Layout, res: tuple, cts: list, pos: list
 ) -> tuple[list, list, list, jax.Array]:
     c, x, y, per_term = res
+    pc, px, py = pos
     bi, ys = layout.tiles[0], jax.tree.leaves(y)
     xs = [whole(a) for a in jax.tree.leaves(x)]  # as in states (dx typed as x by pairs.grad)
     n = xs[0].shape[0]
@@ -275,5 +277,24 @@ def _reverse(
             shares = lambda s, m=red.leaves[t].monoid: m.tally.shares(s, False)
             tallies[t] = jax.vmap(shares)(state)
     items = _items(red, row, layout.per_y, bi)
-    args = (list(c), xs, ys, layout, tile_st, tile_ct, tallies, tuple(pos))
-    return tile_cotangents(values, red, items, *args)
+    # the tiles' pass runs on the values where f starts to read both rows (Sides): the
+    # cotangents of the one-sided values before, summed over every tile of the other
+    # side, then go through one VJP each
+    cut = sides(conv, list(c), x, y, red, layout)
+    bx, x_vjp = jax.vjp(cut.x, list(c), xs)
+    by, y_vjp = jax.vjp(cut.y, list(c), ys)
+    fx, fy = cut.floats
+    fx, fy = (fx if px or pc else ()), (fy if py or pc else ())
+    args = (list(c), bx, by, layout, tile_st, tile_ct, tallies, (tuple(pc), fx, fy))
+    dc, dbx, dby, wrong = tile_cotangents(cut.pairs, red, items, *args)
+    dcx, dx = _side(x_vjp, bx, fx, dbx)
+    dcy, dy = _side(y_vjp, by, fy, dby)
+    dc = [d + dcx[k] + dcy[k] for d, k in zip(dc, pc, strict=True)]
+    return dc, [dx[k] for k in px], [dy[k] for k in py], wrong
+
+
+def _side(vjp: Callable, outs: list, pos: tuple, cts: list) -> tuple[list, list]:
+    """``vjp`` of one side's values ``outs``, given the cotangents ``cts`` of those
+    numbered in ``pos`` (the others': zeros)."""
+    given = dict(zip(pos, cts, strict=True))
+    return vjp([cotangent_for(o, given.get(k)) for k, o in enumerate(outs)])
