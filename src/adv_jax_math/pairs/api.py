@@ -44,7 +44,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ..core import config as _config
-from ..core.sharding import explicit, sharding_of, typed_mesh, whole
+from ..core.sharding import context_mesh, explicit, sharding_of, typed_mesh, whole
 from ..kernels.pairwise_device import Layout
 from ..monoids.base import Monoid, is_monoid_tree
 from ..monoids.reduction import MonoidReduction
@@ -55,6 +55,7 @@ from .grad import Pairs, fused
 from .kernel import first_row, layout_problem, recognized
 from .matmul import blocks, expanded
 from .scan import scan, scan_y
+from .spread import local_rows, spread
 
 __all__ = ["PairwisePlan", "explain_pairwise", "pairwise"]
 
@@ -182,21 +183,25 @@ def _pairwise(
     f: Callable, x: Any, y: Any, reduction: Any, tiles: Any, shard: bool | str, mesh: Any
 ) -> Any:
     """One pass: ``reduction`` over ``j`` of ``f(x_i, y_j)``, for every ``i``."""
-    plan, red, layout = _plan(f, x, y, reduction, tiles, shard)
+    plan, red, layout = _plan(f, x, y, reduction, tiles, shard, mesh)
     if plan.engine == _SCAN_Y:  # every device reduces its y rows for every x row,
         # on the mesh x and y are typed on where none is given or set
         with typed_mesh(*([] if mesh else [x, y])):
             out = scan_y(f, jax.tree.map(whole, x), y, red, reduction, plan.tiles[1], mesh)
         return jax.tree.map(lambda o: _rows_like(o, x), out)
-    y = jax.tree.map(whole, y)
     if plan.engine == _SCAN:
         # (the mesh only where x is spread over it: ``chunked`` warns of one ignored)
+        y = jax.tree.map(whole, y)
         return scan(f, x, y, reduction, plan.tiles, bool(shard), mesh if shard else None)
     # the kernel engine (``pairs.kernel``; its derivatives, and forward mode's tangent
-    # on the scan engine: ``pairs.grad``)
+    # on the scan engine: ``pairs.grad``); with shard=True on each device's x rows
     conv, consts = jax.closure_convert(f, first_row(x), first_row(y))
     by_scan = lambda c, x, y: scan(lambda xi, yj: conv(xi, yj, *c), x, y, reduction, plan.tiles)
-    out = fused(Pairs(conv, red, plan.tiles, by_scan, layout), list(consts), x, y)
+    run = lambda c, x, y: fused(Pairs(conv, red, plan.tiles, by_scan, layout), c, x, y)
+    if shard:
+        out = spread(run, list(consts), x, y, mesh)
+    else:
+        out = run(list(consts), x, jax.tree.map(whole, y))
     return jax.tree.map(lambda o: _rows_like(o, x), out)
 
 
@@ -258,14 +263,32 @@ def _rows(tree: Any, name: str) -> int:
 
 
 def _plan(
-    f: Callable, x: Any, y: Any, reduction: Any, tiles: Any, shard: bool | str
+    f: Callable,
+    x: Any,
+    y: Any,
+    reduction: Any,
+    tiles: Any,
+    shard: bool | str,
+    mesh: Any = None,
+    per_device: bool = False,
 ) -> tuple[PairwisePlan, MonoidReduction, Layout | None]:
     """The plan, the terms over ``j`` it recognized in ``reduction``, and the kernel's
-    tile layout (None: the interpret kernel, or no kernel)."""
+    tile layout (None: the interpret kernel, or no kernel). With ``shard=True`` and
+    no mesh set with ``jax.set_mesh``, the plan (``per_device``) of a device's share
+    of the x rows over all of ``y`` (``pairs.spread``): no Pallas kernel (yet), the
+    engines in XLA's loops or the scan; under ``jax.set_mesh``, the scan's own."""
     if shard not in (False, True, "x", "y"):
         raise TypeError(f"pairwise: shard={shard!r}; pass False, True (or 'x'), or 'y'")
     _check_monoids(reduction, "reduction")
     n, m = _rows(x, "x"), _rows(y, "y")
+    if shard in (True, "x") and n and m and not per_device and context_mesh() is None:
+        local = local_rows(n, mesh)
+        share = lambda a: jax.ShapeDtypeStruct((local, *jnp.shape(a)[1:]), jnp.result_type(a))
+        plan, red, layout = _plan(
+            f, jax.tree.map(share, x), y, reduction, tiles, True, per_device=True
+        )
+        why = f"{plan.reason}; the x rows spread over the devices (shard=True), {local} on each"
+        return dataclasses.replace(plan, n=n, reason=why), red, layout
     bi, bj = _tiles.rows(tiles, n, m)
     red = recognized(f, x, y, reduction, max(bj, 1))
     red.check_rows(m)
@@ -277,7 +300,7 @@ def _plan(
     if not (n and m):
         kernel_why = "no rows to tile (N or M is 0)"
     elif shard:
-        kernel_why = "shard=True: the kernel does not spread over devices yet"
+        kernel_why = "shard=True: the Pallas kernels do not spread over devices yet"
     elif backend == "interpret":
         found, declined = kernel_for(f, x, y, red, Layout(INTERPRET_LAYOUT, (bi, bj), True), None)
         kernel = f"the {INTERPRET_LAYOUT} tile kernel, interpreted"
@@ -312,8 +335,13 @@ def _plan(
                 )
                 lost = (("pairwise kernel", kernel_why),)
             return PairwisePlan(n, m, found.tiles, what, engine, why, lost), red, found
-    elif backend == "auto":
-        kernel_why = f"only on request on {platform} (backend='interpret')"
+    else:
+        kernel_why = f"not requested (backend={backend!r})"
+    # the engines in XLA's loops: where no kernel runs, or spread over the devices
+    loops = bool(n and m) and backend == "auto" and (per_device or not shard)
+    if loops and (per_device or platform not in ("gpu", "cuda", "rocm", "tpu")):
+        if not per_device:
+            kernel_why = f"only on request on {platform} (backend='interpret')"
         bi, bj = _tiles.xla(tiles, n, m, red)
         tiled = Layout("xla", (bi, bj))
         problem = layout_problem(f, x, y, red, tiled)
@@ -326,12 +354,10 @@ def _plan(
             lost = (("pairwise kernel", kernel_why), (_SCAN, scan_why))
             return PairwisePlan(n, m, (bi, bj), what, _TILES, why, lost), red, tiled
         tiles_why = problem
-    else:
-        kernel_why = f"not requested (backend={backend!r})"
     rejected: tuple[tuple[str, str], ...] = (("pairwise kernel", kernel_why),)
     if tiles_why is not None:
         rejected += ((_TILES, tiles_why),)
-    if backend == "auto" and n and m and not shard:
+    if loops:
         per_y = blocks(f, x, y, red)
         if not isinstance(per_y, str):
             bi, bj = _tiles.xla(tiles, n, m, red)
@@ -347,7 +373,7 @@ def _plan(
             return plan, red, Layout("matmul", (bi, bj), per_y=per_y)
         rejected += ((_MATMUL, per_y),)
     why = "x tiles in a chunked vmap, y tiles in a chunked monoid reduction"
-    if shard:
+    if shard and not per_device:
         why += "; the x rows spread over the devices (shard=True)"
     elif backend == "auto":
         why += f" (default on {platform})"
