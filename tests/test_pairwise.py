@@ -393,28 +393,30 @@ def test_gradient_memory_is_flat_at_two_to_the_fourteen():
     assert compiled.memory_analysis().temp_size_in_bytes <= 48 * 2**20
 
 
+# the default: the tiles in XLA's loops on each device's 10 of the 37 x rows
+# (pairs.spread); the Pallas kernels do not spread: the scan engine's own sharding
+SPREAD = {"auto": ("pairwise tiles (xla)", ", 10 on each"), "interpret": ("pairwise scan", "")}
+
+
+@pytest.mark.parametrize("backend", list(SPREAD))
 @pytest.mark.parametrize("name", ["logsumexp", "min_argmin", "k_nearest"])
-def test_shard_spreads_x_rows_over_devices(name):
+def test_shard_spreads_x_rows_over_devices(name, backend):
     if jax.device_count() != 4:
         pytest.skip("needs the 4 virtual CPU devices of conftest")
     reduction, f, want = CASES[name]
     x, y = inputs()
-    # the default: the tiles in XLA's loops on each device's 10 of the 37 x rows
-    # (pairs.spread); the Pallas kernels do not spread: the scan engine's own sharding
-    plans = {"auto": ("pairwise tiles (xla)", "10 on each"), "interpret": ("pairwise scan", "")}
-    for backend, (engine, says) in plans.items():
-        with ajm.config(backend=backend):
-            plan = ajm.explain_pairwise(f, x, y, reduction, tiles=TILES, shard=True)
-            assert plan.engine == engine, str(plan)
-            assert f"spread over the devices (shard=True){says and ', '}{says}" in plan.reason
-            run = lambda x, y: ajm.pairwise(f, x, y, reduction, tiles=TILES, shard=True)
-            got = jax.jit(run)(x, y)
-            assert_tree_close(got, want(dense(f, x, y)), rtol=2e-5, atol=2e-5)
-            loss = lambda run, x, y: jnp.sum(jnp.sin(jax.tree.leaves(run(x, y))[0]))
-            g = jax.jit(jax.grad(lambda x, y: loss(run, x, y), (0, 1)))(x, y)
-            plain = lambda x, y: want(dense(f, x, y))
-            expect = jax.grad(lambda x, y: loss(plain, x, y), (0, 1))(x, y)
-            assert_tree_close(g, expect, rtol=2e-4, atol=2e-4)
+    engine, says = SPREAD[backend]
+    with ajm.config(backend=backend):
+        plan = ajm.explain_pairwise(f, x, y, reduction, tiles=TILES, shard=True)
+        assert plan.engine == engine, str(plan)
+        assert f"spread over the devices (shard=True){says}" in plan.reason, str(plan)
+        run = lambda x, y: ajm.pairwise(f, x, y, reduction, tiles=TILES, shard=True)
+        assert_tree_close(jax.jit(run)(x, y), want(dense(f, x, y)), rtol=2e-5, atol=2e-5)
+        loss = lambda run, x, y: jnp.sum(jnp.sin(jax.tree.leaves(run(x, y))[0]))
+        got = jax.jit(jax.grad(lambda x, y: loss(run, x, y), (0, 1)))(x, y)
+    plain = lambda x, y: want(dense(f, x, y))
+    expect = jax.grad(lambda x, y: loss(plain, x, y), (0, 1))(x, y)
+    assert_tree_close(got, expect, rtol=2e-4, atol=2e-4)
 
 
 @pytest.mark.parametrize("backend", list(ENGINES))

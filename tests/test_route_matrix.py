@@ -352,17 +352,20 @@ def test_every_registered_engine_has_a_column():
     assert backends == {"auto", "scan", "pallas", "interpret"}
 
 
-@pytest.mark.parametrize("backend", ["auto", "interpret"])
+@pytest.mark.parametrize("backend", ["auto", "interpret", "shard"])
 def test_the_matmul_route_takes_the_matmul_tiles(backend):
     # else pairwise_matmul would test the unrolled tiles twice (XLA's loops on CPU;
-    # interpret: the matmul tile kernel as a GPU would run it)
+    # interpret: the matmul tile kernel as a GPU would run it; shard=True: the matmul
+    # tiles on each device's x rows)
     x, y, s = _inputs("none")
     q, k = jnp.tanh(x @ LIFT), jnp.tanh(y @ LIFT)
     f = lambda a, b: (s * jnp.dot(a, b), b)
-    with ajm.config(backend=backend):
-        plan = ajm.explain_pairwise(f, q, k, ajm.SOFTMAX_WEIGHTED, tiles=(B, BY))
+    shard = backend == "shard"
+    with ajm.config(backend="auto" if shard else backend):
+        plan = ajm.explain_pairwise(f, q, k, ajm.SOFTMAX_WEIGHTED, tiles=(B, BY), shard=shard)
     assert "matmul" in plan.engine + plan.reason, str(plan)
-    assert backend == "auto" or "matmul tile kernel, interpreted" in plan.reason, str(plan)
+    assert backend != "interpret" or "matmul tile kernel, interpreted" in plan.reason, str(plan)
+    assert not shard or "spread over the devices" in plan.reason, str(plan)
 
 
 def test_the_cases_cover_every_pair():
