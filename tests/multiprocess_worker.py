@@ -29,6 +29,8 @@ def main(process_id: int, port: str) -> None:
         return jnp.sin(x) * x
 
     x = np.linspace(-2, 2, 67 * 3, dtype=np.float32).reshape(67, 3)
+    near = lambda a, b: -jnp.sum((a - b) ** 2)
+    pair_loss = lambda y: jnp.sum(jnp.sin(ajm.pairwise(near, x, y, ajm.LOGSUMEXP, shard=True)))
     loss = lambda w: ajm.batch_map(
         lambda x: fun(x * w), x, 4, reduction=jnp.add, chunk_reduction=jnp.sum, shard=True
     )
@@ -41,6 +43,11 @@ def main(process_id: int, port: str) -> None:
         "divisible_map": multihost_utils.process_allgather(
             ajm.batch_map(fun, x[:64], 8, shard=True), tiled=True
         ),
+        # the tiles on each device's x rows (pairs.spread), y whole on every device
+        "pairwise": multihost_utils.process_allgather(
+            ajm.pairwise(near, x, x[:41], ajm.LOGSUMEXP, shard=True), tiled=True
+        ),
+        "pairwise_grad": jax.jit(jax.grad(pair_loss))(x[:41]),
     }
     print(json.dumps({k: np.asarray(v).tolist() for k, v in results.items()}), flush=True)
     jax.distributed.shutdown()

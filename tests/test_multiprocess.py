@@ -51,6 +51,7 @@ def test_two_processes_match_single_process():
     results = run_workers()
     x = np.linspace(-2, 2, 67 * 3, dtype=np.float32).reshape(67, 3)
     fun = lambda x: jnp.sin(x) * x
+    lse_rows = lambda x, y: jax.nn.logsumexp(-jnp.sum((x[:, None] - y[None]) ** 2, -1), axis=1)
     expect = {
         "devices": 4,
         "sum": jnp.sum(fun(x)),
@@ -58,6 +59,8 @@ def test_two_processes_match_single_process():
         "map": fun(x),
         "grad": jax.grad(lambda w: jnp.sum(fun(x * w)))(jnp.float32(0.5)),
         "divisible_map": fun(x[:64]),
+        "pairwise": lse_rows(x, x[:41]),
+        "pairwise_grad": jax.grad(lambda y: jnp.sum(jnp.sin(lse_rows(x, y))))(x[:41]),
     }
     for got in results:
         assert got.keys() == expect.keys()
