@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from cases.pairwise import REDUCTIONS, attention
 from helpers import assert_tree_close, normal
+from jax.sharding import AxisType
 
 import adv_jax_math as ajm
 from adv_jax_math.pairs import api as pairs_api
@@ -183,8 +184,10 @@ def test_declines_with_its_reason():
     s, v = dense(paired, x, y)
     want = jnp.einsum("nm,nmd->nd", jax.nn.softmax(s, axis=1), v)
     assert_tree_close(got, want, rtol=1e-5, atol=1e-6)
-    # shard=True: the scan engine spreads the x rows
-    assert ajm.explain_pairwise(jnp.dot, x, y, ajm.ADD, shard=True).engine == "pairwise scan"
+    # shard=True under jax.set_mesh: the scan engine spreads the x rows
+    mesh = jax.make_mesh((jax.device_count(),), ("x",), axis_types=(AxisType.Auto,))
+    with jax.set_mesh(mesh):
+        assert ajm.explain_pairwise(jnp.dot, x, y, ajm.ADD, shard=True).engine == "pairwise scan"
     with ajm.config(backend="scan"):  # as requested
         assert ajm.explain_pairwise(jnp.dot, x, y, ajm.ADD).engine == "pairwise scan"
 

@@ -270,23 +270,19 @@ def _plan(
     tiles: Any,
     shard: bool | str,
     mesh: Any = None,
-    per_device: bool = False,
 ) -> tuple[PairwisePlan, MonoidReduction, Layout | None]:
     """The plan, the terms over ``j`` it recognized in ``reduction``, and the kernel's
     tile layout (None: the interpret kernel, or no kernel). With ``shard=True`` and
-    no mesh set with ``jax.set_mesh``, the plan (``per_device``) of a device's share
-    of the x rows over all of ``y`` (``pairs.spread``): no Pallas kernel (yet), the
-    engines in XLA's loops or the scan; under ``jax.set_mesh``, the scan's own."""
+    no mesh set with ``jax.set_mesh``, the plan of a device's share of the x rows over
+    all of ``y`` (``pairs.spread``); under ``jax.set_mesh``, the scan's own sharding."""
     if shard not in (False, True, "x", "y"):
         raise TypeError(f"pairwise: shard={shard!r}; pass False, True (or 'x'), or 'y'")
     _check_monoids(reduction, "reduction")
     n, m = _rows(x, "x"), _rows(y, "y")
-    if shard in (True, "x") and n and m and not per_device and context_mesh() is None:
+    if shard in (True, "x") and n and m and context_mesh() is None:
         local = local_rows(n, mesh)
         share = lambda a: jax.ShapeDtypeStruct((local, *jnp.shape(a)[1:]), jnp.result_type(a))
-        plan, red, layout = _plan(
-            f, jax.tree.map(share, x), y, reduction, tiles, True, per_device=True
-        )
+        plan, red, layout = _plan(f, jax.tree.map(share, x), y, reduction, tiles, False)
         why = f"{plan.reason}; the x rows spread over the devices (shard=True), {local} on each"
         return dataclasses.replace(plan, n=n, reason=why), red, layout
     bi, bj = _tiles.rows(tiles, n, m)
@@ -300,7 +296,7 @@ def _plan(
     if not (n and m):
         kernel_why = "no rows to tile (N or M is 0)"
     elif shard:
-        kernel_why = "shard=True: the Pallas kernels do not spread over devices yet"
+        kernel_why = "shard=True under jax.set_mesh: the kernels do not spread over its devices"
     elif backend == "interpret":
         found, declined = kernel_for(f, x, y, red, Layout(INTERPRET_LAYOUT, (bi, bj), True), None)
         kernel = f"the {INTERPRET_LAYOUT} tile kernel, interpreted"
@@ -337,11 +333,9 @@ def _plan(
             return PairwisePlan(n, m, found.tiles, what, engine, why, lost), red, found
     else:
         kernel_why = f"not requested (backend={backend!r})"
-    # the engines in XLA's loops: where no kernel runs, or spread over the devices
-    loops = bool(n and m) and backend == "auto" and (per_device or not shard)
-    if loops and (per_device or platform not in ("gpu", "cuda", "rocm", "tpu")):
-        if not per_device:
-            kernel_why = f"only on request on {platform} (backend='interpret')"
+    loops = bool(n and m) and backend == "auto" and not shard  # (the engines in XLA's loops)
+    if loops and platform not in ("gpu", "cuda", "rocm", "tpu"):
+        kernel_why = f"only on request on {platform} (backend='interpret')"
         bi, bj = _tiles.xla(tiles, n, m, red)
         tiled = Layout("xla", (bi, bj))
         problem = layout_problem(f, x, y, red, tiled)
@@ -373,7 +367,7 @@ def _plan(
             return plan, red, Layout("matmul", (bi, bj), per_y=per_y)
         rejected += ((_MATMUL, per_y),)
     why = "x tiles in a chunked vmap, y tiles in a chunked monoid reduction"
-    if shard and not per_device:
+    if shard:
         why += "; the x rows spread over the devices (shard=True)"
     elif backend == "auto":
         why += f" (default on {platform})"

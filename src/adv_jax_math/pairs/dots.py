@@ -271,6 +271,7 @@ def tile(
     tpu: bool = False,
     given: dict[int, Any] | None = None,
     made: list | None = None,
+    own: list | None = None,
 ) -> list:
     """The values of ``closed`` (a :func:`pair_jaxpr`) on a tile of x rows ``xs`` and
     y rows ``ys`` (leaves, rows first), each a :class:`_Value`: its equations walked,
@@ -282,7 +283,8 @@ def tile(
 
     Every value is appended to ``made`` as it is walked (its number there the same in
     every walk of ``closed``); ``given`` numbers values to take as they are (guarded)
-    instead of making them, and what only they read is never made (:func:`sides`)."""
+    instead of making them, and what only they read is never made (:func:`sides`).
+    ``own``: the values of ``closed``'s constants (default: its own)."""
     guard = _guarded(keep)
     made = [] if made is None else made
     given = given or {}
@@ -322,7 +324,7 @@ def tile(
     enter = lambda eqn, ins: None if eqn.primitive.name in CUSTOM_DERIVATIVES else subjaxpr(eqn)
     arg = lambda kind, v: value(kind, lambda: [guard(kind, v)])  # (None: never read)
     args = [arg(kind, v) for kind, vs in (("c", c), ("x", xs), ("y", ys)) for v in vs]
-    consts = [_Value("c", v) for v in closed.consts]
+    consts = [_Value("c", v) for v in (closed.consts if own is None else own)]
     literal, const = lambda v: _Value("c", v.val), lambda v, c: _Value("c", c)
     return walk(closed.jaxpr, consts, args, rule, literal=literal, const=const, enter=enter)
 
@@ -343,19 +345,22 @@ def _outputs(vals: list[_Value], per_y: tuple, bi: int, bj: int, guard: Callable
 
 def sources(
     conv: Callable, consts: list, x: Any, y: Any, red: MonoidReduction, layout: Layout
-) -> Callable:
-    """``sources(consts, x tile leaves, y tile leaves, keep=None)`` of
+) -> tuple[Callable, list]:
+    """``sources(c, x tile leaves, y tile leaves, keep=None)`` of
     ``kernels.matmul_tiles``: each value ``(bj, bi, ...)``, or ``(bj, ...)`` where
     ``layout.per_y`` says (``f`` traced once, here, for every tile); ``keep`` as
-    :func:`tile`'s."""
+    :func:`tile`'s; and the constants to put before ``consts`` in ``c``: the
+    jaxpr's own, which a kernel takes as inputs (under ``shard_map`` Pallas refuses
+    a captured one)."""
     per_y, tpu = layout.per_y, layout.on == "tpu"
     closed = pair_jaxpr(lambda c, xi, yj: red.prologue(conv(xi, yj, *c)), consts, x, y)
+    k = len(closed.consts)
 
     def values(c: list, xs: list, ys: list, keep: tuple | None = None) -> list:
-        vals = tile(closed, c, xs, ys, keep=keep, tpu=tpu)
+        vals = tile(closed, c[k:], xs, ys, keep=keep, tpu=tpu, own=c[:k])
         return _outputs(vals, per_y, xs[0].shape[0], ys[0].shape[0], _guarded(keep))
 
-    return values
+    return values, list(closed.consts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -364,8 +369,9 @@ class Sides:
     xs)`` gives the x-only values that the rest reads (of every x row given: the x rows'
     leaves themselves, or values made of them alone, ``|a|^2``), ``y(c, ys)`` the
     y-only ones, and ``pairs(c, bx, by, keep=None)`` the values from a tile of those,
-    as :func:`sources`' from a tile of x and y rows. ``floats``: per side, which of its
-    values are floats (the others have no cotangent).
+    as :func:`sources`' from a tile of x and y rows (``c``: ``consts``, then the
+    constants ``x`` and ``y`` take). ``floats``: per side, which of its values are
+    floats (the others have no cotangent).
 
     The reverse pass sums the cotangents of ``bx`` over every y tile before one VJP of
     ``x`` (and of ``by`` over every x tile), as plain JAX's transpose of a broadcast
@@ -376,6 +382,7 @@ class Sides:
     y: Callable[[list, list], list]
     pairs: Callable[..., list]
     floats: tuple[tuple[int, ...], tuple[int, ...]]
+    consts: list
 
 
 def sides(
@@ -423,9 +430,10 @@ def sides(
 
     def pairs(c: list, bx: list, by: list, keep: tuple | None = None) -> list:
         given = dict(zip(cut["x"] + cut["y"], bx + by, strict=True))
-        vals = tile(closed, c, nones(x), nones(y), keep=keep, tpu=tpu, given=given)
+        k = len(closed.consts)
+        vals = tile(closed, c[k:], nones(x), nones(y), keep=keep, tpu=tpu, given=given, own=c[:k])
         return _outputs(vals, per_y, bx[0].shape[0], by[0].shape[0], _guarded(keep))
 
     floats = cut["floats"]
     split = (tuple(k for k in floats if k < nbx), tuple(k - nbx for k in floats if k >= nbx))
-    return Sides(side("x"), side("y"), pairs, split)
+    return Sides(side("x"), side("y"), pairs, split, list(closed.consts))

@@ -87,10 +87,10 @@ def kernel_layout(
     if target is None:
         return layout
     conv, consts = jax.closure_convert(f, first_row(x), first_row(y))
-    values = sources(conv, consts, x, y, red, layout)
+    values, own = sources(conv, consts, x, y, red, layout)
     run = lambda c, xs, ys: tile_states(values, red, c, xs, ys, layout)
     structs = lambda tree: [struct(a) for a in jax.tree.leaves(tree)]
-    args = ([struct(c) for c in consts], structs(x), structs(y))
+    args = (structs([*own, *consts]), structs(x), structs(y))
     text = str(pair_jaxpr(lambda c, xi, yj: red.prologue(conv(xi, yj, *c)), consts, x, y))
     return Probe(target, layout, run, args, text).problem() or layout
 
@@ -193,12 +193,12 @@ def states(
     """Each term's state for every x row and its items (one row's), as
     ``pairs.kernel.kernel_states`` gives them, from the matmul tiles."""
     row = _row_items(conv, consts, red, x, y)
-    values = sources(conv, consts, x, y, red, layout)
+    values, own = sources(conv, consts, x, y, red, layout)
     # the loops run over every x row on every device: x rows split on Explicit axes
     # are made whole (lax.map takes no split leading axis); the results typed as x by
     # the caller
     xs = [whole(a) for a in jax.tree.leaves(x)]
-    out = tile_states(values, red, consts, xs, jax.tree.leaves(y), layout)
+    out = tile_states(values, red, [*own, *consts], xs, jax.tree.leaves(y), layout)
     axes = _x_axes(_init, red, row, layout.per_y)
     n = jax.tree.leaves(x)[0].shape[0]
     per_row = [_to_rows(s, a, n) for s, a in zip(out, axes, strict=True)]
@@ -253,7 +253,7 @@ def _reverse(
     xs = [whole(a) for a in jax.tree.leaves(x)]  # as in states (dx typed as x by pairs.grad)
     n = xs[0].shape[0]
     row = _row_items(conv, c, red, x, y)
-    values = sources(conv, list(c), x, y, red, layout)
+    values, own = sources(conv, list(c), x, y, red, layout)
     state_axes = _x_axes(_init, red, row, layout.per_y)
     result_axes = _x_axes(_finalize, red, row, layout.per_y)
     rows = -(-n // bi) * bi  # whole tiles
@@ -272,7 +272,7 @@ def _reverse(
         if leaf.monoid.tally is not None and jax.tree.leaves(cts[t])  # (float results)
     ]
     if tallied:
-        found = tile_states(values, red.tallies(tallied), list(c), xs, ys, layout)
+        found = tile_states(values, red.tallies(tallied), [*own, *c], xs, ys, layout)
         for t, state in zip(tallied, found, strict=True):
             shares = lambda s, m=red.leaves[t].monoid: m.tally.shares(s, False)
             tallies[t] = jax.vmap(shares)(state)
@@ -285,7 +285,8 @@ def _reverse(
     by, y_vjp = jax.vjp(cut.y, list(c), ys)
     fx, fy = cut.floats
     fx, fy = (fx if px or pc else ()), (fy if py or pc else ())
-    args = (list(c), bx, by, layout, tile_st, tile_ct, tallies, (tuple(pc), fx, fy))
+    picked = tuple(len(cut.consts) + k for k in pc)
+    args = ([*cut.consts, *c], bx, by, layout, tile_st, tile_ct, tallies, (picked, fx, fy))
     dc, dbx, dby, wrong = tile_cotangents(cut.pairs, red, items, *args)
     dcx, dx = _side(x_vjp, bx, fx, dbx)
     dcy, dy = _side(y_vjp, by, fy, dby)
