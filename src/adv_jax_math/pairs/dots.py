@@ -56,7 +56,7 @@ from ..kernels.unrolled import is_product
 from ..monoids.reduction import MonoidReduction
 from .kernel import first_row, struct
 
-__all__ = ["MIN_FEATURES", "Sides", "pair_jaxpr", "sides", "sources", "tile"]
+__all__ = ["MIN_FEATURES", "Sides", "pair_jaxpr", "prologue_jaxpr", "sides", "sources", "tile"]
 
 
 MIN_FEATURES = 16  # squared distances over fewer features stay direct (module docstring)
@@ -261,6 +261,12 @@ def pair_jaxpr(pair: Callable, c: list, x: Any, y: Any) -> Any:
     return jax.make_jaxpr(fun)([struct(a) for a in c], rows(x), rows(y))
 
 
+def prologue_jaxpr(conv: Callable, consts: list, x: Any, y: Any, red: MonoidReduction) -> Any:
+    """:func:`pair_jaxpr` of ``red``'s prologue on ``conv(xi, yj, *consts)``: the
+    values of a pair that the monoids read."""
+    return pair_jaxpr(lambda c, xi, yj: red.prologue(conv(xi, yj, *c)), consts, x, y)
+
+
 def tile(
     closed: Any,
     c: list,
@@ -353,7 +359,7 @@ def sources(
     jaxpr's own, which a kernel takes as inputs (under ``shard_map`` Pallas refuses
     a captured one)."""
     per_y, tpu = layout.per_y, layout.on == "tpu"
-    closed = pair_jaxpr(lambda c, xi, yj: red.prologue(conv(xi, yj, *c)), consts, x, y)
+    closed = prologue_jaxpr(conv, consts, x, y, red)
     k = len(closed.consts)
 
     def values(c: list, xs: list, ys: list, keep: tuple | None = None) -> list:
@@ -390,7 +396,7 @@ def sides(
 ) -> Sides:
     """:class:`Sides` of ``f``'s values (``layout.per_y`` as :func:`sources`')."""
     per_y, tpu = layout.per_y, layout.on == "tpu"
-    closed = pair_jaxpr(lambda c, xi, yj: red.prologue(conv(xi, yj, *c)), consts, x, y)
+    closed = prologue_jaxpr(conv, consts, x, y, red)
     nc, nx = len(consts), len(jax.tree.leaves(x))
     cut: dict[str, list[int]] = {}
 

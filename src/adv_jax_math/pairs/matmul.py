@@ -36,7 +36,7 @@ from ..kernels.pairwise import _pad_rows
 from ..kernels.pairwise_device import Layout
 from ..monoids.reduction import LeafReduction, MonoidReduction
 from ..monoids.softmax import SoftmaxWeighted
-from .dots import MIN_FEATURES, pair_jaxpr, sides, sources, tile
+from .dots import MIN_FEATURES, pair_jaxpr, prologue_jaxpr, sides, sources, tile
 from .kernel import Probe, first_row, struct
 
 __all__ = ["blocks", "distances", "expanded", "kernel_layout", "reverse", "states"]
@@ -91,7 +91,7 @@ def kernel_layout(
     run = lambda c, xs, ys: tile_states(values, red, c, xs, ys, layout)
     structs = lambda tree: [struct(a) for a in jax.tree.leaves(tree)]
     args = (structs([*own, *consts]), structs(x), structs(y))
-    text = str(pair_jaxpr(lambda c, xi, yj: red.prologue(conv(xi, yj, *c)), consts, x, y))
+    text = str(prologue_jaxpr(conv, consts, x, y, red))
     return Probe(target, layout, run, args, text).problem() or layout
 
 
@@ -233,7 +233,7 @@ def _reverse_layout(
     c, x, y, _ = res
     bi, bj = layout.tiles
     least = 16
-    text = str(pair_jaxpr(lambda c, xi, yj: red.prologue(conv(xi, yj, *c)), list(c), x, y))
+    text = str(prologue_jaxpr(conv, list(c), x, y, red))
     args = jax.tree.map(struct, (res, cts))
     tried = [(bi, bj), (bi, bj // 2), (bi // 2, bj // 2), (bi // 2, bj // 4)]
     for back in dict.fromkeys(t for t in tried if min(t) >= least):
