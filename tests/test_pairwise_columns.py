@@ -119,11 +119,15 @@ def test_auto_tiles_stay_auto_for_the_column_pass():
 
 
 def test_shard_spreads_each_pass_rows():
-    # the column pass spreads the y rows, as pairwise(swapped f, y, x, shard=True) does
+    # the column pass spreads the y rows, as pairwise(swapped f, y, x, shard=True) does:
+    # each pass the tiles on a device's share of its rows (pairs.spread)
     x, y = inputs()
     kw = dict(tiles=TILES, shard=True, columns=ajm.LOGSUMEXP)
     plan = ajm.explain_pairwise(neg_sqdist, x, y, ajm.ADD, **kw)
-    assert plan.engine == plan.columns.engine == "pairwise scan", str(plan)
+    assert plan.engine == plan.columns.engine == "pairwise tiles (xla)", str(plan)
+    for one, rows in [(plan, x), (plan.columns, y)]:
+        share = -(-rows.shape[0] // jax.device_count())
+        assert f"spread over the devices (shard=True), {share} on each" in one.reason, str(plan)
     got = ajm.pairwise(neg_sqdist, x, y, ajm.ADD, **kw)
     assert_tree_close(got, add_lse(dense(neg_sqdist, x, y)), **TOL)
 

@@ -394,7 +394,7 @@ def test_special_values_in_matmul_tiles_match_dense_oracle(name, backend, infini
 def test_an_infinite_one_sided_derivative_across_tiles(backend, side):
     # the derivative of an x-only term of f (|a|^2 at a = inf) meets the sum of its
     # cotangents over every y tile (+-inf), as in plain JAX, not each tile's: 0 in a
-    # tile where top_k selected no pair (0 * inf: NaN; dots.Sides)
+    # tile where top_k selected no pair (0 * inf: NaN; pairs.sides)
     reduction, f = DOT_CASES["top_k(3) expanded"]
     x, y = dot_inputs(side == "y", INF if side == "x" else 1e30)
     _check_matmul_tiles(reduction, f, x, y, f"{side} inf", backend)

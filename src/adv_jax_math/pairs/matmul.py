@@ -36,8 +36,9 @@ from ..kernels.pairwise import _pad_rows
 from ..kernels.pairwise_device import Layout
 from ..monoids.reduction import LeafReduction, MonoidReduction
 from ..monoids.softmax import SoftmaxWeighted
-from .dots import MIN_FEATURES, pair_jaxpr, prologue_jaxpr, sides, sources, tile
+from .dots import MIN_FEATURES, pair_jaxpr, prologue_jaxpr, sources, tile
 from .kernel import Probe, first_row, struct
+from .sides import sides
 
 __all__ = ["blocks", "distances", "expanded", "kernel_layout", "reverse", "states"]
 
