@@ -254,7 +254,6 @@ def _reverse(
     xs = [whole(a) for a in jax.tree.leaves(x)]  # as in states (dx typed as x by pairs.grad)
     n = xs[0].shape[0]
     row = _row_items(conv, c, red, x, y)
-    values, own = sources(conv, list(c), x, y, red, layout)
     state_axes = _x_axes(_init, red, row, layout.per_y)
     result_axes = _x_axes(_finalize, red, row, layout.per_y)
     rows = -(-n // bi) * bi  # whole tiles
@@ -273,6 +272,7 @@ def _reverse(
         if leaf.monoid.tally is not None and jax.tree.leaves(cts[t])  # (float results)
     ]
     if tallied:
+        values, own = sources(conv, list(c), x, y, red, layout)  # the forward's values
         found = tile_states(values, red.tallies(tallied), [*own, *c], xs, ys, layout)
         for t, state in zip(tallied, found, strict=True):
             shares = lambda s, m=red.leaves[t].monoid: m.tally.shares(s, False)
