@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Build the native kernels with AddressSanitizer in a temporary build directory and
-# run tests/test_native.py against that library (ADV_JAX_MATH_NATIVE_LIB).
+# run tests/test_native.py and the top-k fold's own tests (tests/test_native_topk.py)
+# against that library (ADV_JAX_MATH_NATIVE_LIB).
 # Exits non-zero on any ASan report, test failure, or if the ASan build is not the
 # library the tests loaded.
 #
@@ -41,3 +42,4 @@ if not loaded or sys.argv[1] not in why:
 print(f"asan: {why}")
 EOF
 "$PYTHON" -m pytest tests/test_native.py -q -p no:cacheprovider "$@"
+"$PYTHON" -m pytest tests/test_native_topk.py -q -p no:cacheprovider -k test_fold

@@ -4,7 +4,10 @@ Contenders, in one process, timed in rounds interleaved in a shuffled order
 (``_timing.interleaved``); min, median and max of the rounds:
 
 * ``ajm.pairwise``: ``pairwise(lambda a, b: jnp.sum((a - b) ** 2), x, y,
-  top_k(10, smallest=True))`` (the matmul tiles, distances expanded and centred);
+  top_k(10, smallest=True))`` (the matmul tiles, distances expanded and centred,
+  each tile folded into the top-k by the native kernel, ``kernels/cpu/topk.cc``);
+* ``ajm.pairwise, native off``: the same with ``config(native="off")``: each tile's
+  ``lax.top_k`` and a merge network (the fold before the native kernel);
 * ``dense blocks``: ``lax.map`` over 256-query blocks of the expanded distances
   ``|a|^2 - 2 a.b + |b|^2`` (one matmul per block) and ``lax.top_k``;
 * ``direct dense``: the whole ``(N, M)`` expanded distance matrix, then ``lax.top_k``.
@@ -61,6 +64,11 @@ def ours(x, y):
     return ajm.pairwise(sqdist, x, y, ajm.top_k(K, smallest=True))
 
 
+def ours_off(x, y):
+    with ajm.config(native="off"):
+        return ours(x, y)
+
+
 def ours_min(x, y):
     return ajm.pairwise(sqdist, x, y, ajm.MIN)
 
@@ -100,7 +108,7 @@ def points(n: int, m: int, seed: int = 0) -> tuple:
 def case(n: int, m: int, rounds: int, dense: bool) -> dict:
     x, y = points(n, m)
     print(f"-- {n} x {m}:", ajm.explain_pairwise(sqdist, x, y, ajm.top_k(K, smallest=True)))
-    fs = {"ajm.pairwise": ours, "dense blocks": blocks}
+    fs = {"ajm.pairwise": ours, "dense blocks": blocks, "ajm.pairwise, native off": ours_off}
     if dense:
         fs["direct dense"] = direct
     fs |= {

@@ -38,6 +38,7 @@ from ..core.linear import cotangent_for
 from ..core.sharding import on_every_device
 from ..monoids.base import index_dtype
 from ..monoids.reduction import MonoidReduction
+from .native import topk_fold, usable
 from .pairwise import _pad_rows
 from .pairwise_device import Layout
 from .tile_loops import Tiled, tile_kernel
@@ -71,17 +72,21 @@ def _fold(
     start: Any,
     m: int,
     fast: bool,
+    acc: list | None = None,
+    native: Callable | None = None,
 ) -> list:
     """Each term's state over one tile: the y rows ``y`` from row ``start`` on (those
-    from row ``m`` on weighted out). In XLA (``fast``) the rows' indices and weights
-    are vectors; in a kernel each has its value's shape (Mosaic makes no column of a
-    vector)."""
+    from row ``m`` on weighted out), folded into ``acc`` (the states of the tiles
+    before) if given; a top-k term into its empty state if not, where the native
+    kernel (``native``, XLA only) folds it. In XLA (``fast``) the rows' indices and
+    weights are vectors; in a kernel each has its value's shape (Mosaic makes no
+    column of a vector)."""
     src = sources(c, x, y)
     if fast:  # the values computed once, as the reverse pass reads them
         src = list(lax.optimization_barrier(src))
     bj = y[0].shape[0]
     rows = lambda a: start + lax.broadcasted_iota(jnp.int32, a.shape if not fast else (bj,), 0)
-    out = []
+    out: list = []
     for leaf in red.leaves:
         reads, w = [src[s] for s in leaf.sources], None
         j0 = rows(reads[0])
@@ -90,7 +95,14 @@ def _fold(
                 (rows(a) if not fast else rows(a).reshape((bj,) + (1,) * (a.ndim - 1))) < m
             )
             reads, w = leaf.monoid.without(reads, col, j0 < m)
-        out.append(leaf.fold(reads, j0.astype(index_dtype()), w, fast=fast))
+        j0 = j0.astype(index_dtype())
+        into = acc[len(out)] if acc is not None else None
+        if into is None and native is not None and leaf.monoid.native_kernel == "topk":
+            into = leaf.monoid.init(leaf.items(reads))
+        if into is None:
+            out.append(leaf.fold(reads, j0, w, fast=fast))
+        else:
+            out.append(leaf.fold_into(into, reads, j0, w, native))
     return out
 
 
@@ -114,11 +126,14 @@ def tile_states(
         return on_every_device(kernel, consts, xs, ys)
     bj, m = layout.tiles[1], ys[0].shape[0]
     xt, ys, _, nyt = _tiled(xs, ys, layout.tiles)
-    fold = lambda x, j: _fold(sources, red, consts, x, _rows(ys, j, bj), j * bj, m, True)
+    native = topk_fold if usable() else None  # on the CPU (TopK.fold_into)
+    fold = lambda x, j, acc: _fold(
+        sources, red, consts, x, _rows(ys, j, bj), j * bj, m, True, acc, native
+    )
 
     def per_x(x: list) -> list:
-        acc = fold(x, 0)
-        step = lambda j, acc: red.merge_states(acc, fold(x, j))
+        acc = fold(x, 0, None)
+        step = lambda j, acc: fold(x, j, acc)
         return lax.fori_loop(1, nyt, step, acc) if nyt > 1 else acc
 
     return lax.map(per_x, xt)

@@ -1,6 +1,7 @@
-"""Native CPU kernels: a one-pass logsumexp reduction as an XLA FFI custom call.
+"""Native CPU kernels as XLA FFI custom calls: a one-pass logsumexp reduction
+(``kernels/cpu/logsumexp.cc``) and a top-k fold (``kernels/cpu/topk.cc``).
 
-The C++ source is ``kernels/cpu/logsumexp.cc``; CMake builds it into
+CMake builds the C++ sources into
 ``adv_jax_math/_native_cpu.so`` (a plain shared library whose name only looks like
 an extension module, so :func:`importlib.util.find_spec` finds it in wheels and
 editable installs). It is loaded lazily, once, with :mod:`ctypes`, and registered
@@ -32,13 +33,27 @@ import numpy as np
 
 from ..core import config as _config
 
-__all__ = ["ENV_LIB", "MIN_ELEMENTS", "TARGET", "decision", "logsumexp", "status", "worth_it"]
+__all__ = [
+    "ENV_LIB",
+    "MIN_ELEMENTS",
+    "TARGET",
+    "TOPK_TARGET",
+    "decision",
+    "logsumexp",
+    "status",
+    "topk_fold",
+    "usable",
+    "worth_it",
+]
 
 TARGET = "adv_jax_math_logsumexp"
-"""Name of the FFI target; it appears in the lowered text of a call that uses it."""
+"""Name of the logsumexp's FFI target; it appears in the lowered text of a call that
+uses it."""
+TOPK_TARGET = "adv_jax_math_topk_fold"
+"""Name of the top-k fold's FFI target (:func:`topk_fold`)."""
 ENV_LIB = "ADV_JAX_MATH_NATIVE_LIB"
 _ENV_MODE = "ADV_JAX_MATH_NATIVE"
-_SYMBOL = "AdvJaxMathLogsumexp"
+_SYMBOLS = {TARGET: "AdvJaxMathLogsumexp", TOPK_TARGET: "AdvJaxMathTopkFold"}
 _LIB_MODULE = "adv_jax_math._native_cpu"
 _DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
@@ -93,7 +108,7 @@ def _find_library() -> tuple[str | None, str]:
 
 
 def _self_test() -> None:
-    """Run the kernel once on a tiny input; raise if it errs or disagrees with numpy."""
+    """Run the kernels once on tiny inputs; raise if one errs or disagrees with numpy."""
     x = np.array([[0.0, -np.inf, 1.0], [np.log(3.0), -np.inf, np.inf]], np.float32)
     with np.errstate(divide="ignore"):
         expected = np.log(np.exp(x.astype(np.float64)).sum(axis=0)).astype(np.float32)
@@ -107,6 +122,14 @@ def _self_test() -> None:
         got = np.asarray(jax.jit(call).lower(spec).compile()(jax.device_put(x, cpu)))
     if not np.allclose(got, expected, rtol=1e-6, equal_nan=True):
         raise RuntimeError(f"self-test gave {got.tolist()}, expected {expected.tolist()}")
+    # top-2 smallest of rows 0..3 folded into a state holding row 7 (value 1.5)
+    block = np.array([[3.0], [1.0], [np.nan], [1.0]], np.float32)
+    state = np.array([[1.5], [0.0]], np.float32), np.array([[7], [_EMPTY]], np.int32)
+    args = (block, np.arange(4, dtype=np.int32), np.ones(4, np.int32), *state)
+    with jax.ensure_compile_time_eval():
+        vals, rows = jax.jit(functools.partial(topk_fold, smallest=True))(*args)
+    if np.asarray(rows).ravel().tolist() != [1, 3] or np.asarray(vals).ravel().tolist() != [1, 1]:
+        raise RuntimeError(f"top-k self-test gave rows {np.asarray(rows).ravel().tolist()}")
 
 
 @functools.cache
@@ -119,15 +142,17 @@ def _load() -> tuple[bool, str]:
     with _lock:
         try:
             lib = ctypes.CDLL(path)
-            handler = getattr(lib, _SYMBOL)
+            handlers = {target: getattr(lib, symbol) for target, symbol in _SYMBOLS.items()}
         except (OSError, AttributeError) as err:
             return False, f"cannot load {path}: {err}"
         if _registered is None:
-            try:
-                jax.devices("cpu")  # start the backend first: a bad handler then fails here
-                jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(handler), platform="cpu")
-            except Exception as err:
-                return False, f"cannot register {TARGET} from {path}: {err}"
+            jax.devices("cpu")  # start the backend first: a bad handler then fails here
+            for target, handler in handlers.items():
+                try:
+                    capsule = jax.ffi.pycapsule(handler)
+                    jax.ffi.register_ffi_target(target, capsule, platform="cpu")
+                except Exception as err:
+                    return False, f"cannot register {target} from {path}: {err}"
             _registered = path
             _handles.append(lib)
     try:
@@ -165,6 +190,12 @@ def _usable(dtype: np.dtype) -> bool:
             f"Build them (pip install -e .) or set {_ENV_MODE}=auto"
         )
     return ok and np.dtype(dtype) in _DTYPES
+
+
+def usable() -> bool:
+    """Whether the native kernels run now: the ``native`` option allows them and the
+    library loads (with ``"require"``, a library that does not load raises)."""
+    return _usable(np.dtype(np.float32))
 
 
 def decision(shape: Sequence[int], dtype: Any) -> tuple[bool, str]:
@@ -260,3 +291,26 @@ def logsumexp(x: Any, axis: int | None = 0) -> jax.Array:
     if not _usable(x.dtype):
         return jax.nn.logsumexp(x, axis=axis)
     return _logsumexp(x, axis)
+
+
+_EMPTY = np.iinfo(np.int32).max  # the row of an empty top-k slot (monoids.topk)
+
+
+def topk_fold(
+    values: jax.Array,
+    idx: jax.Array,
+    alive: jax.Array,
+    vals: jax.Array,
+    rows: jax.Array,
+    smallest: bool,
+) -> tuple[jax.Array, jax.Array]:
+    """The top-k state ``(vals, rows)`` (``(K, T)``: float32 values and int32 rows of
+    each item's ``K`` slots, best first, row ``2**31 - 1`` empty) with the block
+    ``values`` (``(R, T)`` float32, the rows ``idx``; those where ``alive`` is 0 left
+    out) folded in: the ``K`` best by ``top_k``'s order (``monoids.topk``), ties to the
+    lower row. The custom call alone (CPU only, no derivative; leading batch
+    dimensions under ``vmap``): ``TopK.fold_into`` decides where it runs."""
+    out = (jax.ShapeDtypeStruct(vals.shape, np.float32), jax.ShapeDtypeStruct(rows.shape, np.int32))
+    call = jax.ffi.ffi_call(TOPK_TARGET, out, vmap_method="broadcast_all")
+    new_vals, new_rows = call(values, idx, alive, vals, rows, smallest=np.int64(smallest))
+    return new_vals, new_rows

@@ -154,6 +154,20 @@ class Monoid:
         passes it for the chunks it gives it), reduces the rows in one pass."""
         raise NotImplementedError
 
+    def fold_into(
+        self,
+        acc: State,
+        ys: Sequence[jax.Array],
+        idx: jax.Array,
+        w: jax.Array | None,
+        native: Callable[..., Any] | None = None,
+    ) -> State:
+        """The state ``acc`` (of the rows before) with a block of rows folded in
+        (outside kernels): :meth:`merge_fast` of :meth:`fold_fast`, or one pass of
+        the native kernel ``native`` that an engine passes where it runs (top-k:
+        ``kernels.native.topk_fold``)."""
+        return self.merge_fast(acc, self.fold_fast(ys, idx, w))
+
     def merge(self, a: State, b: State) -> State:
         """Two states combined (associative; ``a`` holds the lower row indices)."""
         raise NotImplementedError

@@ -87,6 +87,13 @@ class LeafReduction:
             return self.monoid.fold_fast(ys, idx, w, self._rows(again, [])[0])
         return self.monoid.fold_fast(ys, idx, w)
 
+    def fold_into(
+        self, acc: State, ys: Sequence[Any], idx: Any, w: Any, native: Callable | None = None
+    ) -> State:
+        """:meth:`Monoid.fold_into` over this term's rows."""
+        ys, (idx, w) = self._rows(ys, [idx, w])
+        return self.monoid.fold_into(acc, ys, idx, w, native)
+
     def tangent(
         self, ys: Sequence[Any], dys: Sequence[Any], idx: Any, keep: Any, state: State, items: Any
     ) -> Any:

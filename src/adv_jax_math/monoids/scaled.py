@@ -69,6 +69,15 @@ def _delegated(name: str) -> Any:
 
 # the state, its folds and merges, the row weights and the tangent's shares are the
 # base monoid's (only the result and its derivatives are scaled)
-_BASE = ("init", "fold", "fold_fast", "native_dtype", "fold_native", "merge", "merge_fast")
+_BASE = (
+    "init",
+    "fold",
+    "fold_fast",
+    "fold_into",
+    "native_dtype",
+    "fold_native",
+    "merge",
+    "merge_fast",
+)
 for _name in (*_BASE, "check_rows", "encode", "fills", "tangent", "tangent_init", "tangent_merge"):
     setattr(Scaled, _name, _delegated(_name))

@@ -4,7 +4,6 @@ bitonic network; the scan engine folds a chunk with one ``lax.top_k``."""
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import jax
@@ -14,6 +13,7 @@ from jax import lax
 
 from .base import Monoid, _col, index_dtype
 from .numerics import Items, _full, _inexact, _spread
+from .topk_networks import empty_row, merge_sorted, merge_stacked, select
 
 __all__ = ["TopK", "top_k"]
 
@@ -32,12 +32,6 @@ def _rows_sharded(y: jax.Array) -> bool:
 
 
 # -- top-k ------------------------------------------------------------------------------
-def _empty_row() -> Any:
-    """The row of an empty slot (its value is 0 and never read): ranked below every
-    real row, which no value can be (a NaN, an integer's minimum are real values)."""
-    return np.iinfo(index_dtype()).max
-
-
 def _order_key(y: jax.Array) -> jax.Array:
     """Integers ordered as XLA's total order of ``y`` (-inf below -0 below +0), the
     order ``lax.top_k`` selects by, except that every NaN, whatever its sign bit, is
@@ -72,6 +66,7 @@ class TopK(Monoid):
     selected rows, as ``jax.grad`` of ``lax.top_k``."""
 
     selects = sorts = True
+    native_kernel = "topk"  # kernels.native.topk_fold, in :meth:`fold_into`
 
     def __init__(self, k: int, smallest: bool = False):
         if isinstance(k, bool) or not isinstance(k, int | np.integer) or k < 1:
@@ -112,7 +107,7 @@ class TopK(Monoid):
         dtype = items[0].dtype
         slots = lambda value, dt: tuple(_full(items[0], value, dt) for _ in range(self.k))
         # an empty slot: row EMPTY (ranked below every row, whatever its value)
-        return slots(0, self._value_dtype(dtype)), slots(_empty_row(), index_dtype())
+        return slots(0, self._value_dtype(dtype)), slots(empty_row(), index_dtype())
 
     def fold(self, ys, idx, w) -> Any:
         """k passes of max-and-remove (any engine, kernels included); the values are
@@ -122,8 +117,8 @@ class TopK(Monoid):
         key = self._key(y)
         rows = jnp.broadcast_to(_col(idx.astype(index_dtype()), y), y.shape)
         alive = jnp.ones(y.shape, bool) if w is None else jnp.broadcast_to(_col(w > 0, y), y.shape)
-        keys, sel = _select(self.k, [(key, rows, alive, 0)], self._key_min(y.dtype))
-        fill = lambda v, r: jnp.where(r == _empty_row(), jnp.zeros_like(v), v)  # as init's
+        keys, sel = select(self.k, [(key, rows, alive, 0)], self._key_min(y.dtype))
+        fill = lambda v, r: jnp.where(r == empty_row(), jnp.zeros_like(v), v)  # as init's
         values = [self._value(kk, y.dtype) for kk in keys]
         return tuple(fill(v, r) for v, r in zip(values, sel, strict=True)), sel
 
@@ -179,7 +174,7 @@ class TopK(Monoid):
             emptied = lambda part, e: tuple(
                 jnp.where(c, a, jnp.full_like(a, e)) for a, c in zip(part, chosen, strict=True)
             )
-            fast = emptied(fast[0], 0), emptied(fast[1], _empty_row())
+            fast = emptied(fast[0], 0), emptied(fast[1], empty_row())
         if floats:  # slots past the rows: empty
             empty = self.init([jax.ShapeDtypeStruct(y.shape[1:], y.dtype)])
             fast = tuple(f + e[len(f) :] for f, e in zip(fast, empty, strict=True))
@@ -188,14 +183,60 @@ class TopK(Monoid):
         picked = jnp.take_along_axis(jnp.moveaxis(alive, 0, -1), pos, axis=-1)
         return lax.cond(jnp.all(picked), lambda: fast, slow)
 
+    def fold_into(self, acc, ys, idx, w, native=None) -> Any:
+        """:meth:`merge_fast` of :meth:`fold_fast`, or, given the native kernel (an
+        engine's ``kernels.native.topk_fold``), one pass of it on the CPU: a block
+        row enters an item's state only where it beats the k-th slot, where
+        ``lax.top_k`` sorts the block and the network merges it (k-NN top-10 at
+        D = 128, 4096 x 10000: ``bench/knn_blocks.py``). Floats of 32 bits or fewer
+        (ranked as float32, as :meth:`fold_fast` ranks them), rows and weights one
+        per row, ``y`` not split by rows; its derivatives (any order) are those of
+        the plain-JAX pass, whose selection is the same."""
+        y = ys[0]
+        plain = lambda acc, y, idx, w: self.merge_fast(acc, self.fold_fast([y], idx, w))
+        takes = (
+            native is not None
+            and _inexact(y.dtype)
+            and np.dtype(y.dtype).itemsize <= 4
+            and jnp.ndim(idx) == 1
+            and (w is None or jnp.ndim(w) == 1)
+            and index_dtype() == np.int32
+            and not _rows_sharded(y)
+        )
+        if not takes:
+            return plain(acc, y, idx, w)
+        items = y.shape[1:]
+
+        def kernel(acc: Any, y: jax.Array, idx: jax.Array, w: Any) -> Any:
+            flat = lambda a, dt: jnp.stack(a).astype(dt).reshape(self.k, -1)
+            alive = jnp.ones(y.shape[:1], np.int32) if w is None else (w > 0).astype(np.int32)
+            vals, rows = native(
+                y.astype(np.float32).reshape(y.shape[0], -1),
+                idx.astype(np.int32),
+                alive,
+                flat(acc[0], np.float32),
+                flat(acc[1], np.int32),
+                smallest=self.smallest,
+            )
+            slots = lambda a, like: tuple(
+                s.reshape(items).astype(t.dtype) for s, t in zip(a, like, strict=True)
+            )
+            return slots(vals, acc[0]), slots(rows, acc[1])
+
+        # every argument passed, none closed over: the rule is traced apart
+        on_cpu = lambda *a: lax.platform_dependent(*a, cpu=kernel, default=plain)
+        run = jax.custom_jvp(on_cpu)
+        run.defjvp(lambda primals, tangents: jax.jvp(plain, primals, tangents))
+        return run(acc, y, idx, w)
+
     def merge(self, a: Any, b: Any) -> Any:
-        return _merge_sorted(self.k, a, b, self._key)
+        return merge_sorted(self.k, a, b, self._key)
 
     def merge_fast(self, a: Any, b: Any) -> Any:
         """:meth:`merge` by the same network, each round one whole-array op on the
         slots stacked (not in kernels): unrolled, XLA fused the k slots' dependency
         chains apart and took 85 s to compile the merge at k = 32 (here 6 s)."""
-        return _merge_stacked(self.k, a, b, self._key)
+        return merge_stacked(self.k, a, b, self._key)
 
     def finalize(self, state: Any, items: Items) -> Any:
         values, rows = (jnp.stack(part) for part in state)
@@ -234,128 +275,6 @@ class TopK(Monoid):
         if not raw:
             return np.zeros((self.k, *state[1][0].shape), jax.dtypes.float0), index
         return jnp.stack(raw), index
-
-
-def _select(k: int, lists: list, key_min: Any) -> tuple:
-    """The ``k`` best ``(key, row)`` pairs of candidate ``lists`` (each ``(keys, rows,
-    alive, axis)``: ``axis`` 0 for a block of rows, None for one slot of a state),
-    highest key first, the lower row on ties; k passes of max-and-remove."""
-    big = np.iinfo(lists[0][1].dtype).max
-
-    def over(values: jax.Array, axis: int | None, reduce: Any) -> jax.Array:
-        return reduce(values, axis=axis) if axis is not None else values
-
-    keys, rows = [], []
-    for _ in range(k):
-        top = functools.reduce(
-            jnp.maximum,
-            [over(jnp.where(al, kk, key_min), ax, jnp.max) for kk, rr, al, ax in lists],
-        )
-        level = lambda ax, top=top: top if ax is None else top[None]
-        sel = functools.reduce(
-            jnp.minimum,
-            [
-                over(jnp.where(al & (kk == level(ax)), rr, big), ax, jnp.min)
-                for kk, rr, al, ax in lists
-            ],
-        )
-        keys.append(top)
-        rows.append(sel)
-        gone = lambda ax, sel=sel: sel if ax is None else sel[None]
-        lists = [(kk, rr, al & (rr != gone(ax)), ax) for kk, rr, al, ax in lists]
-    return tuple(keys), tuple(rows)
-
-
-def _padded(state: tuple, size: int) -> tuple[list, list]:
-    """A state's ``(values, rows)`` padded with empty slots to ``size`` slots."""
-    values, rows = state
-    pad = size - len(values)
-    zeros, empty = jnp.zeros_like(values[0]), jnp.full_like(rows[0], _empty_row())
-    return list(values) + [zeros] * pad, list(rows) + [empty] * pad
-
-
-def _rank(key: Any, v: jax.Array, r: jax.Array) -> jax.Array:
-    """The key of a slot's value, the lowest for an empty slot."""
-    kv = key(v)
-    return jnp.where(r == _empty_row(), np.iinfo(kv.dtype).min, kv)
-
-
-def _merge_sorted(k: int, a: tuple, b: tuple, key: Any) -> tuple:
-    """The ``k`` best of two states ``(values, rows)``, each sorted best first (the
-    higher ``key(value)``, then the lower row; empty slots, of row :func:`_empty_row`,
-    last): a bitonic merge network. ``a`` and ``b`` reversed form a bitonic sequence;
-    one compare-exchange of ``a[i]`` with ``b[size - 1 - i]`` keeps the ``size`` best
-    (bitonic again), and ``log2(size)`` rounds of compare-exchanges sort them
-    (``size``: k rounded up to a power of two, padded with empty slots). That is
-    ``k + k/2 log2 k`` compare-exchanges at depth ``1 + log2 k``, elementwise (any
-    engine, kernels included); the k passes of max-and-remove (:func:`_select`) over
-    the 2k slots made XLA:GPU fuse one ``loop_and_maximum_minimum_fusion`` that took
-    minutes to compile for k = 16. Keys are recomputed from the values at each
-    comparison (a bitcast), not carried: two arrays per slot, as few registers as
-    possible on GPU; values move by ``where``, with their derivatives."""
-    size = 1 << (k - 1).bit_length()
-
-    def first(vx: jax.Array, rx: jax.Array, vy: jax.Array, ry: jax.Array) -> jax.Array:
-        kx, ky = _rank(key, vx, rx), _rank(key, vy, ry)
-        return (kx > ky) | ((kx == ky) & (rx < ry))
-
-    (va, ra), (vb, rb) = _padded(a, size), _padded(b, size)
-    values, rows = [], []
-    for i in range(size):  # the better of a[i] and b[size - 1 - i]: the size best
-        j = size - 1 - i
-        take = first(va[i], ra[i], vb[j], rb[j])
-        values.append(jnp.where(take, va[i], vb[j]))
-        rows.append(jnp.where(take, ra[i], rb[j]))
-    half = size // 2
-    while half:  # bitonic merge, best first
-        for i in (i for i in range(size) if not i & half):
-            j = i + half
-            take = first(values[i], rows[i], values[j], rows[j])
-            values[i], values[j] = (
-                jnp.where(take, values[i], values[j]),
-                jnp.where(take, values[j], values[i]),
-            )
-            rows[i], rows[j] = jnp.where(take, rows[i], rows[j]), jnp.where(take, rows[j], rows[i])
-        half //= 2
-    return tuple(values[:k]), tuple(rows[:k])
-
-
-def _merge_stacked(k: int, a: tuple, b: tuple, key: Any) -> tuple:
-    """:func:`_merge_sorted`'s network on the slots stacked along a leading axis, each
-    round of compare-exchanges as whole-array ops on its pairs (a reshape to
-    ``(groups, 2, half, ...)``), the keys computed once and carried: the same slots
-    compared, the same ``where``s (same results, same derivatives). Not in kernels
-    (Triton, Mosaic: no such reshapes)."""
-    size = 1 << (k - 1).bit_length()
-
-    def stacked(state: tuple, reverse: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """A state padded to ``size`` empty-last slots (reversed: first), stacked,
-        with its slots' keys."""
-        values, rows = _padded(state, size)
-        order = slice(None, None, -1 if reverse else 1)
-        v, r = jnp.stack(values[order]), jnp.stack(rows[order])
-        return v, r, _rank(key, v, r)
-
-    def first(kx: jax.Array, rx: jax.Array, ky: jax.Array, ry: jax.Array) -> jax.Array:
-        return (kx > ky) | ((kx == ky) & (rx < ry))
-
-    (va, ra, ka), (vb, rb, kb) = stacked(a, False), stacked(b, True)  # b[size - 1 - i]
-    take = first(ka, ra, kb, rb)  # the size best
-    slots = [jnp.where(take, x, y) for x, y in ((va, vb), (ra, rb), (ka, kb))]
-    half = size // 2
-    while half:  # bitonic merge, best first: slot i against i + half
-        pairs = [s.reshape(size // (2 * half), 2, half, *s.shape[1:]) for s in slots]
-        _, r, kk = pairs
-        take = first(kk[:, 0], r[:, 0], kk[:, 1], r[:, 1])
-        slots = [
-            jnp.stack(
-                [jnp.where(take, p[:, 0], p[:, 1]), jnp.where(take, p[:, 1], p[:, 0])], 1
-            ).reshape(size, *p.shape[3:])
-            for p in pairs
-        ]
-        half //= 2
-    values, rows, _ = slots
-    return tuple(values[:k]), tuple(rows[:k])
 
 
 def top_k(k: int, smallest: bool = False) -> TopK:

@@ -53,7 +53,7 @@ from . import tiles as _tiles
 from .choose import device_kernel, kernel_for
 from .grad import Pairs, fused
 from .kernel import first_row, layout_problem, recognized
-from .matmul import blocks, expanded
+from .matmul import blocks, expanded, top_k_folds
 from .scan import scan, scan_y
 from .spread import local_rows, spread
 
@@ -362,6 +362,8 @@ def _plan(
             )
             if distances := expanded(f, x, y, red):
                 why += f"; {distances}"
+            if folds := top_k_folds(red):
+                why += f"; {folds}"
             scan_why = "f mapped over one x row at a time: matrix-vector products"
             plan = PairwisePlan(n, m, (bi, bj), what, _MATMUL, why, (*rejected, (_SCAN, scan_why)))
             return plan, red, Layout("matmul", (bi, bj), per_y=per_y)

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from ..analysis.jaxpr_graph import deps, graph
 from ..core.linear import cotangent_for
 from ..core.sharding import whole
+from ..kernels import native
 from ..kernels.matmul_tiles import tile_cotangents, tile_states
 from ..kernels.pairwise import _pad_rows
 from ..kernels.pairwise_device import Layout
@@ -40,7 +41,15 @@ from .dots import MIN_FEATURES, pair_jaxpr, prologue_jaxpr, sources, tile
 from .kernel import Probe, first_row, struct
 from .sides import sides
 
-__all__ = ["blocks", "distances", "expanded", "kernel_layout", "reverse", "states"]
+__all__ = [
+    "blocks",
+    "distances",
+    "expanded",
+    "kernel_layout",
+    "reverse",
+    "states",
+    "top_k_folds",
+]
 
 
 def _per_y(red: MonoidReduction, y_only: tuple[bool, ...]) -> tuple[bool, ...]:
@@ -123,6 +132,19 @@ def expanded(f: Callable, x: Any, y: Any, red: MonoidReduction) -> str:
             f"{MIN_FEATURES}: expanded, near pairs lose digits to cancellation)"
         )
     return "; ".join(says)
+
+
+def top_k_folds(red: MonoidReduction) -> str:
+    """How the CPU tiles fold a top-k (``TopK.fold_into``), for the plan; "" without one."""
+    if not any(leaf.monoid.native_kernel == "topk" for leaf in red.leaves):
+        return ""
+    loaded, why = native.status()
+    if loaded:
+        return (
+            "top_k folded by the native kernel: a tile's rows enter where they beat the "
+            "k-th, no sort (k-NN at D = 128: bench/knn_blocks.py)"
+        )
+    return f"top_k by lax.top_k and merges (native kernel not used: {why})"
 
 
 def _items(
