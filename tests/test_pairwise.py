@@ -303,9 +303,12 @@ def test_gpu_and_tpu_plans_take_the_tile_kernel(platform):
         scores = ajm.explain_pairwise(_two_heads, x, y, ajm.SOFTMAX_WEIGHTED)
         q, k = jnp.ones((N, 64)), jnp.ones((M, 64))
         dots = ajm.explain_pairwise(lambda a, b: a @ b, q, k, ajm.LOGSUMEXP)
+        large = ajm.explain_pairwise(f, jnp.ones((4096, D)), jnp.ones((4096, D)), reduction)
     kind = "gpu" if platform == "cuda" else "tpu"
     assert plan.engine == f"pairwise kernel ({kind})", str(plan)
-    assert plan.tiles == {"gpu": (64, 64), "tpu": (512, 256)}[kind], str(plan)
+    # the default tiles, no larger than the least that hold the rows (37 x 53)
+    assert large.tiles == {"gpu": (64, 64), "tpu": (512, 256)}[kind], str(large)
+    assert plan.tiles == {"gpu": (64, 64), "tpu": (128, 128)}[kind], str(plan)
     # where the kernel refuses: the matmul tiles' loops in plain XLA
     assert refused.engine == MATMUL and "tiles=(48, 100)" in str(refused), str(refused)
     assert vector.engine == f"pairwise kernel ({kind})", str(vector)  # (2,) values per pair
@@ -457,3 +460,19 @@ def test_max_gradient_with_most_optimizations_disabled(backend):
     finally:
         jax.config.update("jax_disable_most_optimizations", False)
     assert_tree_close(got, expect, rtol=2e-4, atol=2e-4)
+
+
+@needs_abstract_devices
+def test_matmul_kernel_tiles_shrink_for_values_wide_per_pair():
+    # an L1 distance over 64 features beside a squared one: a (bj, bi, 64) difference per
+    # tile; "auto" tiles shrink so that it holds no more than a score of the default
+    # tiles (given tiles stay), attention's stay
+    q, k = jnp.ones((4096, 64)), jnp.ones((4096, 64))
+    with on_abstract_device("tpu"):
+        wide = ajm.explain_pairwise(_two_heads, q, k, ajm.SOFTMAX_WEIGHTED)
+        given = ajm.explain_pairwise(_two_heads, q, k, ajm.SOFTMAX_WEIGHTED, tiles=(256, 256))
+        attention = ajm.explain_pairwise(lambda a, b: (a @ b, b), q, k, ajm.SOFTMAX_WEIGHTED)
+    assert wide.engine == "pairwise kernel (matmul, tpu)", str(wide)
+    assert wide.tiles == (128, 128) and "f makes 64 values per pair" in wide.reason, str(wide)
+    assert given.tiles == (256, 256), str(given)
+    assert attention.tiles == (512, 1024) and "values per pair" not in attention.reason

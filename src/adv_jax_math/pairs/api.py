@@ -53,7 +53,7 @@ from . import tiles as _tiles
 from .choose import device_kernel, kernel_for
 from .grad import Pairs, fused
 from .kernel import first_row, layout_problem, recognized
-from .matmul import blocks, expanded, top_k_folds
+from .matmul import blocks, expanded, pair_width, top_k_folds
 from .scan import scan, scan_y
 from .spread import local_rows, spread
 
@@ -323,6 +323,8 @@ def _plan(
                 why += ": f's dot products over a tile one matmul"
                 if distances := expanded(f, x, y, red):
                     why += f"; {distances}"
+                if (width := pair_width(f, x, y, red)) > 1:
+                    why += f"; f makes {width} values per pair: a tile holds {bi * bj * width}"
                 why += "; the reverse pass: " + (
                     "XLA's loops (faster than its kernels on a TPU v5e)"
                     if on == "tpu"

@@ -27,6 +27,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ..analysis.jaxpr_graph import deps, graph
 from ..core.linear import cotangent_for
@@ -46,6 +47,7 @@ __all__ = [
     "distances",
     "expanded",
     "kernel_layout",
+    "pair_width",
     "reverse",
     "states",
     "top_k_folds",
@@ -114,6 +116,25 @@ def distances(f: Callable, x: Any, y: Any, red: MonoidReduction) -> list[tuple[i
     values = lambda xs, ys: [v.get() for v in tile(closed, [], xs, ys, found)]
     jax.eval_shape(values, two(jax.tree.leaves(x)), two(jax.tree.leaves(y)))
     return found
+
+
+def pair_width(f: Callable, x: Any, y: Any, red: MonoidReduction) -> int:
+    """The most elements per pair of a value the matmul tiles make per pair: 1 for
+    scores, 64 for the ``(bj, bi, 64)`` difference of an L1 distance over 64 features
+    (a squared distance expanded, or a dot product, makes none)."""
+    closed = pair_jaxpr(lambda c, xi, yj: red.prologue(f(xi, yj)), [], x, y)
+    two = lambda t: [jax.ShapeDtypeStruct((2, *a.shape), a.dtype) for a in first_row(t)]
+    widths = [1]
+
+    def values(xs: list, ys: list) -> list:
+        made: list = []
+        out = [v.get() for v in tile(closed, [], xs, ys, made=made)]
+        pairs = [v.val for v in made if v.kind == "p" and v.val is not None]
+        widths.extend(int(np.prod(a.shape[2:], dtype=np.int64)) for a in pairs)
+        return out
+
+    jax.eval_shape(values, two(jax.tree.leaves(x)), two(jax.tree.leaves(y)))
+    return max(widths)
 
 
 def expanded(f: Callable, x: Any, y: Any, red: MonoidReduction) -> str:

@@ -85,12 +85,26 @@ def kernel(kind: str, vmem: int, matmul: bool = False) -> tuple[int, int]:
     return (bi // 2, bj // 2) if kind == "tpu" and vmem < SMALL_VMEM else (bi, bj)
 
 
-def device(kind: str, tiles: Any, vmem: int, matmul: bool = False) -> tuple[int, int] | str:
-    """The tile kernel's tiles on ``kind``: "auto" :func:`kernel`'s, or the given
-    ``tiles``; or why those cannot be: on GPU powers of two, on TPU multiples of 128
-    (x and y rows on lanes)."""
+def _aligned(kind: str, rows: int) -> int:
+    """The least tile that holds ``rows`` rows on ``kind``: on GPU a power of two of
+    at least 16, on TPU a multiple of 128."""
+    if kind == "tpu":
+        return 128 * max(1, -(-rows // 128))
+    return max(16, 1 << max(rows - 1, 0).bit_length())
+
+
+def device(
+    kind: str, tiles: Any, vmem: int, matmul: bool = False, rows: tuple[int, int] = (0, 0)
+) -> tuple[int, int] | str:
+    """The tile kernel's tiles on ``kind``: "auto" :func:`kernel`'s, no larger than
+    the least that hold the ``rows`` (``(n, m)``; 0: any) (TPU v5e, 37 x 53 pairs
+    with a per-pair L1 distance over 64 features: 121 s to compile at 512 x 1024,
+    most of every tile padding), or the given ``tiles``; or why those cannot be: on
+    GPU powers of two, on TPU multiples of 128 (x and y rows on lanes)."""
     if tiles == "auto":
-        return kernel(kind, vmem, matmul)
+        bi, bj = kernel(kind, vmem, matmul)
+        n, m = rows
+        return (min(bi, _aligned(kind, n)) if n else bi), (min(bj, _aligned(kind, m)) if m else bj)
     bi, bj = tiles
     if kind == "gpu" and (bi & (bi - 1) or bj & (bj - 1)):
         return f"tiles={tiles!r}: Triton needs powers of two (default {DEVICE_TILES['gpu']})"
