@@ -125,9 +125,14 @@ def points(n, m, d=128, seed=0):
     return jax.random.normal(kx, (n, d)), jax.random.normal(ky, (m, d))
 
 
-def test_matmul_tiles_fold_top_k_natively_and_agree_with_it_off():
-    x, y = points(300, 2100)
+TILES = {3: "pairwise tiles (xla)", 128: "pairwise tiles (matmul)"}  # by the features
+
+
+@pytest.mark.parametrize("d", list(TILES))
+def test_cpu_tiles_fold_top_k_natively_and_agree_with_it_off(d):
+    x, y = points(300, 2100, d)
     call = lambda x, y: knn(x, y)
+    assert ajm.explain_pairwise(sqdist, x, y, ajm.top_k(10, smallest=True)).engine == TILES[d]
     assert _native.TOPK_TARGET in jax.jit(call).lower(x, y).as_text()
     plan = ajm.explain_pairwise(sqdist, x, y, ajm.top_k(10, smallest=True))
     assert "top_k folded by the native kernel" in plan.reason, plan.reason
@@ -147,11 +152,12 @@ def test_matmul_tiles_fold_top_k_natively_and_agree_with_it_off():
     np.testing.assert_allclose(np.asarray(got[0]), -np.asarray(want_v), rtol=2e-5)
 
 
+@pytest.mark.parametrize("d", [3, 32])  # the unrolled tiles, the matmul tiles
 @pytest.mark.parametrize("mode", ["grad", "jvp", "hvp"])
-def test_derivatives_through_the_native_fold_match_it_off(mode):
+def test_derivatives_through_the_native_fold_match_it_off(mode, d):
     # f closes over a traced scale s; ragged tiles (the last y tile's rows weighted
     # out); forward over reverse traces the fold's rule apart from its primal
-    x, y = points(130, 700, d=32, seed=1)
+    x, y = points(130, 700, d=d, seed=1)
     knn_of = lambda run: lambda s, x, y: run(lambda a, b: s * sqdist(a, b), x, y)[0]
     ours = knn_of(
         lambda f, x, y: ajm.pairwise(f, x, y, ajm.top_k(4, smallest=True), tiles=(32, 48))

@@ -346,6 +346,8 @@ def _plan(
                 f"a loop over tiles of {bi} x rows, each over tiles of {bj} y rows, f's "
                 f"features unrolled: every value a {bj} x {bi} tile (default on {platform})"
             )
+            if folds := top_k_folds(red):
+                why += f"; {folds}"
             scan_why = "f on tiles of pairs with its features as the minor axis: slower"
             lost = (("pairwise kernel", kernel_why), (_SCAN, scan_why))
             return PairwisePlan(n, m, (bi, bj), what, _TILES, why, lost), red, tiled

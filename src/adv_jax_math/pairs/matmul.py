@@ -156,14 +156,15 @@ def expanded(f: Callable, x: Any, y: Any, red: MonoidReduction) -> str:
 
 
 def top_k_folds(red: MonoidReduction) -> str:
-    """How the CPU tiles fold a top-k (``TopK.fold_into``), for the plan; "" without one."""
+    """How the CPU tiles (matmul or unrolled) fold a top-k (``TopK.fold_into``), for
+    the plan; "" without one."""
     if not any(leaf.monoid.native_kernel == "topk" for leaf in red.leaves):
         return ""
     loaded, why = native.status()
     if loaded:
         return (
             "top_k folded by the native kernel: a tile's rows enter where they beat the "
-            "k-th, no sort (k-NN at D = 128: bench/knn_blocks.py)"
+            "k-th, no sort"
         )
     return f"top_k by lax.top_k and merges (native kernel not used: {why})"
 
