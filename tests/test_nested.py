@@ -154,11 +154,12 @@ def test_a_stacking_call_still_traces_f_once():
 @needs_abstract_devices
 @pytest.mark.parametrize("platform", ["cuda", "tpu"])
 def test_nested_calls_on_gpu_and_tpu_take_the_tile_kernel(platform):
-    # batch sizes 8 and 16 would break the TPU tile rules: the tile kernel's own tiles
+    # batch sizes 8 and 16 would break the TPU tile rules: the tile kernel's own tiles,
+    # no larger than the least that hold the rows (37 x 53)
     reduction, f, _ = CASES["logsumexp"]
     x, y = inputs()
     with on_abstract_device(platform):
         plan = nested(f, reduction, y).explain(x)
     kind = "gpu" if platform == "cuda" else "tpu"
     assert plan.engine == f"pairwise kernel ({kind})", str(plan)
-    assert plan.tiles == {"gpu": (64, 64), "tpu": (512, 256)}[kind], str(plan)
+    assert plan.tiles == {"gpu": (64, 64), "tpu": (128, 128)}[kind], str(plan)
