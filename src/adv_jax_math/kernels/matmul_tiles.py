@@ -95,14 +95,8 @@ def _fold(
                 (rows(a) if not fast else rows(a).reshape((bj,) + (1,) * (a.ndim - 1))) < m
             )
             reads, w = leaf.monoid.without(reads, col, j0 < m)
-        j0 = j0.astype(index_dtype())
         into = acc[len(out)] if acc is not None else None
-        if into is None and native is not None and leaf.monoid.native_kernel == "topk":
-            into = leaf.monoid.init(leaf.items(reads))
-        if into is None:
-            out.append(leaf.fold(reads, j0, w, fast=fast))
-        else:
-            out.append(leaf.fold_into(into, reads, j0, w, native))
+        out.append(leaf.fold_into(into, reads, j0.astype(index_dtype()), w, native, fast))
     return out
 
 

@@ -120,12 +120,7 @@ def device_states(
                 src, w = leaf.monoid.without(src, kept, keep)
             if layout.interpret:  # once, as in a kernel (see fused_reduce.kernel._term_state)
                 src = list(lax.optimization_barrier(src))
-            idx = j.astype(index_dtype())
-            if into is None and native is not None and leaf.monoid.native_kernel == "topk":
-                into = leaf.monoid.init(leaf.items(src))  # the first tile, natively too
-            if into is None:
-                return leaf.fold(src, idx, w, fast=fast)
-            return leaf.fold_into(into, src, idx, w, native)
+            return leaf.fold_into(into, src, j.astype(index_dtype()), w, native, fast)
 
         # per term: one state per element of its values per pair (2-D tiles)
         terms = [_elements(leaf, [values[s] for s in leaf.sources]) for leaf in red.leaves]

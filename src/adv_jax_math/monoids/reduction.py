@@ -88,9 +88,21 @@ class LeafReduction:
         return self.monoid.fold_fast(ys, idx, w)
 
     def fold_into(
-        self, acc: State, ys: Sequence[Any], idx: Any, w: Any, native: Callable | None = None
+        self,
+        acc: State | None,
+        ys: Sequence[Any],
+        idx: Any,
+        w: Any,
+        native: Callable | None = None,
+        fast: bool = True,
     ) -> State:
-        """:meth:`Monoid.fold_into` over this term's rows."""
+        """:meth:`Monoid.fold_into` over this term's rows; ``acc`` None (the first
+        block): :meth:`fold`, or for a top-k that ``native`` folds, into its empty
+        state (the tile loops outside kernels)."""
+        if acc is None and native is not None and self.monoid.native_kernel == "topk":
+            acc = self.monoid.init(self.items(ys))
+        if acc is None:
+            return self.fold(ys, idx, w, fast=fast)
         ys, (idx, w) = self._rows(ys, [idx, w])
         return self.monoid.fold_into(acc, ys, idx, w, native)
 
