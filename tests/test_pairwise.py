@@ -141,9 +141,9 @@ def test_second_order_through_the_kernels(name, backend):
     loss = lambda run: lambda x: jnp.sum(jnp.sin(jax.tree.leaves(run(x))[0]))
     ours = loss(lambda x: ajm.pairwise(f, x, y, reduction, tiles=(4, 4)))
     with ajm.config(backend=backend):
-        got = jax.hessian(ours)(x), jax.jvp(jax.grad(ours), (x,), (x,))
+        got = jax.jit(lambda x: (jax.hessian(ours)(x), jax.jvp(jax.grad(ours), (x,), (x,))))(x)
     oracle = loss(lambda x: want(dense(f, x, y)))
-    expect = jax.hessian(oracle)(x), jax.jvp(jax.grad(oracle), (x,), (x,))
+    expect = jax.jit(lambda x: (jax.hessian(oracle)(x), jax.jvp(jax.grad(oracle), (x,), (x,))))(x)
     assert_tree_close(got, expect, rtol=2e-4, atol=2e-4)
 
 
@@ -255,7 +255,7 @@ def test_cpu_reverse_pass_is_tiled(name, monkeypatch):
     loss = lambda run: lambda x, y: sum(jnp.sum(jnp.sin(v)) for v in jax.tree.leaves(run(x, y)))
     got = jax.value_and_grad(loss(lambda x, y: ajm.pairwise(f, x, y, reduction)), (0, 1))(x, y)
     assert problems and all(p is None for p in problems), problems
-    expect = jax.value_and_grad(loss(lambda x, y: want(dense(f, x, y))), (0, 1))(x, y)
+    expect = jax.jit(jax.value_and_grad(loss(lambda x, y: want(dense(f, x, y))), (0, 1)))(x, y)
     assert_tree_close(got, expect, rtol=1e-4, atol=1e-5)
 
 
@@ -287,7 +287,7 @@ def test_values_of_shape_one_per_pair_are_tiled(reduction, want, backend):
     assert plan.engine == ENGINES[backend], str(plan)
     assert "interpret kernel (" not in str(plan), str(plan)  # the tile kernel, not its fallback
     assert_tree_close(got, oracle(x, b), rtol=2e-5, atol=2e-5)
-    assert_tree_close(grads, jax.grad(loss(oracle), (0, 1))(x, b), rtol=1e-4, atol=1e-5)
+    assert_tree_close(grads, jax.jit(jax.grad(loss(oracle), (0, 1)))(x, b), rtol=1e-4, atol=1e-5)
 
 
 @needs_abstract_devices
@@ -417,7 +417,7 @@ def test_shard_spreads_x_rows_over_devices(name, backend):
         loss = lambda run, x, y: jnp.sum(jnp.sin(jax.tree.leaves(run(x, y))[0]))
         got = jax.jit(jax.grad(lambda x, y: loss(run, x, y), (0, 1)))(x, y)
     plain = lambda x, y: want(dense(f, x, y))
-    expect = jax.grad(lambda x, y: loss(plain, x, y), (0, 1))(x, y)
+    expect = jax.jit(jax.grad(lambda x, y: loss(plain, x, y), (0, 1)))(x, y)
     assert_tree_close(got, expect, rtol=2e-4, atol=2e-4)
 
 

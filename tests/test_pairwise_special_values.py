@@ -196,6 +196,7 @@ def check(reduction, f, x, y, what, backend, engine, reason=""):
     """``pairwise(f, x, y, reduction)`` on ``backend`` (planned as ``engine``, ``reason``
     in its reason) against the dense oracle: values, jvp and grad (:func:`transforms`)."""
     want = oracle(reduction, axis=1)
+    # eager, op by op: jitted, this oracle's max/min derivatives at the infinities differ
     expect = transforms(lambda x, y: want(dense(f, x, y)), x, y)
     with ajm.config(backend=backend):
         plan = ajm.explain_pairwise(f, x, y, reduction, tiles=TILES)
@@ -266,7 +267,8 @@ def test_bfloat16_and_mixed_dtypes(backend, dtypes):
         with ajm.config(backend=backend):
             got = jax.jit(lambda x, y, ours=ours: _derivatives(ours, x, y))(x, y)
         # (bfloat16: 8 bits; the gradients sum 9 rounded terms)
-        assert_tree_close(got, _derivatives(oracle, x, y), rtol=5e-2, atol=5e-2)
+        want = jax.jit(lambda x, y, oracle=oracle: _derivatives(oracle, x, y))(x, y)
+        assert_tree_close(got, want, rtol=5e-2, atol=5e-2)
 
 
 def _derivatives(run, x, y):
