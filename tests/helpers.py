@@ -138,7 +138,7 @@ def on_abstract_device(platform: str) -> Iterator[None]:
 
 KERNEL_NAME = "adv_jax_math_fused_reduce"  # our pallas_call's name, in jaxprs and lowered text
 KERNEL_MARKERS = {
-    "cuda": ("__gpu$xla.gpu.triton", "triton_kernel_call"),  # Pallas Triton
+    "cuda": ("__gpu$xla.gpu.triton", "triton_kernel_call", "mosaic_gpu"),  # Triton, Mosaic GPU
     "tpu": ("tpu_custom_call",),  # Pallas Mosaic TPU
 }
 

@@ -6,7 +6,7 @@ Set them for a block of code with :func:`config`, or for a process with the
 environment variables ``ADV_JAX_MATH_BACKEND``, ``ADV_JAX_MATH_REMAT``,
 ``ADV_JAX_MATH_NATIVE``, ``ADV_JAX_MATH_REMAINDER``, ``ADV_JAX_MATH_MEMORY_BUDGET``,
 ``ADV_JAX_MATH_AUTOTUNE_CACHE``, ``ADV_JAX_MATH_AUTOTUNE_GRAD``,
-``ADV_JAX_MATH_ROOFLINE`` and ``ADV_JAX_MATH_PROGRESS`` (read when no
+``ADV_JAX_MATH_ROOFLINE``, ``ADV_JAX_MATH_PROGRESS`` and ``ADV_JAX_MATH_GPU_BACKEND`` (read when no
 :func:`config` block is active). A bad
 value raises an error naming the option (or the variable), the value given and
 what is accepted.
@@ -28,6 +28,7 @@ import jax
 __all__ = [
     "AUTOTUNE_GRAD_MODES",
     "BACKENDS",
+    "GPU_BACKENDS",
     "NATIVE_MODES",
     "REMAINDER_MODES",
     "Options",
@@ -38,6 +39,7 @@ __all__ = [
 ]
 
 BACKENDS = ("auto", "scan", "pallas", "interpret")
+GPU_BACKENDS = ("auto", "mosaic_gpu", "triton")
 NATIVE_MODES = ("auto", "off", "require")
 REMAINDER_MODES = ("auto", "overlap", "separate")
 AUTOTUNE_GRAD_MODES = ("auto", "always", "never")
@@ -169,6 +171,12 @@ class Options:
     progress : bool
         Report chunks done, rows per second and time left on stderr while the
         chunk loop runs (adds nothing to compiled programs when off).
+    gpu_backend : str
+        Which Pallas backend builds the fused kernel on NVIDIA GPUs: ``"auto"``
+        (Mosaic GPU on Hopper and newer where it compiles, else Triton; ``explain()``
+        says which and why), ``"mosaic_gpu"`` or ``"triton"`` (that one only, for
+        testing; the scan engine runs where it cannot). With ``backend="interpret"``,
+        ``"mosaic_gpu"`` runs the Mosaic GPU kernel in its CPU interpreter.
     """
 
     backend: str = "auto"
@@ -180,6 +188,7 @@ class Options:
     autotune_grad: str = "auto"
     roofline: bool = True
     progress: bool = False
+    gpu_backend: str = "auto"
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -206,6 +215,8 @@ class Options:
             raise TypeError(f"roofline={self.roofline!r} must be a bool")
         if not isinstance(self.progress, bool):
             raise TypeError(f"progress={self.progress!r} must be a bool")
+        if self.gpu_backend not in GPU_BACKENDS:
+            raise ValueError(f"gpu_backend={self.gpu_backend!r} is not one of {GPU_BACKENDS}")
 
 
 def _env_bool(name: str, default: bool) -> bool:
@@ -253,6 +264,7 @@ def _from_env() -> Options:
         ),
         roofline=_env_bool("ADV_JAX_MATH_ROOFLINE", True),
         progress=_env_bool("ADV_JAX_MATH_PROGRESS", False),
+        gpu_backend=_env_choice("ADV_JAX_MATH_GPU_BACKEND", "gpu_backend", GPU_BACKENDS),
     )
 
 
@@ -278,6 +290,7 @@ def config(
     autotune_grad: str | None = None,
     roofline: bool | None = None,
     progress: bool | None = None,
+    gpu_backend: str | None = None,
 ) -> Iterator[Options]:
     """Override options for a block of code; unset ones keep their current value.
 
@@ -306,6 +319,7 @@ def config(
         "autotune_grad": autotune_grad,
         "roofline": roofline,
         "progress": progress,
+        "gpu_backend": gpu_backend,
     }
     opts = dataclasses.replace(base, **{k: v for k, v in changes.items() if v is not None})
     token = _active.set(opts)

@@ -95,10 +95,13 @@ def _hopper(memory: int, memory_bandwidth: int | None = None) -> Gpu:
 
 
 # GPUs. bandwidth: HBM (datasheets: H100 SXM 3.35 TB/s, H200 4.8, A100 80GB 2.0 as the
-# models round its 2.039). peak: dense TF32 matmul (H100/H200 495 TFLOP/s, A100 156).
-# vector: f32 CUDA-core peak (H100/H200 67 TFLOP/s, A100 19.5), an FMA 2 flops, at the
-# clock it implies (128 FP32 lanes per SM on Hopper, 64 on Ampere): 1.98, 1.41 GHz.
-# L2: 50 MiB (Hopper whitepaper), 40 MiB (A100 whitepaper).
+# models round its 2.039, B200 8). peak: dense TF32 matmul (H100/H200 495 TFLOP/s, A100
+# 156, B200 1100). vector: f32 CUDA-core peak (H100/H200 67 TFLOP/s, A100 19.5, B200 75),
+# an FMA 2 flops, at the clock it implies (128 FP32 lanes per SM on Hopper and Blackwell,
+# 64 on Ampere): 1.98, 1.41, 1.98 GHz. L2: 50 MiB (Hopper whitepaper), 40 MiB (A100
+# whitepaper); B200's is unpublished (third-party figures differ: 65.5 to 126 MB), 96
+# MiB assumed. B200: 148 SMs, compute capability 10.0, 228 KiB of shared memory per SM
+# as Hopper (CUDA C++ Programming Guide), 180 GB per GPU (HGX B200 datasheet).
 # TPUs. bandwidth: HBM (v5e 819 GB/s, rounded to 0.82e12 by the models; v6e 1640; v5p
 # 2765, rounded to 2.76e12; v4 1200). peak: dense bfloat16 matmul (197, 918, 459, 275
 # TFLOP/s). clock: what the bf16 peak implies for 4 MXUs of 128^2 MACs per core (256^2
@@ -117,6 +120,9 @@ DEVICES: dict[str, Device] = {
                 40 << 20,  # memory_bandwidth: the datasheet's 2039 GB/s
                 Gpu((8, 0), 64, 167936, 166912, memory=85095874560,
                     memory_bandwidth=2039000000000)),
+        _nvidia("NVIDIA B200", "B200", "b200", 8.0e12, 1.1e15, 148, 1.98e9, 75e12,
+                96 << 20,  # assumed: see above
+                Gpu((10, 0), 128, 233472, 232448, memory=180000000000)),
         _tpu("TPU v5 lite", "TPU v5e", "v5e", 0.82e12, 197e12, 1, 1.5e9, 4, 128 << 20,
              "v5e:1x1", bf16_vpu=False),
         _tpu("TPU v6 lite", "TPU v6e", "v6e", 1.64e12, 918e12, 1, 1.75e9, 4, 128 << 20,

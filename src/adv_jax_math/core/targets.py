@@ -1,6 +1,7 @@
 """Lowering targets: platforms, block-size defaults, devices to lower for.
 
-Platforms: ``"cpu"`` (interpret mode), ``"cuda"``/``"rocm"`` (Pallas Triton),
+Platforms: ``"cpu"`` (interpret mode), ``"cuda"`` (Pallas Mosaic GPU on Hopper and
+newer, else Pallas Triton: ``core.gpu_backends``), ``"rocm"`` (Pallas Triton),
 ``"tpu"`` (Pallas Mosaic). ``"gpu"`` means ``"cuda"``.
 """
 
@@ -21,6 +22,9 @@ from .devices import DEVICES, SCOPED_VMEM
 
 __all__ = [
     "KERNEL_NAME",
+    "MOSAIC_GPU",
+    "MOSAIC_GPU_INTERPRETER",
+    "MOSAIC_GPU_ROWS",
     "PLATFORMS",
     "Target",
     "abstract_mesh",
@@ -82,14 +86,20 @@ class Target:
     programs: int | None = None
     probe_rows: int = 8  # small block used to trace fun for the static analysis
     device_kind: str = ""  # the device compiled for, e.g. "TPU v4", "NVIDIA H100 80GB HBM3"
+    backend: str = "interpret"  # "interpret" | "triton" | "mosaic_gpu" | "mosaic_tpu"
 
     @property
     def triton(self) -> bool:
-        return self.platform in ("cuda", "rocm")
+        return self.backend == "triton"
 
     @property
     def mosaic(self) -> bool:
-        return self.platform == "tpu"
+        """Pallas Mosaic for TPUs."""
+        return self.backend == "mosaic_tpu"
+
+    @property
+    def mosaic_gpu(self) -> bool:
+        return self.backend == "mosaic_gpu"
 
 
 _TRITON: dict[str, Any] = dict(
@@ -97,15 +107,29 @@ _TRITON: dict[str, Any] = dict(
 )
 TARGETS = {
     "cpu": Target("cpu", "Pallas interpret mode", 1 << 20, 1 << 62),
-    "cuda": Target("cuda", "Pallas Triton", probe_rows=16, **_TRITON),
-    "rocm": Target("rocm", "Pallas Triton", probe_rows=16, **_TRITON),
+    "cuda": Target("cuda", "Pallas Triton", probe_rows=16, backend="triton", **_TRITON),
+    "rocm": Target("rocm", "Pallas Triton", probe_rows=16, backend="triton", **_TRITON),
     # Mosaic runs the grid sequentially on a core; one block per program.
-    "tpu": Target("tpu", "Pallas Mosaic TPU", block_elems=1 << 62, block_bytes=1 << 20),
+    "tpu": Target(
+        "tpu", "Pallas Mosaic TPU", block_elems=1 << 62, block_bytes=1 << 20, backend="mosaic_tpu"
+    ),
 }
+# A warpgroup (128 threads) per program, streaming blocks of at most 256 rows (a TMA
+# copy's limit per dimension) through shared memory.
+MOSAIC_GPU = Target(
+    "cuda", "Pallas Mosaic GPU", 1 << 13, 1 << 62, programs=1024, probe_rows=128,
+    backend="mosaic_gpu",
+)  # fmt: skip
+MOSAIC_GPU_ROWS = 256
+# The same kernel in Mosaic GPU's interpreter on the CPU (tests; "cpu": interpret mode).
+MOSAIC_GPU_INTERPRETER = dataclasses.replace(
+    MOSAIC_GPU, platform="cpu", label="Pallas Mosaic GPU interpreter"
+)
 
 
-def target(platform: str) -> Target:
-    """The target for ``platform``, for the device kind being compiled for."""
+def target(platform: str, backend: str | None = None) -> Target:
+    """The target for ``platform``, for the device kind being compiled for; on
+    ``"cuda"``, ``backend`` ``"mosaic_gpu"`` or ``"triton"`` (the default)."""
     try:
         base = TARGETS[PLATFORMS[platform]]
     except (KeyError, TypeError):
@@ -115,6 +139,8 @@ def target(platform: str) -> Target:
         ) from None
     if base.platform == "cpu":
         return base
+    if backend == "mosaic_gpu" and base.platform == "cuda":
+        base = MOSAIC_GPU
     return dataclasses.replace(base, device_kind=device_kind(base.platform))
 
 
@@ -236,12 +262,15 @@ def target_mesh(kind: str) -> jax.sharding.Mesh:
     calls for a GPU or TPU on a machine without one.
 
     ``kind`` is a device kind: ``"NVIDIA H100 80GB HBM3"``, ``"NVIDIA H200"``,
-    ``"NVIDIA A100-SXM4-80GB"``, ``"TPU v4"``, ``"TPU v5 lite"`` (v5e), ``"TPU v5"``
-    (v5p) or ``"TPU v6 lite"`` (v6e). The compiler must be installed (the jax CUDA
-    plugin, or libtpu through ``jax[tpu]``); run with ``JAX_PLATFORMS=cpu``. Use it
+    ``"NVIDIA B200"``, ``"NVIDIA A100-SXM4-80GB"``, ``"TPU v4"``, ``"TPU v5 lite"``
+    (v5e), ``"TPU v5"`` (v5p) or ``"TPU v6 lite"`` (v6e). The compiler must be
+    installed (the jax CUDA plugin, or libtpu through ``jax[tpu]``); run with
+    ``JAX_PLATFORMS=cpu``. Use it
     with ``jax.set_mesh``: :func:`adv_jax_math.explain` then plans for that device,
     compiling the fused kernel for it, and ``jax.jit(...).lower(...).compile()``
-    compiles the whole call.
+    compiles the whole call. On a GPU, make its device the default too
+    (``jax.default_device(mesh.devices.flat[0])``): Mosaic GPU kernels are compiled for
+    the default device's architecture, and for Hopper's when it is not a GPU.
     """
     platform = "tpu" if kind in TPU_TOPOLOGIES else "cuda" if kind in GPU_SPECS else None
     if platform is None:

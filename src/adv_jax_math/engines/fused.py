@@ -14,7 +14,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 from ..analysis import tangent
 from ..core import config as _config
 from ..core.sharding import Lanes
-from ..core.targets import target
+from ..core.targets import target, triton_problem
 from ..kernels.fused_reduce.backward import float_positions, plan_reverse, run_reverse
 from ..kernels.fused_reduce.fused import check, fused_states, reverse_blocks
 from ..monoids.reduction import MonoidReduction
@@ -79,19 +79,25 @@ class FusedEngine(Engine):
             model = forward_costs(plan, call.xs, verdict.kernel, d)
             if not model.kernel_wins and not forced and _config.current().roofline:
                 return Rejection(f"the roofline model says the scan engine is faster: {model}")
+        assert verdict.kernel is not None
+        label = verdict.kernel.target.label
         if self.interpret:
-            where = "in interpret mode (requested)"
+            where = f"in interpret mode (requested; {label})"
         elif verdict.compiled:
-            where = f"compiled for {verdict.device}"
+            where = f"compiled for {verdict.device} ({label})"
         else:
-            where = f"lowered for {verdict.device} (not compiled: no {platform} compiler here)"
+            where = (
+                f"lowered for {verdict.device} ({label}, not compiled: no {platform} compiler here)"
+            )
         return dataclasses.replace(
             plan,
             engine=self.name,
             reason=f"fused Pallas kernel {where}, blocks of {verdict.rows} rows"
-            + (f" (VMEM model: {verdict.vmem / 2**20:.1f} MiB)" if verdict.vmem else ""),
+            + (f" (VMEM model: {verdict.vmem / 2**20:.1f} MiB)" if verdict.vmem else "")
+            + "".join(f"; {why}" for why in verdict.declined),
             block_rows=verdict.rows,
             block_steps=verdict.steps,
+            block_backend=verdict.backend,
             block_traced=verdict.traced,
             reverse_traced=reverse_blocks(fun, call.xs, reduction, verdict, platform),
             roofline=(model,) if model else (),
@@ -129,6 +135,15 @@ class FusedEngine(Engine):
             return "under a mesh with Explicit axes (no backward kernel in shard_map yet)", None, 0
         reduction, _ = _monoid(plan)
         tgt = target("cpu" if self.interpret else plan.platform)
+        if tgt.platform == "cuda":  # the backward kernel is Triton's
+            if _config.current().gpu_backend == "mosaic_gpu":
+                return (
+                    "no backward kernel on Pallas Mosaic GPU yet (gpu_backend='mosaic_gpu')",
+                    None,
+                    0,
+                )
+            if (why := triton_problem()) is not None:
+                return f"the backward kernel is Pallas Triton's: {why}", None, 0
         blocks = _reverse_blocks(plan)
         reasons, lowered_only = [], False
         for i, (closed, out_shape, rows, steps) in enumerate(blocks):
@@ -185,6 +200,7 @@ class FusedEngine(Engine):
         else:
             k = built.kernel
             text = f"backward kernel, blocks of {k.rows} rows, {k.steps} per program"
+            text += f" ({k.target.label})"
             text += " (the tied rows tallied first)" if built.tally else ""
         models = plan.roofline + ((model,) if model else ())
         return dataclasses.replace(plan, backward=text, roofline=models)
@@ -222,6 +238,7 @@ class FusedEngine(Engine):
             steps=plan.block_steps,
             interpret=self.interpret,
             platform=plan.platform,
+            backend=plan.block_backend,
             offset=first,
         )
         lanes = plan.lanes

@@ -147,6 +147,9 @@ class Plan:
         The fused kernel's rows per block (fused engines).
     block_steps : int
         The fused kernel's blocks per program (fused engines).
+    block_backend : str
+        The Pallas backend the fused kernel is built with (``"triton"``,
+        ``"mosaic_gpu"``, ``"mosaic_tpu"``; ``"interpret"`` in interpret mode).
     reason : str
         Why that engine.
     backward : str
@@ -198,6 +201,7 @@ class Plan:
     engine: str = ""
     block_rows: int = 0
     block_steps: int = 1
+    block_backend: str = ""
     reason: str = ""
     backward: str = ""
     roofline: tuple = ()

@@ -114,7 +114,7 @@ def _pallas_call(k: Backward) -> Callable[..., Any]:
                 return evaluate(k.jaxpr, cvals, xvals, upcast=k.target.triton)
 
             ys, vjp = jax.vjp(f, [consts[i] for i in k.c_idx], [xs[i] for i in k.x_idx])
-            if k.interpret:  # the values read once, as the forward kernel's (_term_state)
+            if k.interpret:  # the values read once, as the forward kernel's (term_state)
                 ys = list(lax.optimization_barrier(list(ys)))
             ct_ys: list = [None] * len(ys)
             seen = []

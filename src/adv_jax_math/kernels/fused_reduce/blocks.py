@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 from jax.experimental import pallas as pl
 
-from ...core.targets import Target
+from ...core.targets import MOSAIC_GPU_ROWS, Target
 
 __all__ = [
     "choose_block",
@@ -64,6 +64,12 @@ def choose_block(
         if target.max_elems is not None and row_elems > target.max_elems:
             return f"one row of fun needs {row_elems} elements, over Triton's {target.max_elems}"
         return pow2_floor(cap)
+    if target.mosaic_gpu:
+        # Powers of two, at most a TMA copy's 256 rows; a block may run past n (its
+        # rows read as zeros, masked).
+        if row_elems > target.block_elems:
+            return f"one row of fun needs {row_elems} elements, over {target.block_elems}"
+        return pow2_floor(min(budget, MOSAIC_GPU_ROWS, max_rows or MOSAIC_GPU_ROWS))
     if target.mosaic:
         cap = min(budget, limit)
         if cap >= n:

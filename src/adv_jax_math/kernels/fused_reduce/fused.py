@@ -1,5 +1,5 @@
 """The fused Pallas map-reduce: a chunk's ``fun`` and its monoid reductions in one
-kernel (GPU: Triton; TPU: Mosaic; CPU: interpret mode).
+kernel (GPU: Mosaic GPU or Triton; TPU: Mosaic; CPU: interpret mode).
 
 ``fun`` (prepared: one array per result leaf, see ``MonoidReduction.prepare``) is
 traced on a block of ``Bk`` rows to a jaxpr whose constants (concrete arrays,
@@ -13,7 +13,8 @@ This module checks a call against the kernel's rules and builds its kernels
 (``check``, ``fused_states``, ``reverse_blocks``). Beside it: ``build`` (``fun``
 traced on a block, the terms, the :class:`Kernel` record), ``blocks`` (block
 sizing), ``rules`` (what the kernel supports), ``kernel`` (the kernel body and
-``pallas_call``), ``backward`` and ``backward_kernel`` (the reverse pass), ``probe``
+``pallas_call``), ``mosaic_gpu`` (the same kernel on Mosaic GPU), ``fold`` (a block's
+states, which both fold), ``backward`` and ``backward_kernel`` (the reverse pass), ``probe``
 (cached compile check), ``interpreter`` (jaxpr evaluation inside the kernel). The
 platforms and devices to build for are ``core.targets``; the engine adapter is
 ``engines.fused``.
@@ -29,9 +30,14 @@ import jax
 import numpy as np
 
 from ...analysis.validate import mapped_rows, rowwise_problem
+from ...core import config as _config
+from ...core.gpu_backends import gpu_backends, mosaic_gpu_problem
 from ...core.targets import (
     KERNEL_NAME,
+    MOSAIC_GPU_INTERPRETER,
+    PLATFORMS,
     TPU_F32_MATH,
+    Target,
     silence_triton_deprecation,
     target,
     tpu_vmem_limit,
@@ -41,18 +47,27 @@ from ...monoids.reduction import MonoidReduction
 from .backward import reverse_rows
 from .blocks import choose_block, choose_steps, row_stats, tpu_block, tpu_legal_rows
 from .build import block_terms, build_kernel, fold_jaxpr, traced_at
-from .kernel import Kernel, forward, kernel_const_aval, partial_shape
+from .fold import partial_shape
+from .kernel import Kernel, forward, kernel_const_aval
 from .probe import probe
 from .rules import (
     analyze,
     dtype_problem,
     empty_problem,
     held_across_reductions,
+    mosaic_gpu_jaxpr_problem,
     mosaic_problem,
     triton_size_problem,
 )
 
-__all__ = ["KERNEL_NAME", "Check", "check", "fused_states", "reverse_blocks"]
+__all__ = [
+    "KERNEL_NAME",
+    "Check",
+    "check",
+    "fused_states",
+    "kernel_targets",
+    "reverse_blocks",
+]
 
 
 _ROWWISE = "the kernel needs one output row per input row"
@@ -72,6 +87,28 @@ class Check:
     kernel: Kernel | None = dataclasses.field(default=None, compare=False, repr=False)
     known: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)  # rows: trace
     empty: bool = False  # the problem is an array without elements: not an error when forced
+    declined: tuple[str, ...] = ()  # targets tried before this one: "<label> not used: <why>"
+
+    @property
+    def backend(self) -> str:
+        """The Pallas backend of the kernel (``Target.backend``; "" without one)."""
+        return self.kernel.target.backend if self.kernel is not None else ""
+
+
+def kernel_targets(platform: str) -> list[tuple[Target, str | None]]:
+    """The targets the kernel is tried for on ``platform``, in order, each with why it
+    cannot be (None: it may): on CUDA GPUs Mosaic GPU, then Triton
+    (``core.targets.gpu_backends``, ``config(gpu_backend=...)``); in interpret mode
+    (``"cpu"``) Pallas' interpreter, or Mosaic GPU's with ``gpu_backend="mosaic_gpu"``."""
+    forced = _config.current().gpu_backend
+    if PLATFORMS.get(platform) == "cpu":
+        if forced == "mosaic_gpu":
+            return [(MOSAIC_GPU_INTERPRETER, mosaic_gpu_problem())]
+        return [(target("cpu"), None)]
+    tgt = target(platform)
+    if tgt.platform != "cuda":
+        return [(tgt, None)]
+    return [(target(platform, b), why) for b, why in gpu_backends(tgt.device_kind, forced)]
 
 
 def check(
@@ -88,11 +125,13 @@ def check(
     Static rules (inputs, dtypes, block sizes, array sizes) come first, from ``fun``
     traced on a small block; then the kernel is built at the block it will run and
     lowered for the platform (cached). Without such hardware present, GPU lowering
-    targets an abstract NVIDIA H100 and TPU lowering an abstract TPU v5 lite.
+    targets an abstract NVIDIA H100 and TPU lowering an abstract TPU v5 lite. On a
+    GPU the backends of :func:`kernel_targets` are tried in order: the first whose
+    kernel builds runs; the others' reasons are kept (``Check.declined``).
 
     ``fun`` is prepared (a list of ``(rows, ...)`` leaves to a list of ``(rows, ...)``
     arrays, one per result leaf), ``xs`` arrays or ShapeDtypeStructs of ``n`` rows;
-    ``platform`` ``"cpu"`` (interpret mode), ``"gpu"``/``"cuda"``/``"rocm"`` (Triton) or
+    ``platform`` ``"cpu"`` (interpret mode), ``"gpu"``/``"cuda"``/``"rocm"`` or
     ``"tpu"``; ``max_rows`` the user's ``batch_size``, an upper bound on the block.
     ``traced``: ``fun`` already traced on some number of rows (the planner's chunk),
     reused for a block of that many rows, so no shape is traced twice.
@@ -101,10 +140,29 @@ def check(
     if traced is not None:
         known[traced.jaxpr.in_avals[0].shape[0]] = (traced.jaxpr, jax.tree.leaves(traced.out_shape))
     try:
-        tgt = target(platform)
-        n = mapped_rows(xs, "xs")
+        chain = kernel_targets(platform)
+        mapped_rows(xs, "xs")
     except ValueError as e:
         return Check(str(e))
+    declined: list[str] = []
+    for tgt, why in chain:
+        verdict = Check(why) if why else _check(fun, xs, reduction, tgt, max_rows, known)
+        if verdict.problem is None or verdict.empty or len(chain) == 1:
+            return dataclasses.replace(verdict, declined=tuple(declined))
+        declined.append(f"{tgt.label} not used: {verdict.problem}")
+    return Check("; ".join(declined), declined=tuple(declined))
+
+
+def _check(
+    fun: Callable,
+    xs: Any,
+    reduction: MonoidReduction,
+    tgt: Target,
+    max_rows: int | None,
+    known: dict[int, tuple[Any, list[Any]]],
+) -> Check:
+    """:func:`check` for one target."""
+    n = mapped_rows(xs, "xs")
     leaves = jax.tree.leaves(xs)
     if n < 1:
         return Check("no rows (n == 0): the result is the identity")
@@ -149,6 +207,13 @@ def check(
         return Check(problem)
     if tgt.triton:
         problem = triton_size_problem(tgt, analysis, small)
+        if problem:
+            return Check(problem)
+    if tgt.mosaic_gpu:
+        problem = mosaic_gpu_jaxpr_problem(closed.jaxpr, small, "fun")
+        for t in terms:
+            fold = fold_jaxpr(t, small).jaxpr
+            problem = problem or mosaic_gpu_jaxpr_problem(fold, small, f"{t.leaf.monoid!r}'s fold")
         if problem:
             return Check(problem)
     vmem = 0
@@ -236,6 +301,7 @@ def fused_states(
     steps: int = 1,
     interpret: bool,
     platform: str | None = None,
+    backend: str | None = None,
     offset: Any = 0,
 ) -> list[Any]:
     """Each term's state of ``reduction`` over the rows of ``xs``, computed by one
@@ -243,10 +309,14 @@ def fused_states(
     ``fun`` traced on a block of ``rows`` rows (:attr:`Check.traced`; its constants
     are the kernel's constant inputs), ``steps`` the blocks per program (both from
     :func:`check`); ``xs`` has ``n >= 1`` rows. ``platform`` (default:
-    ``jax.default_backend()``) is compiled for unless ``interpret``. ``offset``, an
-    int or traced, is the global index of the first row (row indices of ARGMIN, top-k).
+    ``jax.default_backend()``) is compiled for unless ``interpret``, with ``backend``
+    (:attr:`Check.backend`; ``"mosaic_gpu"`` interpreted too). ``offset``, an int or
+    traced, is the global index of the first row (row indices of ARGMIN, top-k).
     """
-    tgt = target("cpu" if interpret else platform or jax.default_backend())
+    if backend == "mosaic_gpu" and interpret:
+        tgt = MOSAIC_GPU_INTERPRETER
+    else:
+        tgt = target("cpu" if interpret else platform or jax.default_backend(), backend)
     if tgt.triton:
         silence_triton_deprecation()
     leaves = jax.tree.leaves(xs)

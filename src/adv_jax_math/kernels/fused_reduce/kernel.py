@@ -23,11 +23,20 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from ...core.targets import KERNEL_NAME, Target, pallas_triton, tpu_vmem_limit
-from ...monoids.base import index_dtype, merge_stacked
+from ...monoids.base import merge_stacked
 from ...monoids.reduction import LeafReduction
+from .fold import partial_shape, term_state
 from .interpreter import evaluate
+from .mosaic_gpu import mosaic_gpu_call
 
-__all__ = ["Kernel", "Term", "compiler_params", "forward", "kernel_const_aval", "pallas_call"]
+__all__ = [
+    "Kernel",
+    "Term",
+    "compiler_params",
+    "forward",
+    "kernel_const_aval",
+    "pallas_call",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,7 +116,7 @@ class Kernel(Grid):
         return [offset, *map(kernel_const_aval, self.const_avals), *self.in_avals]
 
     def call(self) -> Callable[..., Any]:
-        return pallas_call(self)
+        return mosaic_gpu_call(self) if self.target.mosaic_gpu else pallas_call(self)
 
     def state_avals(self) -> list[jax.ShapeDtypeStruct]:
         """Every state leaf of every term, flat (the kernel's outputs, per program)."""
@@ -126,12 +135,6 @@ def _index_map(first: bool, ndim: int) -> Callable[[Any], tuple]:
 def whole_spec(shape: tuple[int, ...]) -> Any:
     """An array every program reads whole."""
     return pl.BlockSpec(shape, _index_map(False, len(shape)))
-
-
-def partial_shape(aval: jax.ShapeDtypeStruct) -> tuple[int, ...]:
-    """One program's partial of ``aval`` (a state leaf, a partial sum) in the kernel's
-    outputs (no 0-d blocks)."""
-    return (1, *(aval.shape or (1,)))
 
 
 def partial_spec(aval: jax.ShapeDtypeStruct) -> Any:
@@ -176,25 +179,6 @@ def _load_const(ref: Any, aval: Any) -> Any:
     return value
 
 
-def _term_state(k: Kernel, term: Term, ys: Sequence[Any], first_row: Any, offset: Any) -> Any:
-    """One block's state of ``term``; rows past ``n`` filled and weighted 0; ``offset``
-    is the global index of the kernel's first row. Row indices and weights have the
-    block's full shape (Mosaic cannot reshape a vector of rows into a column)."""
-    src = [ys[s] for s in term.leaf.sources]
-    row = lambda y: first_row + lax.broadcasted_iota(jnp.int32, y.shape, 0)
-    rows = row(src[0])
-    w = None
-    if k.n % k.tile:
-        src, w = term.leaf.monoid.without(src, lambda y: row(y) < k.n, rows < k.n)
-    if k.interpret:
-        # A kernel computes each value once; XLA running it in interpret mode fuses
-        # a cheap fun into each pass of a fold that reads it twice (a maximum, then
-        # exponentials), rounded differently in each: at scores of 1e9 an ulp is
-        # beyond exp's range (softmax weights 0 / 0).
-        src = list(lax.optimization_barrier(src))
-    return term.rows_leaf.fold(src, (offset + rows).astype(index_dtype()), w)
-
-
 def compiler_params(target: Target, interpret: bool, biggest: int) -> Any:
     """The Mosaic VMEM limit, or Triton's warps for a block of ``biggest`` elements."""
     if interpret or target.platform == "cpu":
@@ -222,7 +206,7 @@ def pallas_call(k: Kernel) -> Callable[..., Any]:
         def block(j):
             start, xs = k.block(x_refs, j)
             ys = evaluate(k.jaxpr, consts, xs, upcast=k.target.triton)
-            return [_term_state(k, t, ys, tile_start + start, offset) for t in k.terms]
+            return [term_state(k, t, ys, tile_start + start, offset) for t in k.terms]
 
         def step(j, acc):
             new = block(j)
@@ -257,7 +241,7 @@ def forward(k: Kernel, consts: Sequence[Any], leaves: Sequence[Any], offset: Any
     merged in XLA (and, for a term over every axis, its elements). ``offset`` is the
     global index of the first row (traced inside ``shard_map``)."""
     first = jnp.asarray(offset, jnp.int32).reshape(1, 1)
-    call = named_jit(pallas_call(k), KERNEL_NAME)
+    call = named_jit(k.call(), KERNEL_NAME)
     flat = iter(call(first, *map(_to_kernel_const, consts), *leaves))
     out = []
     for term in k.terms:

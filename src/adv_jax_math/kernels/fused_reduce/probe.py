@@ -11,6 +11,7 @@ VMEM allocation, and Triton to PTX to cubin, which report what lowering cannot
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import re
 from typing import Any
@@ -56,13 +57,15 @@ def _build(k: Any, context: jax.sharding.Mesh | None, tracing: bool) -> bool:
             # Under jax.set_mesh, inside jax.jit or not: compile as the caller's jit will,
             # for the context mesh's own devices (jit refuses others there, even ones of
             # the same kind from another topology).
-            jax.jit(call).lower(*args).compile()
+            with _architecture(k, context):
+                jax.jit(call).lower(*args).compile()
             return True
         current = jax.sharding.get_abstract_mesh()
         in_context = _of(current, platform) and current.size > 1  # cannot be swapped in jit
         mesh = None if tracing and in_context else compile_mesh(platform)
         if mesh is not None:
-            _compile(call, args, mesh)
+            with _architecture(k, mesh):
+                _compile(call, args, mesh)
             return True
         if in_context:
             jax.jit(call).trace(*args).lower(lowering_platforms=(platform,))
@@ -70,6 +73,14 @@ def _build(k: Any, context: jax.sharding.Mesh | None, tracing: bool) -> bool:
         with jax.sharding.use_abstract_mesh(abstract_mesh(platform, k.target.device_kind)):
             jax.jit(call).trace(*args).lower(lowering_platforms=(platform,))
         return False
+
+
+def _architecture(k: Any, mesh: jax.sharding.Mesh) -> Any:
+    """Mosaic GPU compiles for the default device's architecture, not the mesh's (it
+    assumed sm_90 for an A100 and a B200: DESIGN.md §10): the mesh's device as default."""
+    if not k.target.mosaic_gpu:
+        return contextlib.nullcontext()
+    return jax.default_device(mesh.devices.flat[0])
 
 
 def _of(mesh: Any, platform: str) -> bool:

@@ -23,6 +23,7 @@ __all__ = [
     "empty_problem",
     "held_across_reductions",
     "live_at_peak",
+    "mosaic_gpu_jaxpr_problem",
     "mosaic_problem",
     "triton_size_problem",
 ]
@@ -144,6 +145,32 @@ def mosaic_problem(target: Target, jaxpr: Any, rows: int, where: str) -> str | N
                 f"of {ins} to {_fmt_shape(out.shape, out.dtype, rows)}; ask for a 32-bit result "
                 "(e.g. jnp.matmul(a, b, preferred_element_type=jnp.float32), then .astype)"
             )
+    return None
+
+
+# What Pallas Mosaic GPU (jax 0.12) does not lower (DESIGN.md §10), beside what
+# ``interpreter.PORTABLE`` rewrites: matmuls are wgmma/tcgen05 calls there.
+MOSAIC_GPU_MISSING = frozenset(
+    {"dot_general", "floor", "ceil", "round", "argmax", "argmin", "sort", "cumsum", "cumprod"}
+    | {"cummax", "cummin", "pow", "gather", "scatter", "scatter-add", "top_k"}
+)
+
+
+def mosaic_gpu_jaxpr_problem(jaxpr: Any, rows: int, where: str) -> str | None:
+    """What the Mosaic GPU kernel cannot take that the jaxpr shows, before anything is
+    lowered: an array of more than one value per row (its layout inference found no
+    solution for the ``(Bk, d)`` blocks tried, after 30-60 s of search on H100; one
+    value per row lowers, DESIGN.md §10), or an operation it has no lowering for."""
+    for aval in _all_avals(jaxpr):
+        shape = tuple(getattr(aval, "shape", ()))
+        if shape != (rows,) and math.prod(shape) != 1:
+            return (
+                f"Mosaic GPU lowers one value per row, but {where} holds "
+                f"{_fmt_shape(shape, aval.dtype, rows)} for a block of Bk rows"
+            )
+    for eqn in _eqns(jaxpr):
+        if eqn.primitive.name in MOSAIC_GPU_MISSING:
+            return f"Mosaic GPU has no lowering for {eqn.primitive.name} (in {where})"
     return None
 
 

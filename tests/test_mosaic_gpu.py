@@ -1,0 +1,198 @@
+"""The fused kernel on Pallas Mosaic GPU (``kernels/fused_reduce/mosaic_gpu.py``).
+
+Numerics in Mosaic GPU's own CPU interpreter against plain-JAX oracles (ragged rows,
+several blocks per program, closed-over constants, the rewrites of what Mosaic GPU does
+not lower); the backend chain on CUDA GPUs (Mosaic GPU from compute capability 9.0,
+then Triton, each step's reason in ``explain``), lowered for abstract H100 and A100
+devices; and the GPU path with Pallas Triton gone, as a future jax will have it.
+Compiles for real targets: ``bench/accel/compile_targets.py`` (``make test-accel``).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import assert_tree_close, needs_abstract_devices, needs_kernel, normal, oracle
+
+import adv_jax_math as ajm
+from adv_jax_math.core import targets
+from adv_jax_math.core.gpu_backends import mosaic_gpu_problem
+from adv_jax_math.core.targets import abstract_mesh
+from adv_jax_math.kernels.fused_reduce.interpreter import PORTABLE
+
+pytestmark = [
+    needs_kernel,
+    pytest.mark.skipif(mosaic_gpu_problem() is not None, reason=str(mosaic_gpu_problem())),
+]
+
+H100, A100 = "NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB"
+PLAIN = {
+    "add": (jnp.add, lambda y: jnp.sum(y, 0)),
+    "max": (jnp.maximum, lambda y: jnp.max(y, 0)),
+    "min": (jnp.minimum, lambda y: jnp.min(y, 0)),
+    "logsumexp": (jnp.logaddexp, lambda y: jax.nn.logsumexp(y, 0)),
+}
+
+
+def interpreted(fun, x, monoid, batch_size=1024):
+    """``batch_map`` with the fused kernel in Mosaic GPU's interpreter, and its plan."""
+    reduction, chunk = PLAIN[monoid]
+    call = lambda x: ajm.batch_map(fun, x, batch_size, reduction=reduction, chunk_reduction=chunk)
+    with ajm.config(backend="interpret", gpu_backend="mosaic_gpu"):
+        plan = ajm.explain(fun, x, batch_size, reduction=reduction, chunk_reduction=chunk)
+        return jax.jit(call)(x), plan
+
+
+@pytest.mark.parametrize("monoid", sorted(PLAIN))
+@pytest.mark.parametrize("n", [1, 300, 5003])
+def test_interpreted_kernel_matches_the_oracle(monoid, n):
+    x = normal(n, (n,))
+    fun = lambda x: jnp.sin(3 * x) * 2 + x
+    got, plan = interpreted(fun, x, monoid)
+    assert plan.engine == "interpret" and "Pallas Mosaic GPU interpreter" in plan.reason, plan
+    assert_tree_close(got, oracle(monoid, 0)(fun(x)), rtol=2e-6, atol=2e-6)
+
+
+def test_several_blocks_per_program_and_a_global_row_offset():
+    """steps > 1: each program streams its blocks through the pipeline; the argmin's
+    indices count from ``offset``."""
+    from adv_jax_math.analysis.recognize import recognize
+    from adv_jax_math.kernels.fused_reduce.build import traced_at
+    from adv_jax_math.kernels.fused_reduce.fused import fused_states
+    from adv_jax_math.monoids.base import identity
+    from adv_jax_math.monoids.reduction import MonoidReduction
+
+    n, rows, steps = 2000, 128, 4  # 4 programs, the last one's blocks partly past n
+    x = normal(1, (n,))
+    fun = lambda x: jnp.cos(x) * x
+    rec = recognize(ajm.MIN_ARGMIN, identity, jax.eval_shape(fun, x))
+    reduction = MonoidReduction(rec.leaves, rec.out_tree, rec.prologue, rec.how)
+    prepared = reduction.prepare(fun)
+    traced = traced_at(prepared, x, rows, {})
+    states = fused_states(
+        traced, x, reduction, rows=rows, steps=steps, interpret=True, backend="mosaic_gpu",
+        offset=7,
+    )  # fmt: skip
+    (value, index), y = reduction.finish(states), fun(x)
+    assert float(value) == float(jnp.min(y)) and int(index) == int(jnp.argmin(y)) + 7
+
+
+def test_closed_over_constants_and_rewritten_operations():
+    """A scalar ``fun`` closes over reaches the kernel; ``log1p``, ``expm1``,
+    ``isfinite`` and ``logaddexp`` (none lowered by Mosaic GPU) run rewritten."""
+    x = normal(2, (777,))
+    scale = jnp.float32(0.3)
+    fun = lambda x: (
+        jnp.log1p(jnp.abs(x) * scale)
+        + jnp.expm1(x * 1e-3)
+        + jnp.where(jnp.isfinite(1 / x), 1.0, 0.0)
+        + jnp.logaddexp(x, scale)
+    )
+    got, _ = interpreted(fun, x, "add", batch_size=256)
+    assert_tree_close(got, jnp.sum(fun(x)), rtol=3e-6)
+
+
+@pytest.mark.parametrize("name", sorted(PORTABLE))
+def test_rewrites_agree_with_jax_at_edge_values(name):
+    edges = [0.0, -0.0, 1e-30, -1e-8, 1e-7, 3e-4, -0.5, 0.9, 1.0, 20.0, 80.0, 1e30]
+    x = np.array([*edges, np.inf, -np.inf, -1.0, -2.0, np.nan], np.float32)
+    reference = {"is_finite": jnp.isfinite, "log1p": jnp.log1p, "expm1": jnp.expm1}
+    reference["stop_gradient"] = jax.lax.stop_gradient
+    got, want = np.asarray(PORTABLE[name](jnp.asarray(x))), np.asarray(reference[name](x))
+    np.testing.assert_allclose(got, want, rtol=2e-7, atol=0)
+
+
+# -- the backend chain, lowered for abstract GPUs ---------------------------------------
+
+
+def explain_on(kind, fun, x, **options):
+    with ajm.config(**options), jax.sharding.use_abstract_mesh(abstract_mesh("cuda", kind)):
+        return ajm.explain(fun, x, 4096, reduction=jnp.add, chunk_reduction=lambda y: y.sum(0))
+
+
+def lowered_on(kind, fun, x, **options):
+    call = lambda x: ajm.batch_map(
+        fun, x, 4096, reduction=jnp.add, chunk_reduction=lambda y: y.sum(0)
+    )
+    with ajm.config(**options), jax.sharding.use_abstract_mesh(abstract_mesh("cuda", kind)):
+        return jax.jit(call).trace(x).lower(lowering_platforms=("cuda",)).as_text()
+
+
+X1 = jax.ShapeDtypeStruct((100003,), jnp.float32)
+X2 = jax.ShapeDtypeStruct((100003, 4), jnp.float32)
+SIN = lambda x: jnp.sin(x) ** 2
+
+
+@needs_abstract_devices
+def test_hopper_takes_mosaic_gpu_and_lowers_to_its_custom_call():
+    plan = explain_on(H100, SIN, X1)
+    assert plan.engine == "pallas" and "(Pallas Mosaic GPU" in plan.reason, plan
+    assert plan.block_backend == "mosaic_gpu" and plan.block_rows == 256
+    text = lowered_on(H100, SIN, X1)
+    assert "mosaic_gpu" in text and "triton" not in text
+
+
+@needs_abstract_devices
+def test_hopper_falls_back_to_triton_with_mosaic_gpus_reason():
+    """(N, 4) blocks fail Mosaic GPU's layout inference (DESIGN.md §10): Triton, and
+    explain says why not Mosaic GPU."""
+    plan = explain_on(H100, lambda x: jnp.sin(x) * 2.0, X2)
+    assert "(Pallas Triton" in plan.reason, plan
+    why = "Pallas Mosaic GPU not used: Mosaic GPU lowers one value per row, but fun holds "
+    assert why in plan.reason and "float32[Bk, 4]" in plan.reason, plan.reason
+    assert plan.block_backend == "triton"
+    floor = explain_on(H100, lambda x: jnp.floor(x * 3.0), X1)
+    assert "Mosaic GPU has no lowering for floor (in fun)" in floor.reason, floor
+
+
+@needs_abstract_devices
+def test_ampere_keeps_triton_and_says_why():
+    plan = explain_on(A100, SIN, X1)
+    assert "(Pallas Triton" in plan.reason, plan
+    assert "needs compute capability 9.0 or newer (Hopper); " in plan.reason
+    assert "has compute capability 8.0" in plan.reason
+    forced = explain_on(A100, SIN, X1, gpu_backend="mosaic_gpu")
+    assert forced.engine == "scan" and "compute capability 9.0" in str(forced), forced
+
+
+@needs_abstract_devices
+def test_forcing_triton_on_hopper():
+    plan = explain_on(H100, SIN, X1, gpu_backend="triton")
+    assert "(Pallas Triton" in plan.reason and "Mosaic" not in plan.reason, plan
+    assert "triton" in lowered_on(H100, SIN, X1, gpu_backend="triton")
+
+
+@needs_abstract_devices
+def test_without_pallas_triton_hopper_still_fuses_and_ampere_falls_back(monkeypatch):
+    """As a jax without ``jax.experimental.pallas.triton`` would have it."""
+
+    def gone():
+        raise ImportError("No module named 'jax.experimental.pallas.triton'")
+
+    monkeypatch.setattr(targets, "pallas_triton", gone)
+    plan = explain_on(H100, SIN, X1)
+    assert plan.engine == "pallas" and plan.block_backend == "mosaic_gpu", plan
+    assert "the backward kernel is Pallas Triton's: Pallas Triton is missing" in plan.backward
+    assert "triton" not in lowered_on(H100, SIN, X1)
+    ampere = explain_on(A100, SIN, X1)
+    assert ampere.engine == "scan", ampere
+    assert "Pallas Triton is missing from this jax" in str(ampere)
+    assert "compute capability 9.0" in str(ampere)
+
+
+def test_gpu_backend_option_is_checked(monkeypatch):
+    with (
+        pytest.raises(ValueError, match=r"gpu_backend='cutlass' is not one of"),
+        ajm.config(gpu_backend="cutlass"),
+    ):
+        pass
+    monkeypatch.setenv("ADV_JAX_MATH_GPU_BACKEND", "Triton")
+    assert ajm.config  # the variable is read when no config block is active
+    from adv_jax_math.core.config import current
+
+    assert current().gpu_backend == "triton"
+    monkeypatch.setenv("ADV_JAX_MATH_GPU_BACKEND", "wgmma")
+    with pytest.raises(ValueError, match=r"ADV_JAX_MATH_GPU_BACKEND='wgmma' is not accepted"):
+        current()
