@@ -79,7 +79,7 @@ test-asan: $(VENV)/.installed
 # two compile-only venvs (CUDA plugin, libtpu) pinned to .venv's jax, every case
 # compiled through the public batch_map per target and checked, and the README's
 # compile and roofline tables regenerated. ACCEL_FLAGS=--quick compiles the quick subset.
-ACCEL_TARGETS ?= h100 h200 a100 v5e v6e v5p v4
+ACCEL_TARGETS ?= h100 h200 b200 a100 v5e v6e v5p v4
 ACCEL_FLAGS ?=
 ACCEL_OUT ?= bench/results/accel
 test-accel: $(VENV)/.installed

@@ -20,7 +20,10 @@ tests). Workloads, from ``workloads``:
     attention, forward and ``value_and_grad`` w.r.t. q, k and v, ``ajm.pairwise``
     against ``jax.nn.dot_product_attention`` (XLA; on a GPU also cuDNN's, bfloat16),
     k-NN top-8 at D = 128 and Sinkhorn's logsumexp at D = 64 against the dense XLA
-    expression (``--full``: the whole grid, else its quick subset).
+    expression (``--full``: the whole grid, else its quick subset);
+(f) ``--gpu-backends`` (alone): the fused kernel built by Pallas Mosaic GPU against
+    Pallas Triton's (``config(gpu_backend=...)``) on the workloads of (a), the ones
+    Mosaic GPU takes (one value per row), next to the scan engine.
 
 Engines: ``fused`` (the kernel alone: ``batch_size = n`` under ``backend="pallas"``,
 so the block is the engine's own choice, printed from ``explain``),
@@ -262,6 +265,40 @@ def matrix_units(*, interpret: bool, reps: int, full: bool) -> None:
                 )
 
 
+def gpu_backends(*, interpret: bool, peak: float, reps: int) -> None:
+    """(f): the same fused kernel from Mosaic GPU and from Triton, forced in turn."""
+    kernel = "interpret" if interpret else "pallas"
+    n = 1 << (12 if interpret else 28)
+    print("\n## Pallas Mosaic GPU against Pallas Triton (the fused kernel alone)")
+    print("| workload | backend | block | ms | GB/s | of peak | max rel err |")
+    print("|---|---|---|---|---|---|---|")
+    for w in (ADD_ONE, ADD_ONE_LOGSUMEXP):
+        params, x = w.inputs(n)
+        nbytes = sum(a.nbytes for a in jax.tree.leaves((params, x)))
+        reference = measure(w.oracle(), (params, x), repeats=1, warmup=1).out
+        for gpu in ("mosaic_gpu", "triton", "scan"):
+            options = {"backend": "scan"} if gpu == "scan" else {"backend": kernel}
+            options.update({} if gpu == "scan" else {"gpu_backend": gpu})
+
+            def run(fun, x, batch_size, options=options, **reduce):
+                with ajm.config(**options):  # read while tracing
+                    return ajm.batch_map(fun, x, batch_size, **reduce)
+
+            try:
+                with ajm.config(**options):
+                    block = w.explain(params, x).block_rows or "-"
+                m = measure(w.program(run, n), (params, x), repeats=reps, warmup=2)
+            except Exception as e:  # one backend failing is a result too
+                print(f"| {w.name} | {gpu} | failed: {type(e).__name__}: {str(e)[:160]} |")
+                continue
+            rate = nbytes / m.time.median
+            print(
+                f"| {w.name} | {gpu} | {block} | {m.time.median * 1e3:.3f} | {rate / 1e9:.1f} "
+                f"| {rate / peak:.1%} | {max_rel_error(m.out, reference):.1e} |",
+                flush=True,
+            )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--interpret", action="store_true", help="tiny sizes, interpret mode")
@@ -270,6 +307,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--matmul", action="store_true", help="only (e), the matrix units")
     parser.add_argument("--full", action="store_true", help="(e): the whole grid")
+    parser.add_argument("--gpu-backends", action="store_true", help="only (f)")
     args = parser.parse_args()
     if not args.interpret and jax.default_backend() not in ("gpu", "tpu"):
         raise SystemExit(f"no GPU or TPU: jax.devices() = {jax.devices()}; use --interpret")
@@ -278,6 +316,9 @@ def main() -> None:
     common = {"interpret": args.interpret, "peak": peak, "reps": args.reps}
     if args.matmul:  # (e) alone: device_check*.sh run it as a step of its own
         matrix_units(interpret=args.interpret, reps=args.reps, full=args.full)
+        return
+    if args.gpu_backends:  # (f) alone, as (e)
+        gpu_backends(interpret=args.interpret, peak=peak, reps=args.reps)
         return
 
     # (a) x + 1 reduced over 1 GiB of float32, chunks of 1/16 of it

@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# Check the fused Pallas engine on a machine with an NVIDIA GPU, in under 12 minutes
-# (each step has its own time limit: 150 + 60 + 150 + 100 + 240 s at most):
+# Check the fused Pallas engine on a machine with an NVIDIA GPU, in under 13 minutes
+# (each step has its own time limit: 150 + 60 + 150 + 100 + 240 + 60 s at most):
 #   1. a venv with the CUDA build of jax matching the project's jax version,
 #   2. this package installed into it,
 #   3. the kernel tests on the real device (tests/test_accelerator.py, test_kernel.py),
 #   4. bench/device_check.py: fused kernel vs scan engine vs plain XLA,
 #   5. bench/device_check.py --matmul: issue 41's matrix-unit cases (attention forward
 #      and value_and_grad against jax.nn.dot_product_attention, XLA and cuDNN; k-NN
-#      top-8 at D = 128; Sinkhorn at D = 64).
+#      top-8 at D = 128; Sinkhorn at D = 64),
+#   6. bench/device_check.py --gpu-backends: the fused kernel from Mosaic GPU against
+#      Triton's (Hopper and newer; elsewhere Mosaic GPU's row says why it declined).
 #
 # Usage (from anywhere): bash bench/device_check.sh [device_check.py options]
 # Environment:
@@ -81,5 +83,7 @@ log "benchmarks"
 timeout -k 10 100 "$VPY" bench/device_check.py "$@" || STATUS=$?
 log "matrix-unit cases (issue 41)"
 timeout -k 10 240 "$VPY" bench/device_check.py --matmul "$@" || STATUS=$?
+log "Pallas Mosaic GPU against Pallas Triton (issue 42)"
+timeout -k 10 60 "$VPY" bench/device_check.py --gpu-backends "$@" || STATUS=$?
 log "done (exit status $STATUS)"
 exit "$STATUS"

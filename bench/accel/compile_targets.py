@@ -35,6 +35,7 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "0")
 os.environ.setdefault("TF_CPP_VMODULE", "nvjitlink=3")
+os.environ.setdefault("MOSAIC_GPU_DUMP_PTXAS", "1")  # Mosaic GPU's ptxas info, on fd 1
 os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-4")
 os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
 os.environ.setdefault("TPU_WORKER_ID", "0")
@@ -60,6 +61,7 @@ import numpy as np
 from cases import map_reduce as case_lib
 from kinds import KINDS
 
+from adv_jax_math.core.devices import DEVICES
 from adv_jax_math.kernels.fused_reduce.backward import BACKWARD_NAME as BACKWARD
 
 warnings.filterwarnings("ignore", "The Pallas Triton backend is deprecated")
@@ -69,10 +71,24 @@ warnings.filterwarnings("ignore", "The Pallas Triton backend is deprecated")
 # --------------------------------------------------------------------------- #
 
 _WHILE = re.compile(r"\bwhile\(")
-MARKERS = {"gpu": ("__gpu$xla.gpu.triton", "triton_kernel_call"), "tpu": ("tpu_custom_call",)}
+MARKERS = {
+    "gpu": ("__gpu$xla.gpu.triton", "triton_kernel_call", "mosaic_gpu"),  # Triton, Mosaic GPU
+    "tpu": ("tpu_custom_call",),
+}
 # One jitted function compiled for two device kinds in one process: target -> (the
 # other target, compiled before and after it; the case whose plan differs or not).
 PAIRS = {"v4": ("v5e", "issue_mixture_rows"), "a100": ("h100", "issue_field")}
+
+
+@contextlib.contextmanager
+def on_target(mesh, platform: str):
+    """``jax.set_mesh(mesh)``; on a GPU its device the default too: Mosaic GPU compiles
+    for the default device's architecture (sm_90 for every GPU else, DESIGN.md §10)."""
+    gpu = (
+        jax.default_device(mesh.devices.flat[0]) if platform == "gpu" else contextlib.nullcontext()
+    )
+    with jax.set_mesh(mesh), gpu:
+        yield
 
 
 def platform_of(target: str) -> str:
@@ -102,19 +118,24 @@ def make_mesh(target: str):
 
 
 @contextlib.contextmanager
-def capture_fd2():
-    """Redirect file descriptor 2 to a temp file; yields a dict filled with 'text'."""
+def capture_logs():
+    """Redirect file descriptors 1 and 2 (XLA's C++ log; Mosaic GPU's ptxas dump) to a
+    temp file; yields a dict filled with 'text'."""
     box = {"text": ""}
+    sys.stdout.flush()
     sys.stderr.flush()
-    saved = os.dup(2)
+    saved = {fd: os.dup(fd) for fd in (1, 2)}
     with tempfile.TemporaryFile(mode="w+b") as tmp:
-        os.dup2(tmp.fileno(), 2)
+        for fd in saved:
+            os.dup2(tmp.fileno(), fd)
         try:
             yield box
         finally:
+            sys.stdout.flush()
             sys.stderr.flush()
-            os.dup2(saved, 2)
-            os.close(saved)
+            for fd, copy in saved.items():
+                os.dup2(copy, fd)
+                os.close(copy)
             tmp.seek(0)
             box["text"] = tmp.read().decode("utf-8", "replace")
 
@@ -130,7 +151,8 @@ _INFO_USED = re.compile(
 
 
 def parse_ptxas(text: str, kernel: str = "adv_jax_math_fused_reduce") -> list[dict]:
-    """ptxas figures of every compiled copy of ``kernel`` in nvJitLink's info log.
+    """ptxas figures of every compiled copy of ``kernel`` in nvJitLink's info log (and
+    Mosaic GPU's ptxas dump, where it is ``{kernel}_mosaic_gpu_kernel``).
 
     The log has, per function, a ptxas block (``Function properties for K`` /
     ``N bytes stack frame, S bytes spill stores, L bytes spill loads`` / ``Used R
@@ -142,7 +164,7 @@ def parse_ptxas(text: str, kernel: str = "adv_jax_math_fused_reduce") -> list[di
         m = _PTXAS_FN.search(line)
         if m:
             mode = None
-            if m.group(1) == kernel:
+            if m.group(1) in (kernel, f"{kernel}_mosaic_gpu_kernel"):
                 mode = "ptxas" if line.lstrip().startswith("ptxas") else "info"
                 if mode == "ptxas":
                     found.append({})
@@ -281,7 +303,7 @@ def compile_fn(fn, args, platform: str, jitted=None) -> dict:
     rec: dict = {}
     jitted = jitted or jax.jit(fn)
     t0 = time.perf_counter()
-    with capture_fd2() as log:
+    with capture_logs() as log:
         try:
             lowered = jitted.lower(*args)
             lowered_text = lowered.as_text()
@@ -354,7 +376,7 @@ def run_case(case: case_lib.Case, mesh, platform: str) -> dict:
     rec: dict = {"case": case.name, "grad": case.grad, "expect": case.expect}
     ctx = jax.enable_x64(True) if case.x64 else contextlib.nullcontext()
     try:
-        with ctx, jax.set_mesh(mesh):
+        with ctx, on_target(mesh, platform):
             rec.update(compile_fn(case.program(), (case.params, case.inputs), platform))
             try:
                 rec["explain"] = explain_case(case)
@@ -414,7 +436,7 @@ def check(rec: dict, target: str) -> list[str]:
     in the program exactly when explain() chose the fused engine; a gradient case
     that takes the forward kernel must hold the backward kernel and no while loop
     (v4 may fall back); a case may require the kernel, or a fallback with the
-    compiler's message, on given targets."""
+    compiler's message, on given targets, or Mosaic GPU's kernel on GPUs that have it."""
     case = case_lib.BY_NAME[rec["case"]]
     engine = rec.get("explain", {}).get("backend")
     kernel = bool(rec.get("kernel_in_compiled") or rec.get("kernel_in_lowered"))
@@ -443,6 +465,11 @@ def check(rec: dict, target: str) -> list[str]:
             f"value_and_grad must hold the backward kernel and no while loop on {target}: "
             f"{backward or 'no backward kernel'}"
         )
+    gpu = DEVICES[KINDS[target]].gpu
+    if case.mosaic_gpu and gpu is not None and engine == "pallas":
+        want = "Pallas Mosaic GPU" if gpu.capability >= (9, 0) else "Pallas Triton"
+        if f"({want}" not in reason:
+            problems.append(f"must take {want}'s kernel on {target}: {reason}")
     need = case.fallback_on.get(target)
     if need and (engine != "scan" or need not in rec["explain"].get("reason", "")):
         problems.append(f"must fall back with {need!r} on {target}: {rec['explain'].get('reason')}")
@@ -487,7 +514,7 @@ def run_pair(target: str) -> list[str]:
     for t in (other, target, other):
         platform, mesh = meshes[t]
         before = len(traces)
-        with jax.set_mesh(mesh):
+        with on_target(mesh, platform):
             rec = compile_fn(None, (case.inputs,), platform, jitted=jitted)
             rec.update(case=name, explain=explain_case(case))
         kinds.append(sorted(set(traces[before:])))

@@ -49,7 +49,9 @@ if [[ -z "${PYTHON:-}" ]]; then
 fi
 WHEEL_CACHE="${WHEEL_CACHE:-$ROOT/bench/.cache/accel-wheels}"
 
-GPU_SPEC=("jax==$V" "jaxlib==$V" "jax-cuda12-plugin==$V" "jax-cuda12-pjrt==$V" "nvidia-nvjitlink-cu12")
+# nvidia-cuda-nvcc-cu12: libdevice and ptxas for Mosaic GPU's compiles (DESIGN.md §10).
+GPU_SPEC=("jax==$V" "jaxlib==$V" "jax-cuda12-plugin==$V" "jax-cuda12-pjrt==$V" "nvidia-nvjitlink-cu12"
+  "nvidia-cuda-nvcc-cu12")
 TPU_SPEC=("jax[tpu]==$V")
 
 # The host's pip config may point at a local mirror with older jax only; PyPI is

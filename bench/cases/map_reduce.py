@@ -63,6 +63,8 @@ class Case:
         ``jax.value_and_grad`` of the sum of the outputs w.r.t. those arguments.
     loc : the mean of the floats :meth:`arrays` draws (``loc + N(0, 1)``).
     expect : what tests/test_lowering.py (or the issue) says, for the report only.
+    mosaic_gpu : one value per row: Pallas Mosaic GPU's kernel on Hopper and newer
+        (compute capability >= 9.0), Triton's on older GPUs.
     """
 
     name: str
@@ -77,6 +79,7 @@ class Case:
     expect: str = ""
     kernel_on: tuple[str, ...] = ()
     fallback_on: dict[str, str] = dataclasses.field(default_factory=dict)
+    mosaic_gpu: bool = False
 
     @property
     def x64(self) -> bool:
@@ -248,7 +251,9 @@ def vg(case: Case, **changes) -> Case:
 
 CASES: list[Case] = [
     # --- tests/test_lowering.py table -------------------------------- #
-    Case("test_elementwise_1d", jnp.sin, S((4096,), F32), 1024, LSE_ALL, quick=True),
+    Case(
+        "test_elementwise_1d", jnp.sin, S((4096,), F32), 1024, LSE_ALL, quick=True, mosaic_gpu=True
+    ),
     Case(
         "test_2p25_rows_looped",
         lambda x: x + 1.0,
