@@ -36,10 +36,11 @@ def _capability(kind: str) -> tuple[int, int] | None:
         return spec.gpu.capability
     mesh = compile_mesh("cuda")
     device = None if mesh is None else mesh.devices.flat[0]
-    if getattr(device, "device_kind", None) == kind and getattr(device, "compute_capability", None):
-        major, minor = str(device.compute_capability).split(".")[:2]
-        return int(major), int(minor)
-    return None
+    found = getattr(device, "compute_capability", None)
+    if getattr(device, "device_kind", None) != kind or not found:
+        return None
+    major, minor = str(found).split(".")[:2]
+    return int(major), int(minor)
 
 
 def gpu_backends(kind: str, forced: str = "auto") -> list[tuple[str, str | None]]:
