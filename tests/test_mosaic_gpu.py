@@ -145,6 +145,9 @@ def test_hopper_falls_back_to_triton_with_mosaic_gpus_reason():
     assert plan.block_backend == "triton"
     floor = explain_on(H100, lambda x: jnp.floor(x * 3.0), X1)
     assert "Mosaic GPU has no lowering for floor (in fun)" in floor.reason, floor
+    with jax.sharding.use_abstract_mesh(abstract_mesh("cuda", H100)):
+        small = ajm.explain(SIN, X1, 64, reduction=jnp.add, chunk_reduction=lambda y: y.sum(0))
+    assert "Mosaic GPU blocks need at least 128 rows (a warpgroup's threads)" in small.reason
 
 
 @needs_abstract_devices
