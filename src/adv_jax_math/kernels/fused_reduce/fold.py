@@ -23,10 +23,10 @@ def partial_shape(aval: jax.ShapeDtypeStruct) -> tuple[int, ...]:
 
 
 def term_state(k: Any, term: Any, ys: Sequence[Any], first_row: Any, offset: Any) -> Any:
-    """One block's state of ``term`` (a ``kernel.Term`` of the kernel ``k``); rows past
-    ``n`` filled and weighted 0; ``offset``
-    is the global index of the kernel's first row. Row indices and weights have the
-    block's full shape (Mosaic cannot reshape a vector of rows into a column)."""
+    """One block's state of ``term`` (a ``kernel.Term`` of the kernel ``k``) whose first
+    row is ``first_row`` of the kernel's; rows past ``n`` filled and weighted 0;
+    ``offset`` is the global index of the kernel's first row. Row indices and weights
+    have the block's full shape (Mosaic cannot reshape a vector of rows into a column)."""
     src = [ys[s] for s in term.leaf.sources]
     row = lambda y: first_row + lax.broadcasted_iota(jnp.int32, y.shape, 0)
     rows = row(src[0])

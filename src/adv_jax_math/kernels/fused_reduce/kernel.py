@@ -29,14 +29,7 @@ from .fold import partial_shape, term_state
 from .interpreter import evaluate
 from .mosaic_gpu import mosaic_gpu_call
 
-__all__ = [
-    "Kernel",
-    "Term",
-    "compiler_params",
-    "forward",
-    "kernel_const_aval",
-    "pallas_call",
-]
+__all__ = ["Kernel", "Term", "compiler_params", "forward", "kernel_const_aval", "pallas_call"]
 
 
 @dataclasses.dataclass(frozen=True)
