@@ -277,8 +277,9 @@ def gpu_backends(*, interpret: bool, peak: float, reps: int) -> None:
         nbytes = sum(a.nbytes for a in jax.tree.leaves((params, x)))
         reference = measure(w.oracle(), (params, x), repeats=1, warmup=1).out
         for gpu in ("mosaic_gpu", "triton", "scan"):
-            options = {"backend": "scan"} if gpu == "scan" else {"backend": kernel}
-            options.update({} if gpu == "scan" else {"gpu_backend": gpu})
+            options = (
+                {"backend": "scan"} if gpu == "scan" else {"backend": kernel, "gpu_backend": gpu}
+            )
 
             def run(fun, x, batch_size, options=options, **reduce):
                 with ajm.config(**options):  # read while tracing

@@ -6,8 +6,8 @@ Set them for a block of code with :func:`config`, or for a process with the
 environment variables ``ADV_JAX_MATH_BACKEND``, ``ADV_JAX_MATH_REMAT``,
 ``ADV_JAX_MATH_NATIVE``, ``ADV_JAX_MATH_REMAINDER``, ``ADV_JAX_MATH_MEMORY_BUDGET``,
 ``ADV_JAX_MATH_AUTOTUNE_CACHE``, ``ADV_JAX_MATH_AUTOTUNE_GRAD``,
-``ADV_JAX_MATH_ROOFLINE``, ``ADV_JAX_MATH_PROGRESS`` and ``ADV_JAX_MATH_GPU_BACKEND`` (read when no
-:func:`config` block is active). A bad
+``ADV_JAX_MATH_ROOFLINE``, ``ADV_JAX_MATH_PROGRESS`` and ``ADV_JAX_MATH_GPU_BACKEND``
+(read when no :func:`config` block is active). A bad
 value raises an error naming the option (or the variable), the value given and
 what is accepted.
 """

@@ -129,7 +129,8 @@ MOSAIC_GPU_INTERPRETER = dataclasses.replace(
 
 def target(platform: str, backend: str | None = None) -> Target:
     """The target for ``platform``, for the device kind being compiled for; on
-    ``"cuda"``, ``backend`` ``"mosaic_gpu"`` or ``"triton"`` (the default)."""
+    ``"cuda"``, ``backend`` ``"mosaic_gpu"`` or ``"triton"`` (the default); on
+    ``"cpu"`` (interpret mode), ``"mosaic_gpu"`` is Mosaic GPU's interpreter."""
     try:
         base = TARGETS[PLATFORMS[platform]]
     except (KeyError, TypeError):
@@ -138,7 +139,7 @@ def target(platform: str, backend: str | None = None) -> Target:
             "('cpu' runs the kernel in interpret mode)"
         ) from None
     if base.platform == "cpu":
-        return base
+        return MOSAIC_GPU_INTERPRETER if backend == "mosaic_gpu" else base
     if backend == "mosaic_gpu" and base.platform == "cuda":
         base = MOSAIC_GPU
     return dataclasses.replace(base, device_kind=device_kind(base.platform))
@@ -265,12 +266,12 @@ def target_mesh(kind: str) -> jax.sharding.Mesh:
     ``"NVIDIA B200"``, ``"NVIDIA A100-SXM4-80GB"``, ``"TPU v4"``, ``"TPU v5 lite"``
     (v5e), ``"TPU v5"`` (v5p) or ``"TPU v6 lite"`` (v6e). The compiler must be
     installed (the jax CUDA plugin, or libtpu through ``jax[tpu]``); run with
-    ``JAX_PLATFORMS=cpu``. Use it
-    with ``jax.set_mesh``: :func:`adv_jax_math.explain` then plans for that device,
-    compiling the fused kernel for it, and ``jax.jit(...).lower(...).compile()``
-    compiles the whole call. On a GPU, make its device the default too
-    (``jax.default_device(mesh.devices.flat[0])``): Mosaic GPU kernels are compiled for
-    the default device's architecture, and for Hopper's when it is not a GPU.
+    ``JAX_PLATFORMS=cpu``. Use it with ``jax.set_mesh``: :func:`adv_jax_math.explain`
+    then plans for that device, compiling the fused kernel for it, and
+    ``jax.jit(...).lower(...).compile()`` compiles the whole call. On a GPU, make its
+    device the default too (``jax.default_device(mesh.devices.flat[0])``): Mosaic GPU
+    kernels are compiled for the default device's architecture, and for Hopper's when
+    it is not a GPU.
     """
     platform = "tpu" if kind in TPU_TOPOLOGIES else "cuda" if kind in GPU_SPECS else None
     if platform is None:

@@ -118,7 +118,7 @@ def device_states(
             w = None
             if m % bj or whole:
                 src, w = leaf.monoid.without(src, kept, keep)
-            if layout.interpret:  # once, as in a kernel (see fused_reduce.kernel._term_state)
+            if layout.interpret:  # once, as in a kernel (see fused_reduce.fold.term_state)
                 src = list(lax.optimization_barrier(src))
             return leaf.fold_into(into, src, j.astype(index_dtype()), w, native, fast)
 

@@ -49,7 +49,7 @@ def block_terms(
 
 def fold_jaxpr(term: Term, rows: int) -> Any:
     """One block's fold of ``term`` as the kernel runs it: row indices and weights at
-    the block's full shape (``kernel.term_state``)."""
+    the block's full shape (``fold.term_state``)."""
     monoid = term.leaf.monoid
     block = [jax.ShapeDtypeStruct((rows, *it.shape), it.dtype) for it in term.items]
 

@@ -34,7 +34,6 @@ from ...core import config as _config
 from ...core.gpu_backends import gpu_backends, mosaic_gpu_problem
 from ...core.targets import (
     KERNEL_NAME,
-    MOSAIC_GPU_INTERPRETER,
     PLATFORMS,
     TPU_F32_MATH,
     Target,
@@ -103,7 +102,7 @@ def kernel_targets(platform: str) -> list[tuple[Target, str | None]]:
     forced = _config.current().gpu_backend
     if PLATFORMS.get(platform) == "cpu":
         if forced == "mosaic_gpu":
-            return [(MOSAIC_GPU_INTERPRETER, mosaic_gpu_problem())]
+            return [(target("cpu", "mosaic_gpu"), mosaic_gpu_problem())]
         return [(target("cpu"), None)]
     tgt = target(platform)
     if tgt.platform != "cuda":
@@ -313,10 +312,7 @@ def fused_states(
     (:attr:`Check.backend`; ``"mosaic_gpu"`` interpreted too). ``offset``, an int or
     traced, is the global index of the first row (row indices of ARGMIN, top-k).
     """
-    if backend == "mosaic_gpu" and interpret:
-        tgt = MOSAIC_GPU_INTERPRETER
-    else:
-        tgt = target("cpu" if interpret else platform or jax.default_backend(), backend)
+    tgt = target("cpu" if interpret else platform or jax.default_backend(), backend)
     if tgt.triton:
         silence_triton_deprecation()
     leaves = jax.tree.leaves(xs)
