@@ -1,8 +1,8 @@
 """The fused kernel on Pallas Mosaic GPU (``kernels/fused_reduce/mosaic_gpu.py``).
 
 Numerics in Mosaic GPU's own CPU interpreter against plain-JAX oracles (ragged rows,
-several blocks per program, closed-over constants, the rewrites of what Mosaic GPU does
-not lower); the backend chain on CUDA GPUs (Mosaic GPU from compute capability 9.0,
+rows of features taken feature by feature, several blocks per program, closed-over
+constants, the rewrites of what Mosaic GPU does not lower); the backend chain on CUDA GPUs (Mosaic GPU from compute capability 9.0,
 then Triton, each step's reason in ``explain``), lowered for abstract H100 and A100
 devices; and the GPU path with Pallas Triton gone, as a future jax will have it.
 Compiles for real targets: ``bench/accel/compile_targets.py`` (``make test-accel``).
@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from cases import plain_pair
 from helpers import assert_tree_close, needs_abstract_devices, needs_kernel, normal, oracle
 
 import adv_jax_math as ajm
@@ -79,6 +80,35 @@ def test_several_blocks_per_program_and_a_global_row_offset():
     assert float(value) == float(jnp.min(y)) and int(index) == int(jnp.argmin(y)) + 7
 
 
+W3 = jnp.array([0.5, -1.0, 2.0], jnp.float32)
+
+
+@pytest.mark.parametrize(
+    ("name", "fun", "x", "monoid", "axis"),
+    [
+        ("rows of 3", lambda x: jnp.sin(x) * W3, (3001, 3), "add", 0),
+        ("2x4 max", lambda x: jnp.cos(x) + x * x, (517, 2, 4), "max", 0),
+        ("norms", lambda x: jnp.sqrt(jnp.sum(x * x, axis=-1)), (1000, 5), "logsumexp", 0),
+        ("outer", lambda x: x[:, :, None] * x[:, None, :], (700, 3), "min", 0),
+        ("everything", lambda x: jnp.tanh(x) - W3, (999, 3), "logsumexp", None),
+        ("pytree", lambda t: (t[0] * t[1][:, None], t[1] + 1), ((1300, 3), (1300,)), "add", 0),
+    ],
+)
+def test_rows_of_features_go_feature_by_feature(name, fun, x, monoid, axis):
+    """Inputs of several values per row reach the kernel as one vector of rows per
+    feature; ``fun`` runs on them with its own axes unrolled (reshapes, broadcasts,
+    sums over features, closed-over vectors), each element folded on its own."""
+    is_leaf = lambda s: isinstance(s, tuple) and all(isinstance(d, int) for d in s)
+    xs = jax.tree.map(lambda s: normal(len(s), s), x, is_leaf=is_leaf)
+    reduction, chunk = plain_pair(monoid, axis)
+    call = lambda x: ajm.batch_map(fun, x, 256, reduction=reduction, chunk_reduction=chunk)
+    with ajm.config(backend="interpret", gpu_backend="mosaic_gpu"):
+        plan = ajm.explain(fun, xs, 256, reduction=reduction, chunk_reduction=chunk)
+        got = jax.jit(call)(xs)
+    assert plan.engine == "interpret" and "Pallas Mosaic GPU interpreter" in plan.reason, plan
+    assert_tree_close(got, oracle(monoid, axis)(fun(xs)), rtol=3e-6, atol=3e-6)
+
+
 def test_closed_over_constants_and_rewritten_operations():
     """A scalar ``fun`` closes over reaches the kernel; ``log1p``, ``expm1``,
     ``isfinite`` and ``logaddexp`` (none lowered by Mosaic GPU) run rewritten."""
@@ -135,14 +165,35 @@ def test_hopper_takes_mosaic_gpu_and_lowers_to_its_custom_call():
 
 
 @needs_abstract_devices
-def test_hopper_falls_back_to_triton_with_mosaic_gpus_reason():
-    """(N, 4) blocks fail Mosaic GPU's layout inference (DESIGN.md §10): Triton, and
-    explain says why not Mosaic GPU."""
+def test_hopper_takes_rows_of_features_feature_by_feature():
+    """(N, 4) blocks fail Mosaic GPU's layout inference (DESIGN.md §10): the kernel
+    takes the 4 features as 4 vectors of rows, split in XLA before it."""
     plan = explain_on(H100, lambda x: jnp.sin(x) * 2.0, X2)
-    assert "(Pallas Triton" in plan.reason, plan
-    why = "Pallas Mosaic GPU not used: Mosaic GPU lowers one value per row, but fun holds "
-    assert why in plan.reason and "float32[Bk, 4]" in plan.reason, plan.reason
-    assert plan.block_backend == "triton"
+    assert plan.block_backend == "mosaic_gpu" and "(Pallas Mosaic GPU" in plan.reason, plan
+    text = lowered_on(H100, lambda x: jnp.sin(x) * 2.0, X2)
+    assert "mosaic_gpu" in text and "triton" not in text
+
+
+@needs_abstract_devices
+def test_rows_of_three_fuse_on_hopper_not_on_ampere():
+    """Triton needs power-of-two arrays; Mosaic GPU's features are vectors of rows."""
+    x3 = jax.ShapeDtypeStruct((100003, 3), jnp.float32)
+    assert explain_on(H100, jnp.sin, x3).block_backend == "mosaic_gpu"
+    ampere = explain_on(A100, jnp.sin, x3)
+    assert ampere.engine == "scan" and "power-of-two size" in ampere.reason, ampere
+
+
+@needs_abstract_devices
+def test_hopper_falls_back_to_triton_with_mosaic_gpus_reason():
+    """What the Mosaic GPU kernel does not take goes to Triton, and explain says why."""
+    outer = lambda x: x[:, :, None] * x[:, None, :]
+    wide = explain_on(H100, outer, jax.ShapeDtypeStruct((4099, 16), jnp.float32))
+    assert "(Pallas Triton" in wide.reason and wide.block_backend == "triton", wide
+    why = "Pallas Mosaic GPU not used: Mosaic GPU lowers one value per row, so fun's blocks go "
+    assert why in wide.reason, wide.reason
+    assert "up to 64 values per row, but fun holds float32[Bk, 16, 16]" in wide.reason
+    mixed = explain_on(H100, lambda x: x - jnp.mean(x), X2)  # the block's mean: not row by row
+    assert "only when fun works row by row" in mixed.reason and "(Pallas Triton" in mixed.reason
     floor = explain_on(H100, lambda x: jnp.floor(x * 3.0), X1)
     assert "Mosaic GPU has no lowering for floor (in fun)" in floor.reason, floor
     with jax.sharding.use_abstract_mesh(abstract_mesh("cuda", H100)):

@@ -63,8 +63,9 @@ class Case:
         ``jax.value_and_grad`` of the sum of the outputs w.r.t. those arguments.
     loc : the mean of the floats :meth:`arrays` draws (``loc + N(0, 1)``).
     expect : what tests/test_lowering.py (or the issue) says, for the report only.
-    mosaic_gpu : one value per row: Pallas Mosaic GPU's kernel on Hopper and newer
-        (compute capability >= 9.0), Triton's on older GPUs.
+    mosaic_gpu : Pallas Mosaic GPU's kernel on Hopper and newer (compute capability
+        >= 9.0; ``fun`` row by row, feature by feature), Triton's on older GPUs
+        (``--check`` of ``bench/accel/compile_targets.py``).
     """
 
     name: str
@@ -251,9 +252,7 @@ def vg(case: Case, **changes) -> Case:
 
 CASES: list[Case] = [
     # --- tests/test_lowering.py table -------------------------------- #
-    Case(
-        "test_elementwise_1d", jnp.sin, S((4096,), F32), 1024, LSE_ALL, quick=True, mosaic_gpu=True
-    ),
+    Case("test_elementwise_1d", jnp.sin, S((4096,), F32), 1024, LSE_ALL, quick=True),
     Case(
         "test_2p25_rows_looped",
         lambda x: x + 1.0,
@@ -278,7 +277,14 @@ CASES: list[Case] = [
         2048,
         SUM0,
     ),
-    Case("test_n3_fallback", jnp.sin, S((1000, 3), F32), 256, LSE_ALL, expect="GPU: power-of-two"),
+    Case(
+        "test_n3_fallback",
+        jnp.sin,
+        S((1000, 3), F32),
+        256,
+        LSE_ALL,
+        expect="A100: power-of-two; Hopper: Mosaic GPU, feature by feature",
+    ),
     Case("test_f64", jnp.sin, S((1000, 4), jnp.float64), 256, LSE_ALL, expect="TPU: 64-bit"),
     Case(
         "test_sort",
@@ -596,6 +602,16 @@ CASES += [
     ),
 ]
 
+# The cases Pallas Mosaic GPU's kernel takes on Hopper and newer (row by row, at most
+# 64 values per row, blocks of at least 128 rows): in the deviceless H100 compile
+# these 12 of the 48 cases took it, the others Triton, each with its reason.
+MOSAIC_GPU = {
+    "test_elementwise_1d", "test_n48_max", "test_pytree_bf16_int", "test_n3_fallback",
+    "test_grad_params_lse", "test_grad_both_tanh", "issue_mixture", "desc_lambda_sum0",
+    "monoid_argmin_1d_bf16", "monoid_max_argmax_1d", "monoid_mean_var4", "monoid_var_ddof1_vg",
+}  # fmt: skip
+CASES = [dataclasses.replace(c, mosaic_gpu=c.name in MOSAIC_GPU) for c in CASES]
+
 # bench/bench_monoids.py's cases against plain JAX, at the issue's sizes (its quick run
 # and the tests take them smaller: Case.at): the 16 nearest and the nearest of 2^20
 # rows to 256 queries, softmax-weighted sums of 2^20 value rows (16 floats) by 64
@@ -635,7 +651,7 @@ LOWERING = {
     "test_n48_max": (None, None),
     "test_pytree_bf16_int": (None, None),
     "test_nbody_field_5000": (None, None),
-    "test_n3_fallback": ("power-of-two", None),
+    "test_n3_fallback": (None, None),  # H100: Mosaic GPU (A100: Triton's power-of-two)
     "test_f64": (None, "64-bit"),
     "test_sort": ("sort", "sort"),
     "test_slice": ("slice", None),

@@ -122,8 +122,9 @@ def _dot(eqn: Any, lhs: np.ndarray, rhs: np.ndarray) -> np.ndarray:
     return _built(prods.shape, lambda idx: jnp.asarray(prods[idx]).astype(dtype))
 
 
-def _structural(name: str, eqn: Any, args: list[np.ndarray]) -> np.ndarray | None:
+def _structural(name: str, eqn: Any, args: list[np.ndarray], rows: int | None) -> np.ndarray | None:
     p = eqn.params
+    collapsed = lambda shape: _collapsed(tuple(shape), rows)
     if name == "iota":  # constants: the indices along one axis
         return _built(p["shape"], lambda idx: np.asarray(idx[p["dimension"]], p["dtype"]))
     if not args:
@@ -132,13 +133,13 @@ def _structural(name: str, eqn: Any, args: list[np.ndarray]) -> np.ndarray | Non
     if name == "pad":
         return _pad(a, args[1][()], p["padding_config"])
     if name == "broadcast_in_dim":
-        shape, dims = tuple(p["shape"]), tuple(p["broadcast_dimensions"])
+        shape, dims = collapsed(p["shape"]), tuple(p["broadcast_dimensions"])
         expanded = a.reshape(
             [a.shape[dims.index(d)] if d in dims else 1 for d in range(len(shape))]
         )
         return np.broadcast_to(expanded, shape)
     if name == "reshape":
-        return a.reshape(tuple(p["new_sizes"]))
+        return a.reshape(collapsed(p["new_sizes"]))
     if name == "squeeze":
         return np.squeeze(a, axis=tuple(p["dimensions"]))
     if name == "expand_dims":
@@ -159,6 +160,11 @@ def _structural(name: str, eqn: Any, args: list[np.ndarray]) -> np.ndarray | Non
     if name == "rev":
         return np.flip(a, axis=tuple(p["dimensions"]))
     return None
+
+
+def _collapsed(shape: tuple[int, ...], rows: int | None) -> tuple[int, ...]:
+    """``shape`` with a leading block of ``rows`` rows as one (see :func:`evaluate`)."""
+    return (1, *shape[1:]) if rows is not None and shape[:1] == (rows,) else shape
 
 
 def _pad(a: np.ndarray, fill: Any, config: Sequence[tuple[int, int, int]]) -> np.ndarray:
@@ -234,10 +240,10 @@ def _barrier(objs: Sequence[np.ndarray]) -> list:
     return [_built(o.shape, lambda _: next(held)) for o in objs]
 
 
-def _fits(eqn: Any, ins: list) -> Any:
+def _fits(eqn: Any, rows: int | None) -> Any:
     """``subjaxpr(eqn)`` (calls are unrolled through) if ``eqn``'s outputs are small."""
     for v in eqn.outvars:
-        if int(np.prod(v.aval.shape, dtype=np.int64)) > MAX_ELEMENTS:
+        if int(np.prod(_collapsed(v.aval.shape, rows), dtype=np.int64)) > MAX_ELEMENTS:
             raise NotUnrolled(
                 f"{eqn.primitive.name} makes a per-pair array of shape {v.aval.shape}"
             )
@@ -245,12 +251,19 @@ def _fits(eqn: Any, ins: list) -> Any:
 
 
 def evaluate(
-    jaxpr: Any, consts: Sequence[np.ndarray], args: Sequence[np.ndarray], barriers: bool = False
+    jaxpr: Any,
+    consts: Sequence[np.ndarray],
+    args: Sequence[np.ndarray],
+    barriers: bool = False,
+    rows: int | None = None,
 ) -> list:
     """``jaxpr`` on object arrays (see the module docstring); returns object arrays.
     ``barriers``: an ``optimization_barrier`` holds its elements (plain XLA, interpret
     mode; a compiled kernel cannot lower one, and computes each value once anyway),
-    else it is dropped."""
+    else it is dropped. ``rows``: ``jaxpr`` is a row-local function traced on a block
+    of ``rows`` rows (``analysis.jaxpr_graph.row_local``) whose values of shape
+    ``(rows, *s)`` are object arrays of shape ``(1, *s)`` holding vectors of the
+    block's rows (the fused kernel on Mosaic GPU, ``fused_reduce.mosaic_gpu``)."""
 
     def rule(eqn: Any, invals: list) -> list:
         name = eqn.primitive.name
@@ -270,7 +283,7 @@ def evaluate(
         if name == "split":  # (a softmax-weighted sum's reverse pass)
             at = np.cumsum(eqn.params["sizes"])[:-1]
             return np.split(invals[0], at, eqn.params["axis"])
-        if (out := _structural(name, eqn, invals)) is not None:
+        if (out := _structural(name, eqn, invals, rows)) is not None:
             return [out]
         raise NotUnrolled(f"{name} is not unrolled over the per-pair axes")
 
@@ -279,4 +292,5 @@ def evaluate(
         return unstack(value, value.shape)
 
     const = lambda v, c: unstack(c, np.shape(c))
-    return walk(jaxpr, consts, args, rule, literal=literal, const=const, enter=_fits)
+    enter = lambda eqn, ins: _fits(eqn, rows)
+    return walk(jaxpr, consts, args, rule, literal=literal, const=const, enter=enter)

@@ -24,7 +24,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from ...core.linear import cotangent_for
-from ...core.targets import KERNEL_NAME
+from ...core.targets import KERNEL_NAME, silence_triton_deprecation
 from ...monoids.base import index_dtype
 from .interpreter import evaluate
 from .kernel import (
@@ -78,6 +78,8 @@ class Backward(Grid):
 
 
 def _pallas_call(k: Backward) -> Callable[..., Any]:
+    if k.target.triton:  # (the forward's may be Mosaic GPU's, which does not warn)
+        silence_triton_deprecation()
     nc, nx, nw = len(k.const_avals), len(k.in_avals), len(k.whole())
     ndx = len(k.x_idx)
     per_term_tree = jax.tree.structure(k.per_term)

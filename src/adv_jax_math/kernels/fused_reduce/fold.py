@@ -4,7 +4,7 @@ program's partial of a state in the kernel's outputs."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -22,13 +22,22 @@ def partial_shape(aval: jax.ShapeDtypeStruct) -> tuple[int, ...]:
     return (1, *(aval.shape or (1,)))
 
 
-def term_state(k: Any, term: Any, ys: Sequence[Any], first_row: Any, offset: Any) -> Any:
-    """One block's state of ``term`` (a ``kernel.Term`` of the kernel ``k``) whose first
-    row is ``first_row`` of the kernel's; rows past ``n`` filled and weighted 0;
-    ``offset`` is the global index of the kernel's first row. Row indices and weights
-    have the block's full shape (Mosaic cannot reshape a vector of rows into a column)."""
+def term_state(
+    k: Any,
+    term: Any,
+    ys: Sequence[Any] | Mapping[int, Any],
+    first_row: Any,
+    offset: Any,
+    iota: Callable[..., Any] = lax.broadcasted_iota,
+) -> Any:
+    """One block's state of ``term`` (a ``kernel.Term`` of the kernel ``k``; ``ys``:
+    ``fun``'s outputs on the block, by index) whose first row is ``first_row`` of the
+    kernel's; rows past ``n`` filled and weighted 0; ``offset`` is the global index of
+    the kernel's first row. Row indices and weights have the block's full shape (Mosaic
+    cannot reshape a vector of rows into a column), made by ``iota``
+    (``lax.broadcasted_iota``'s arguments; Mosaic GPU sets its layout)."""
     src = [ys[s] for s in term.leaf.sources]
-    row = lambda y: first_row + lax.broadcasted_iota(jnp.int32, y.shape, 0)
+    row = lambda y: first_row + iota(jnp.int32, y.shape, 0)
     rows = row(src[0])
     w = None
     if k.n % k.tile:

@@ -54,7 +54,8 @@ from .rules import (
     dtype_problem,
     empty_problem,
     held_across_reductions,
-    mosaic_gpu_jaxpr_problem,
+    mosaic_gpu_features_problem,
+    mosaic_gpu_missing,
     mosaic_problem,
     triton_size_problem,
 )
@@ -209,10 +210,7 @@ def _check(
         if problem:
             return Check(problem)
     if tgt.mosaic_gpu:
-        problem = mosaic_gpu_jaxpr_problem(closed.jaxpr, small, "fun")
-        for t in terms:
-            fold = fold_jaxpr(t, small).jaxpr
-            problem = problem or mosaic_gpu_jaxpr_problem(fold, small, f"{t.leaf.monoid!r}'s fold")
+        problem = _mosaic_gpu_problem(closed, small, reduction, out_shape, terms)
         if problem:
             return Check(problem)
     vmem = 0
@@ -254,6 +252,23 @@ def _check(
     return Check(
         verdict.problem, rows, steps, verdict.compiled, tgt.device_kind, vmem, block_trace, k, known
     )
+
+
+def _mosaic_gpu_problem(
+    closed: Any, rows: int, reduction: MonoidReduction, out_shape: list, terms: Any
+) -> str | None:
+    """Why the Mosaic GPU kernel cannot take ``fun`` (traced on ``rows`` rows), feature
+    by feature (``mosaic_gpu``): its rules, and operations of ``fun`` and of each
+    term's fold on one feature that Mosaic GPU does not lower."""
+    items = [(t.leaf.monoid, t.items, jax.tree.leaves(t.state)) for t in terms]
+    problem = mosaic_gpu_features_problem(closed, rows, items)
+    problem = problem or mosaic_gpu_missing(closed.jaxpr, "fun")
+    features = [jax.ShapeDtypeStruct((rows,), o.dtype) for o in out_shape]
+    for t in block_terms(reduction, features, rows):
+        problem = problem or mosaic_gpu_missing(
+            fold_jaxpr(t, rows).jaxpr, f"{t.leaf.monoid!r}'s fold"
+        )
+    return problem
 
 
 def reverse_blocks(

@@ -11,7 +11,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from ...analysis.jaxpr_graph import ELEMENTWISE, graph
+from ...analysis.jaxpr_graph import ELEMENTWISE, graph, row_local
 from ...core.targets import Target
 from ...core.trace import sub_jaxprs
 from .blocks import is_pow2, tpu_padded_bytes
@@ -23,7 +23,8 @@ __all__ = [
     "empty_problem",
     "held_across_reductions",
     "live_at_peak",
-    "mosaic_gpu_jaxpr_problem",
+    "mosaic_gpu_features_problem",
+    "mosaic_gpu_missing",
     "mosaic_problem",
     "triton_size_problem",
 ]
@@ -77,6 +78,8 @@ def dtype_problem(target: Target, dtypes: Sequence[Any], where: str) -> str | No
     for dt in map(np.dtype, dtypes):
         if jnp.issubdtype(dt, jnp.complexfloating):
             return f"{target.label} kernels do not support complex types ({dt.name} in {where})"
+        if target.mosaic_gpu and dt.itemsize == 8:  # (found at its compile, as a ValueError)
+            return f"Mosaic GPU's TMA copies take no 64-bit types ({dt.name} in {where})"
         if target.mosaic and dt.itemsize == 8:
             return (
                 f"TPU kernels do not support 64-bit types ({dt.name} in {where}); "
@@ -156,21 +159,52 @@ MOSAIC_GPU_MISSING = frozenset(
 )
 
 
-def mosaic_gpu_jaxpr_problem(jaxpr: Any, rows: int, where: str) -> str | None:
-    """What the Mosaic GPU kernel cannot take that the jaxpr shows, before anything is
-    lowered: an array of more than one value per row (its layout inference found no
-    solution for the ``(Bk, d)`` blocks tried, after 30-60 s of search on H100; one
-    value per row lowers, DESIGN.md §10), or an operation it has no lowering for."""
-    for aval in _all_avals(jaxpr):
-        shape = tuple(getattr(aval, "shape", ()))
-        if shape != (rows,) and math.prod(shape) != 1:
-            return (
-                f"Mosaic GPU lowers one value per row, but {where} holds "
-                f"{_fmt_shape(shape, aval.dtype, rows)} for a block of Bk rows"
-            )
+def mosaic_gpu_missing(jaxpr: Any, where: str) -> str | None:
+    """The first operation of ``jaxpr`` Mosaic GPU has no lowering for, as a reason."""
     for eqn in _eqns(jaxpr):
         if eqn.primitive.name in MOSAIC_GPU_MISSING:
             return f"Mosaic GPU has no lowering for {eqn.primitive.name} (in {where})"
+    return None
+
+
+# Values per row the Mosaic GPU kernel takes, each feature a vector of rows: its layout
+# inference found no solution for the (Bk, d) blocks tried, after 30-60 s of search on
+# H100, where one value per row lowers (DESIGN.md §10).
+MOSAIC_GPU_FEATURES = 64
+
+
+def mosaic_gpu_features_problem(closed: Any, rows: int, items: Sequence[Any]) -> str | None:
+    """Why the Mosaic GPU kernel cannot take ``fun`` (``closed``, traced on a block of
+    ``rows`` rows) feature by feature, each feature a vector of the block's rows
+    (``unrolled.evaluate`` with ``rows``), or None. ``items``: each term's items (one
+    row of each source) and state leaves. It needs ``fun`` to work row by row, at
+    most :data:`MOSAIC_GPU_FEATURES` values per row, constants without a row axis,
+    and each term to reduce every element of its items on its own (its sources of
+    one shape, its state of that shape: sums, extrema, logsumexp, moments)."""
+    why = "Mosaic GPU lowers one value per row, so fun's blocks go feature by feature"
+    if not row_local(closed, rows):
+        return f"{why} only when fun works row by row (elementwise, reshapes, sums over features)"
+    for aval in _all_avals(closed.jaxpr):
+        shape = tuple(getattr(aval, "shape", ()))
+        per_row = math.prod(shape[1:]) if shape[:1] == (rows,) else math.prod(shape)
+        if per_row > MOSAIC_GPU_FEATURES:
+            return (
+                f"{why} up to {MOSAIC_GPU_FEATURES} values per row, but fun holds "
+                f"{_fmt_shape(shape, aval.dtype, rows)}"
+            )
+    inputs = sum(math.prod(v.aval.shape[1:]) for v in closed.jaxpr.invars)
+    if inputs > MOSAIC_GPU_FEATURES:
+        return f"{why} up to {MOSAIC_GPU_FEATURES} input values per row, but fun reads {inputs}"
+    for c in closed.jaxpr.constvars:
+        if tuple(c.aval.shape[:1]) == (rows,):
+            return f"{why}, but a constant of fun has a leading axis of Bk = {rows}"
+    for monoid, sources, states in items:
+        shapes = {tuple(a.shape) for a in (*sources, *states)}
+        if len(shapes) > 1:
+            return (
+                f"{why} when each element is reduced on its own, but {monoid!r} reduces rows "
+                f"of shapes {sorted(shapes)} together"
+            )
     return None
 
 
