@@ -336,7 +336,8 @@ def compile_fn(fn, args, platform: str, jitted=None) -> dict:
                 rec["vmem"] = vmem
     rec["seconds"] = round(time.perf_counter() - t0, 2)
     if platform == "gpu":
-        rec["ptxas"] = parse_ptxas(log["text"])
+        backward = [dict(e, backward=True) for e in parse_ptxas(log["text"], BACKWARD)]
+        rec["ptxas"] = parse_ptxas(log["text"]) + backward
         if not rec.get("compiled"):
             legal = [ln for ln in log["text"].splitlines() if "error:" in ln]
             if legal:
@@ -401,7 +402,8 @@ def _ptx(rec: dict) -> str:
     if not p:
         return ""
     return ";".join(
-        f"{e.get('registers')}r/{e.get('spill_stores', 0)}+{e.get('spill_loads', 0)}sp"
+        ("b:" if e.get("backward") else "")
+        + f"{e.get('registers')}r/{e.get('spill_stores', 0)}+{e.get('spill_loads', 0)}sp"
         + (f"/{e['smem']}sm" if "smem" in e else "")
         for e in p
     )
@@ -470,6 +472,13 @@ def check(rec: dict, target: str) -> list[str]:
         want = "Pallas Mosaic GPU" if gpu.capability >= (9, 0) else "Pallas Triton"
         if f"({want}" not in reason:
             problems.append(f"must take {want}'s kernel on {target}: {reason}")
+        if case.grad and f"per program ({want})" not in backward:
+            problems.append(f"must take {want}'s backward kernel on {target}: {backward}")
+        spills = [
+            e for e in rec.get("ptxas") or [] if e.get("spill_stores") or e.get("spill_loads")
+        ]
+        if spills:
+            problems.append(f"{want}'s kernels must not spill on {target}: {spills}")
     need = case.fallback_on.get(target)
     if need and (engine != "scan" or need not in rec["explain"].get("reason", "")):
         problems.append(f"must fall back with {need!r} on {target}: {rec['explain'].get('reason')}")

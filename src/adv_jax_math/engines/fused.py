@@ -14,7 +14,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 from ..analysis import tangent
 from ..core import config as _config
 from ..core.sharding import Lanes
-from ..core.targets import target, triton_problem
+from ..core.targets import Target, target, triton_problem
 from ..kernels.fused_reduce.backward import float_positions, plan_reverse, run_reverse
 from ..kernels.fused_reduce.fused import check, fused_states, reverse_blocks
 from ..monoids.reduction import MonoidReduction
@@ -134,16 +134,54 @@ class FusedEngine(Engine):
         if not mesh.empty and AxisType.Explicit in tuple(mesh.axis_types):
             return "under a mesh with Explicit axes (no backward kernel in shard_map yet)", None, 0
         reduction, _ = _monoid(plan)
-        tgt = target("cpu" if self.interpret else plan.platform)
-        if tgt.platform == "cuda":  # the backward kernel is Triton's
-            if _config.current().gpu_backend == "mosaic_gpu":
-                return (
-                    "no backward kernel on Pallas Mosaic GPU yet (gpu_backend='mosaic_gpu')",
-                    None,
-                    0,
-                )
-            if (why := triton_problem()) is not None:
-                return f"the backward kernel is Pallas Triton's: {why}", None, 0
+        targets = self._reverse_targets(plan)
+        if isinstance(targets, str):
+            return targets, None, 0
+        reasons = []
+        for tgt in targets:
+            built, i = self._reverse_at(plan, xs, reduction, states, c_idx, x_idx, tgt)
+            if not isinstance(built, str):
+                break
+            reasons.append(built if len(targets) == 1 else f"{tgt.label} not used: {built}")
+        if isinstance(built, str):
+            return "; ".join(reasons), None, i
+        built = dataclasses.replace(built, declined=tuple(reasons))
+        d = None if self.interpret else roofline.device(tgt.device_kind)
+        if d is None:
+            return built, None, i
+        model = backward_costs(plan, xs, built, d)
+        options = _config.current()
+        if not model.kernel_wins and options.backend != self.name and options.roofline:
+            return f"the roofline model says the scan engine is faster: {model}", model, i
+        return built, model, i
+
+    def _reverse_targets(self, plan: Plan) -> list[Target] | str:
+        """The targets the backward kernel is tried for, in order: the forward's
+        backend first (Mosaic GPU's, then Triton's on a GPU), or why none."""
+        mosaic_gpu = plan.block_backend == "mosaic_gpu"
+        if self.interpret:
+            return [target("cpu", "mosaic_gpu" if mosaic_gpu else None)]
+        if target(plan.platform).platform != "cuda":
+            return [target(plan.platform)]
+        out = [target(plan.platform, "mosaic_gpu")] if mosaic_gpu else []
+        forced = _config.current().gpu_backend == "mosaic_gpu"
+        why = "gpu_backend='mosaic_gpu'" if forced else triton_problem()
+        if why is None:
+            out.append(target(plan.platform, "triton"))
+        return out or f"the backward kernel is Pallas Triton's: {why}"
+
+    def _reverse_at(
+        self,
+        plan: Plan,
+        xs: list,
+        reduction: Any,
+        states: list,
+        c_idx: list,
+        x_idx: list,
+        tgt: Target,
+    ) -> tuple[Any, int]:
+        """The reverse pass's kernels for ``tgt`` at the largest of ``plan``'s backward
+        blocks that compiles (or why none does), and which block."""
         blocks = _reverse_blocks(plan)
         reasons, lowered_only = [], False
         for i, (closed, out_shape, rows, steps) in enumerate(blocks):
@@ -167,19 +205,10 @@ class FusedEngine(Engine):
             if isinstance(built, str):
                 reasons.append(built)
             elif last or built.compiled:
-                break
+                return built, i
             else:  # no compiler for the target here: the model's block decides
                 lowered_only = True
-        if isinstance(built, str):
-            return "; ".join(reasons), None, i
-        d = None if self.interpret else roofline.device(tgt.device_kind)
-        if d is None:
-            return built, None, i
-        model = backward_costs(plan, xs, built, d)
-        options = _config.current()
-        if not model.kernel_wins and options.backend != self.name and options.roofline:
-            return f"the roofline model says the scan engine is faster: {model}", model, i
-        return built, model, i
+        return ("; ".join(reasons) if isinstance(built, str) else built), i
 
     def describe_reverse(self, plan: Plan, call: Call) -> Plan:
         """``plan`` with how reverse mode runs, with respect to every float input and
@@ -202,6 +231,7 @@ class FusedEngine(Engine):
             text = f"backward kernel, blocks of {k.rows} rows, {k.steps} per program"
             text += f" ({k.target.label})"
             text += " (the tied rows tallied first)" if built.tally else ""
+            text += "".join(f"; {why}" for why in built.declined)
         models = plan.roofline + ((model,) if model else ())
         return dataclasses.replace(plan, backward=text, roofline=models)
 

@@ -52,7 +52,7 @@ from .kernel import (
     partial_shape,
 )
 from .probe import probe
-from .rules import analyze, live_at_peak, triton_size_problem
+from .rules import analyze, live_at_peak, mosaic_gpu_missing, triton_size_problem
 
 __all__ = [
     "BACKWARD_NAME",
@@ -91,6 +91,7 @@ class ReverseKernels:
     kernel: Backward
     tally: tuple[Kernel, list[int]] | None  # the tallying kernel, the terms it tallies
     compiled: bool = False  # the backward kernel compiled for the target (not only lowered)
+    declined: tuple[str, ...] = ()  # targets tried before this one: "<label> not used: <why>"
 
 
 def plan_reverse(
@@ -144,6 +145,8 @@ def _problem(k: Backward, vmem_model: bool) -> str | None:
     """Why the backward kernel cannot run at its block, from its VJP's jaxpr."""
     if k.target.triton:
         return triton_size_problem(k.target, analyze(_vjp_jaxpr(k).jaxpr, k.rows), k.rows)
+    if k.target.mosaic_gpu:
+        return mosaic_gpu_missing(_vjp_jaxpr(k).jaxpr, "fun's VJP")
     if k.target.mosaic and vmem_model:
         fits = _tpu_rows(k)
         if isinstance(fits, str):

@@ -26,6 +26,7 @@ from jax.experimental import pallas as pl
 from ...core.linear import cotangent_for
 from ...core.targets import KERNEL_NAME, silence_triton_deprecation
 from ...monoids.base import index_dtype
+from .backward_mosaic_gpu import mosaic_gpu_backward
 from .interpreter import evaluate
 from .kernel import (
     Grid,
@@ -71,6 +72,8 @@ class Backward(Grid):
         return [offset, *consts, *self.in_avals, *map(kernel_const_aval, self.whole())]
 
     def call(self) -> Callable[..., Any]:
+        if self.target.mosaic_gpu:
+            return mosaic_gpu_backward(self, BACKWARD_NAME)
         return _pallas_call(self)
 
     def key(self) -> tuple:

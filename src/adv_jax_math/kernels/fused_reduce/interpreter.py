@@ -11,7 +11,7 @@ is computed outside, see ``analysis.tangent``). A call whose body has constants 
 bound as it is: a kernel captures no constants.
 
 Pallas Mosaic GPU (jax 0.12) lowers neither ``is_finite`` nor ``log1p`` (so neither
-``jnp.logaddexp``) nor ``expm1`` nor ``stop_gradient``: with ``portable``, they are
+``jnp.logaddexp``) nor ``expm1`` nor ``stop_gradient`` nor ``add_any``: with ``portable``, they are
 computed from operations it has (:data:`PORTABLE`), in ``fun`` and, through
 :func:`portable`, in the monoids' folds.
 
@@ -67,6 +67,7 @@ PORTABLE: dict[str, Callable[..., Any]] = {
     "log1p": _log1p,
     "expm1": _expm1,
     "stop_gradient": lambda x: x,  # the kernel is never differentiated
+    "add_any": jnp.add,  # (a VJP's sums of cotangents, in the backward kernel)
 }
 
 

@@ -22,6 +22,7 @@ are read element by element), and lowers neither ``is_finite`` nor
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from typing import Any
@@ -36,12 +37,12 @@ from ..unrolled import evaluate, objects
 from .fold import partial_shape, term_state
 from .interpreter import portable
 
-__all__ = ["mosaic_gpu_call"]
+__all__ = ["AXIS", "Features", "elements_of", "features", "mosaic_gpu_call"]
 
-_AXIS = "programs"
+AXIS = "programs"  # the grid axis of the programs
 
 
-def _elements(ref: Any, aval: Any) -> list:
+def elements_of(ref: Any, aval: Any) -> list:
     """A constant's elements (C order), each loaded on its own from its global-memory
     ref (``kernel.kernel_const_aval``: ``(1, 1)``, ``(1, n)`` or whole)."""
     at = lambda idx: idx if len(aval.shape) > 1 else (0, *idx) if idx else (0, 0)
@@ -49,10 +50,77 @@ def _elements(ref: Any, aval: Any) -> list:
     return [v != 0 for v in loaded] if aval.dtype == bool else loaded
 
 
-def _features(x: Any) -> list:
+def features(x: Any) -> list:
     """``x`` of shape ``(n, *s)`` as ``prod(s)`` vectors of its rows (in XLA)."""
     flat = x.reshape(x.shape[0], -1)
     return [flat[:, f] for f in range(flat.shape[1])]
+
+
+@dataclasses.dataclass(frozen=True)
+class Features:
+    """``fun`` (``k.jaxpr`` on blocks of ``k.rows`` rows, of inputs ``k.in_avals`` and
+    constants ``k.const_avals``) evaluated feature by feature in a Mosaic GPU kernel."""
+
+    k: Any
+
+    @property
+    def widths(self) -> list[int]:
+        """The features (vectors of rows) of each input."""
+        return [math.prod(a.shape[1:]) for a in self.k.in_avals]
+
+    @property
+    def layout(self) -> Any:
+        """Every vector of rows' layout, set by hand (Lane semantics): Warpgroup
+        semantics' layout inference searched 475 s on a 16-feature logsumexp. Each
+        of a warpgroup's 128 threads holds ``rows // 128`` rows."""
+        from jax.experimental.pallas import mosaic_gpu as plgpu
+
+        return plgpu.Layout.WG_STRIDED((self.k.rows,), vec_size=self.k.rows // 128)
+
+    def iota(self, dtype: Any, shape: Any, dim: int) -> Any:
+        """``lax.broadcasted_iota`` in :attr:`layout` (Lane semantics needs one)."""
+        from jax.experimental.pallas import mosaic_gpu as plgpu
+
+        return plgpu.broadcasted_iota(dtype, shape, dim, layout=self.layout)
+
+    def elements(self) -> list[tuple[Any, tuple]]:
+        """Every term's elements, each folded on its own (items of one shape:
+        ``rules.mosaic_gpu_features_problem``)."""
+        return [(t, cell) for t in self.k.terms for cell in np.ndindex(*t.items[0].shape)]
+
+    def outputs(self, consts: list, vectors: list) -> list[np.ndarray]:
+        """``fun``'s outputs as object arrays ``(1, *s)`` of vectors of rows, from each
+        constant's elements (lists) and every input's features (flat)."""
+        k, it = self.k, iter(vectors)
+        args = [
+            objects([next(it) for _ in range(w)], (1, *a.shape[1:]))
+            for w, a in zip(self.widths, k.in_avals, strict=True)
+        ]
+        cs = [objects(c, a.shape) for c, a in zip(consts, k.const_avals, strict=True)]
+        return evaluate(k.jaxpr, cs, args, rows=k.rows)
+
+    def row(self, e: Any, dtype: Any) -> Any:
+        """An element of an output as a vector of rows."""
+        return jnp.broadcast_to(jnp.asarray(e, dtype), (self.k.rows,))
+
+    def kernel(self, body: Callable[..., None], dtypes: list, name: str, **kw: Any) -> Any:
+        """``plgpu.kernel`` of ``body`` over the programs, writing one ``(1, 1)`` partial
+        per program of each of ``dtypes`` (after the outputs ``kw["out_type"]``, if any;
+        then come the refs of ``kw["scratch_types"]``)."""
+        from jax.experimental.pallas import mosaic_gpu as plgpu
+
+        k = self.k
+        partials = [jax.ShapeDtypeStruct((k.grid, 1, 1), d) for d in dtypes]
+        return plgpu.kernel(
+            body,
+            out_type=[*kw.pop("out_type", ()), *partials],
+            grid=(k.grid,),
+            grid_names=(AXIS,),
+            kernel_name=name,
+            interpret=plgpu.InterpretGPUParams() if k.interpret else None,
+            compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
+            scratch_types=kw.pop("scratch_types", ()),
+        )
 
 
 def mosaic_gpu_call(k: Any) -> Callable[..., Any]:
@@ -60,76 +128,52 @@ def mosaic_gpu_call(k: Any) -> Callable[..., Any]:
     outputs of ``kernel.pallas_call``'s."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    nc = len(k.const_avals)
-    widths = [math.prod(a.shape[1:]) for a in k.in_avals]
-    # Every term's elements, each folded on its own (items of one shape:
-    # rules.mosaic_gpu_features_problem), and the items of one element.
-    elements = [(t, cell) for t in k.terms for cell in np.ndindex(*t.items[0].shape)]
+    f, nc = Features(k), len(k.const_avals)
+    elements = f.elements()
     one = lambda t: [jax.ShapeDtypeStruct((), it.dtype) for it in t.items]
     init = lambda: [t.leaf.monoid.init(one(t)) for t, _ in elements]  # in the kernel: no capture
     tree = jax.tree.structure(jax.eval_shape(init))
-    # Layouts set by hand (Lane semantics): Warpgroup semantics' layout inference
-    # searched 475 s on a 16-feature logsumexp. Each thread holds rows // 128 rows.
-    layout = plgpu.Layout.WG_STRIDED((k.rows,), vec_size=k.rows // 128)
-    iota = lambda dtype, shape, dim: plgpu.broadcasted_iota(dtype, shape, dim, layout=layout)
 
     def fold(carry: list, vectors: list, consts: list, start: Any, offset: Any) -> list:
-        it = iter(vectors)
-        args = [
-            objects([next(it) for _ in range(w)], (1, *a.shape[1:]))
-            for w, a in zip(widths, k.in_avals, strict=True)
-        ]
-        cs = [objects(c, a.shape) for c, a in zip(consts, k.const_avals, strict=True)]
-        outs = evaluate(k.jaxpr, cs, args, rows=k.rows)
-        row = lambda e, dtype: jnp.broadcast_to(jnp.asarray(e, dtype), (k.rows,))
+        outs = f.outputs(consts, vectors)
         merged = []
         for (t, cell), acc in zip(elements, jax.tree.unflatten(tree, carry), strict=True):
             ys = {
-                s: row(outs[s][(0, *cell)], i.dtype)
+                s: f.row(outs[s][(0, *cell)], i.dtype)
                 for s, i in zip(t.leaf.sources, t.items, strict=True)
             }
-            state = term_state(k, t, ys, start, offset, iota)
+            state = term_state(k, t, ys, start, offset, f.iota)
             merged.append(t.leaf.monoid.merge(acc, state))
         return jax.tree.leaves(merged)
 
     def body(offset_ref: Any, *refs: Any) -> None:
-        c_refs, x_refs, o_refs = refs[:nc], refs[nc : nc + sum(widths)], refs[nc + sum(widths) :]
-        consts = [_elements(r, a) for r, a in zip(c_refs, k.const_avals, strict=True)]
-        offset, program = offset_ref[0, 0], lax.axis_index(_AXIS)
+        nx = sum(f.widths)
+        c_refs, x_refs, o_refs = refs[:nc], refs[nc : nc + nx], refs[nc + nx :]
+        consts = [elements_of(r, a) for r, a in zip(c_refs, k.const_avals, strict=True)]
+        offset, program = offset_ref[0, 0], lax.axis_index(AXIS)
 
         def step(index: tuple, *blocks: Any) -> list:
             *x_blocks, carry = blocks
             start = (program * k.steps + index[0]) * k.rows
-            vectors = [plgpu.load(b, layout=layout) for b in x_blocks]
+            vectors = [plgpu.load(b, layout=f.layout) for b in x_blocks]
             return portable(fold, carry, vectors, consts, start, offset)
 
         spec = plgpu.BlockSpec((k.rows,), lambda j: (program * k.steps + j,))
         pipeline = plgpu.emit_pipeline(
             step,
             grid=(k.steps,),
-            in_specs=[spec] * len(x_refs),
+            in_specs=[spec] * nx,
             init_carry=jax.tree.leaves(init()),
             max_concurrent_steps=min(2, k.steps),
         )
         for part, o_ref in zip(pipeline(*x_refs), o_refs, strict=True):
             o_ref[program] = part.reshape(o_ref.shape[1:]).astype(o_ref.dtype)
 
-    kernel = plgpu.kernel(
-        body,
-        out_type=[
-            jax.ShapeDtypeStruct((k.grid, 1, 1), a.dtype)
-            for a in jax.tree.leaves(jax.eval_shape(init))
-        ],
-        grid=(k.grid,),
-        grid_names=(_AXIS,),
-        kernel_name=KERNEL_NAME,
-        interpret=plgpu.InterpretGPUParams() if k.interpret else None,
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
-    )
+    kernel = f.kernel(body, [a.dtype for a in jax.tree.leaves(jax.eval_shape(init))], KERNEL_NAME)
 
     def call(first: Any, *args: Any) -> list:
         """``kernel``'s inputs split into features, its states stacked by term."""
-        parts = iter(kernel(first, *args[:nc], *(f for x in args[nc:] for f in _features(x))))
+        parts = iter(kernel(first, *args[:nc], *(v for x in args[nc:] for v in features(x))))
         per_element = [[next(parts) for _ in jax.tree.leaves(t.state)] for t, _ in elements]
         out = []
         for t in k.terms:
