@@ -200,6 +200,8 @@ def test_hopper_takes_rows_of_features_feature_by_feature():
     takes the 4 features as 4 vectors of rows, split in XLA before it."""
     plan = explain_on(H100, lambda x: jnp.sin(x) * 2.0, X2)
     assert plan.block_backend == "mosaic_gpu" and "(Pallas Mosaic GPU" in plan.reason, plan
+    assert "split into one vector of rows per feature in XLA first" in plan.reason
+    assert "split into" not in explain_on(H100, SIN, X1).reason  # one feature: nothing to split
     text = lowered_on(H100, lambda x: jnp.sin(x) * 2.0, X2)
     assert "mosaic_gpu" in text and "triton" not in text
 

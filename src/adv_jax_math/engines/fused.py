@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
@@ -25,6 +26,14 @@ from .fused_model import backward_costs, forward_costs
 from .registry import Engine
 
 __all__ = ["FusedEngine"]
+
+
+_SPLIT = ", the inputs split into one vector of rows per feature in XLA first (another pass)"
+
+
+def _features(xs: Any) -> bool:
+    """Whether an input has more than one value per row."""
+    return any(math.prod(x.shape[1:]) > 1 for x in jax.tree.leaves(xs))
 
 
 class FusedEngine(Engine):
@@ -94,6 +103,7 @@ class FusedEngine(Engine):
             engine=self.name,
             reason=f"fused Pallas kernel {where}, blocks of {verdict.rows} rows"
             + (f" (VMEM model: {verdict.vmem / 2**20:.1f} MiB)" if verdict.vmem else "")
+            + (_SPLIT if verdict.backend == "mosaic_gpu" and _features(call.xs) else "")
             + "".join(f"; {why}" for why in verdict.declined),
             block_rows=verdict.rows,
             block_steps=verdict.steps,

@@ -3,13 +3,13 @@
 The same :class:`~.backward_kernel.Backward` record and the same arithmetic as the
 Triton/TPU backward kernel (``backward_kernel``), built the way the Mosaic GPU forward
 kernel is (``mosaic_gpu``): feature by feature. XLA splits each input into vectors of
-rows; ``plgpu.emit_pipeline`` streams blocks of them in and the cotangents of the
-mapped inputs out (TMA both ways); ``fun`` runs unrolled over its own axes inside
-``jax.vjp``; each term's rows get their cotangents element by element
-(``Monoid.cotangent``, with the final state's element, or its scalar for a term over
-every axis); the cotangents of the constants (one per element) and the tallies' counts
-are carried through the pipeline and written per program, summed in XLA. Rows past
-``n`` are replaced by the program's first row before ``fun`` sees them.
+rows; ``plgpu.emit_pipeline`` streams blocks of them in, and each block's cotangents
+of the mapped inputs go out through shared memory (TMA both ways); ``fun`` runs
+unrolled over its own axes inside ``jax.vjp``; each term's rows get their cotangents
+element by element (``Monoid.cotangent``, with the final state's element, or its scalar
+for a term over every axis); the cotangents of the constants (one per element) and the
+tallies' counts are carried through the pipeline and written per program, summed in
+XLA. Rows past ``n`` are replaced by the program's first row before ``fun`` sees them.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -103,23 +103,29 @@ class Features:
         """An element of an output as a vector of rows."""
         return jnp.broadcast_to(jnp.asarray(e, dtype), (self.k.rows,))
 
-    def kernel(self, body: Callable[..., None], dtypes: list, name: str, **kw: Any) -> Any:
-        """``plgpu.kernel`` of ``body`` over the programs, writing one ``(1, 1)`` partial
-        per program of each of ``dtypes`` (after the outputs ``kw["out_type"]``, if any;
-        then come the refs of ``kw["scratch_types"]``)."""
+    def kernel(
+        self,
+        body: Callable[..., None],
+        dtypes: list,
+        name: str,
+        out_type: Sequence[Any] = (),
+        scratch_types: Sequence[Any] = (),
+    ) -> Any:
+        """``plgpu.kernel`` of ``body`` over the programs: its outputs ``out_type``, then
+        one ``(1, 1)`` partial per program of each of ``dtypes``, then the scratch refs."""
         from jax.experimental.pallas import mosaic_gpu as plgpu
 
         k = self.k
         partials = [jax.ShapeDtypeStruct((k.grid, 1, 1), d) for d in dtypes]
         return plgpu.kernel(
             body,
-            out_type=[*kw.pop("out_type", ()), *partials],
+            out_type=[*out_type, *partials],
             grid=(k.grid,),
             grid_names=(AXIS,),
             kernel_name=name,
             interpret=plgpu.InterpretGPUParams() if k.interpret else None,
             compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
-            scratch_types=kw.pop("scratch_types", ()),
+            scratch_types=scratch_types,
         )
 
 
