@@ -33,6 +33,7 @@ SUM_ALL = dict(reduction=jnp.add, chunk_reduction=jnp.sum)
 PROBES = np.linspace(-1, 1, 128 * 4, dtype=np.float32).reshape(128, 4)
 X4 = S((20001, 4), jnp.float32)
 TRITON = "jax.experimental.pallas.triton"
+AMPERE = "NVIDIA A100-SXM4-80GB"  # Triton only: Hopper has Mosaic GPU without it
 
 
 def potential(p):
@@ -173,16 +174,17 @@ def no_pallas_triton(monkeypatch):
 def test_gpu_kernel_declines_without_pallas_triton(no_pallas_triton):
     fun = lambda x: jnp.sin(x) * x
     xs = S((6001, 8), jnp.float32)
-    with jax.sharding.use_abstract_mesh(abstract_mesh("cuda")):
+    with jax.sharding.use_abstract_mesh(abstract_mesh("cuda", AMPERE)):
         plan = ajm.explain(fun, xs, 300, **SUM_ALL)
     assert plan.engine == "scan", str(plan)
     assert "Pallas Triton is missing" in plan.reason and TRITON in plan.reason, plan.reason
     reduction = ajm.explain(fun, xs, 300, **SUM_ALL).reduction
     assert reduction is not None
-    verdict = check(reduction.prepare(fun), xs, reduction, platform="cuda", max_rows=300)
+    with jax.sharding.use_abstract_mesh(abstract_mesh("cuda", AMPERE)):
+        verdict = check(reduction.prepare(fun), xs, reduction, platform="cuda", max_rows=300)
     assert verdict.problem is not None and TRITON in verdict.problem
     # the scan engine's program is lowered for the GPU instead
-    text = lowered("cuda", None, lambda x: ajm.batch_map(fun, x, 300, **SUM_ALL), xs)
+    text = lowered("cuda", AMPERE, lambda x: ajm.batch_map(fun, x, 300, **SUM_ALL), xs)
     assert not contains_kernel(text, "cuda")
     # TPU and interpret mode do not need it
     with jax.sharding.use_abstract_mesh(abstract_mesh("tpu")):
@@ -201,7 +203,7 @@ def test_forced_pallas_without_pallas_triton_names_it(no_pallas_triton):
     f = lambda x: ajm.batch_map(jnp.sin, x, 256, **SUM_ALL)
     with (
         ajm.config(backend="pallas"),
-        jax.sharding.use_abstract_mesh(abstract_mesh("cuda")),
+        jax.sharding.use_abstract_mesh(abstract_mesh("cuda", AMPERE)),
         pytest.raises(NotImplementedError, match="Pallas Triton is missing"),
     ):
         jax.jit(f).trace(np.ones((4096, 4), np.float32))
