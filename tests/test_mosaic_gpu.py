@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import test_special_values as special
 from cases import plain_pair
 from helpers import assert_tree_close, needs_abstract_devices, needs_kernel, normal, oracle
 
@@ -288,3 +289,36 @@ def test_gpu_backend_option_is_checked(monkeypatch):
     monkeypatch.setenv("ADV_JAX_MATH_GPU_BACKEND", "wgmma")
     with pytest.raises(ValueError, match=r"ADV_JAX_MATH_GPU_BACKEND='wgmma' is not accepted"):
         current()
+
+
+# The special columns of test_special_values (-1e30 ... +inf, NaN among finite values) in
+# blocks of 256 rows: every monoid the features path takes, values and gradients; the
+# rest of them in make test-slow.
+FAST_SPECIAL = {"ADD", "LOGSUMEXP", "MAX_ARGMAX", "var(ddof=1)", "top_k(2)"}
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(n, marks=() if n in FAST_SPECIAL else pytest.mark.slow)
+        for n in special.TABLE
+        if not n.startswith("softmax")
+    ],
+)
+def test_special_columns(name):
+    """NaN exactly where plain JAX has NaN, infinities exactly, gradients too; top-k's
+    backward declined (its result is (k, *s) per term: not element by element)."""
+    monoid, want_of, fun = special.TABLE[name]
+    y = np.tile(special.Y, (40, 1))  # 280 rows of 11 special columns
+    x = (jnp.asarray(y), jnp.linspace(-1.0, 1.0, len(y), dtype=np.float32)[:, None])
+    want = want_of(fun(x))
+    weights = special._weights(want)
+    want_grad = jax.grad(lambda x: special._dot(want_of(fun(x)), weights))(x)
+    loss = lambda x: special._dot(ajm.batch_map(fun, x, 256, reduction=monoid), weights)
+    with ajm.config(backend="interpret", gpu_backend="mosaic_gpu"):
+        plan = ajm.explain(fun, x, 256, reduction=monoid)
+        special._close(ajm.batch_map(fun, x, 256, reduction=monoid), want, name)
+        special._close(jax.grad(loss)(x), want_grad, f"grad {name}")
+    assert "Pallas Mosaic GPU interpreter" in plan.reason, plan.reason
+    backward = "the scan engine's chunks" if name.startswith("top_k") else "backward kernel"
+    assert plan.backward.startswith(backward), plan.backward

@@ -130,11 +130,13 @@ def plan_reverse(
     per_term = _per_term(reduction, states, tallies)
     block = (rows, steps)
     k = _build(closed, out_shape, xs, reduction, c_idx, x_idx, per_term, block, target, interpret)
-    if interpret:
+    if interpret and not target.mosaic_gpu:
         return ReverseKernels(k, tally)
-    problem = _problem(k, vmem_model)
+    problem = _problem(k, vmem_model)  # (Mosaic GPU's rules hold in its interpreter too)
     if problem:
         return f"the backward kernel: {problem}"
+    if interpret:
+        return ReverseKernels(k, tally)
     verdict = probe(k)
     if verdict.problem:
         return f"the backward kernel: {verdict.problem}"
@@ -146,6 +148,15 @@ def _problem(k: Backward, vmem_model: bool) -> str | None:
     if k.target.triton:
         return triton_size_problem(k.target, analyze(_vjp_jaxpr(k).jaxpr, k.rows), k.rows)
     if k.target.mosaic_gpu:
+        for t, whole in zip(k.terms, k.per_term, strict=True):
+            shape = t.items[0].shape
+            for a in jax.tree.leaves(whole):  # the backward_mosaic_gpu._pick rule
+                if a.shape not in (shape, ()):
+                    return (
+                        f"Mosaic GPU's backward kernel takes each term element by element, but "
+                        f"{t.leaf.monoid!r} has a result or state of shape {a.shape} for rows "
+                        f"of shape {shape}"
+                    )
         return mosaic_gpu_missing(_vjp_jaxpr(k).jaxpr, "fun's VJP")
     if k.target.mosaic and vmem_model:
         fits = _tpu_rows(k)
