@@ -167,9 +167,9 @@ def mosaic_gpu_missing(jaxpr: Any, where: str) -> str | None:
     return None
 
 
-# Values per row the Mosaic GPU kernel takes, each feature a vector of rows: its layout
-# inference found no solution for the (Bk, d) blocks tried, after 30-60 s of search on
-# H100, where one value per row lowers (DESIGN.md §10).
+# Values per row the Mosaic GPU kernel takes, each feature a vector of rows (its layout
+# inference found no layout for (Bk, d) blocks, DESIGN.md §10) and unrolled code: 64
+# values per row of its smallest block, 128 rows, fill Target.block_elems (8192).
 MOSAIC_GPU_FEATURES = 64
 
 
@@ -180,7 +180,7 @@ def mosaic_gpu_features_problem(closed: Any, rows: int, items: Sequence[Any]) ->
     row of each source) and state leaves. It needs ``fun`` to work row by row, at
     most :data:`MOSAIC_GPU_FEATURES` values per row, constants without a row axis,
     and each term to reduce every element of its items on its own (its sources of
-    one shape, its state of that shape: sums, extrema, logsumexp, moments)."""
+    one shape, its state of that shape: sums, extrema, logsumexp, moments, top-k)."""
     why = "Mosaic GPU lowers one value per row, so fun's blocks go feature by feature"
     if not row_local(closed, rows):
         return f"{why} only when fun works row by row (elementwise, reshapes, sums over features)"
