@@ -27,7 +27,6 @@ from jax.experimental import pallas as pl
 from ...core.linear import cotangent_for
 from ...monoids.base import index_dtype
 from ..unrolled import objects
-from .fold import partial_shape
 from .interpreter import portable
 from .mosaic_gpu import AXIS, Features, elements_of, features
 
@@ -156,12 +155,7 @@ def mosaic_gpu_backward(k: Any, name: str) -> Callable[..., Any]:
             jnp.stack([next(outs) for _ in range(f.widths[i])], -1).reshape(k.in_avals[i].shape)
             for i in k.x_idx
         ]
-        sums = [
-            jnp.concatenate([next(outs) for _ in range(math.prod(a.shape))], -1).reshape(
-                k.grid, *partial_shape(a)
-            )
-            for a in k.sums()
-        ]
+        sums = [f.stacked([next(outs) for _ in range(math.prod(a.shape))], a) for a in k.sums()]
         return [*dx, *sums]
 
     return call

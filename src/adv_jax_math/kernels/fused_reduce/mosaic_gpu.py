@@ -103,6 +103,11 @@ class Features:
         """An element of an output as a vector of rows."""
         return jnp.broadcast_to(jnp.asarray(e, dtype), (self.k.rows,))
 
+    def stacked(self, parts: Sequence[Any], aval: Any) -> Any:
+        """One program partial per element of ``aval`` (each ``(grid, 1, 1)``, C order)
+        as the programs' partials of ``aval`` (``kernel.forward``'s layout)."""
+        return jnp.concatenate(parts, axis=-1).reshape(self.k.grid, *partial_shape(aval))
+
     def kernel(
         self,
         body: Callable[..., None],
@@ -138,7 +143,8 @@ def mosaic_gpu_call(k: Any) -> Callable[..., Any]:
     elements = f.elements()
     one = lambda t: [jax.ShapeDtypeStruct((), it.dtype) for it in t.items]
     init = lambda: [t.leaf.monoid.init(one(t)) for t, _ in elements]  # in the kernel: no capture
-    tree = jax.tree.structure(jax.eval_shape(init))
+    states = jax.eval_shape(init)
+    tree = jax.tree.structure(states)
 
     def fold(carry: list, vectors: list, consts: list, start: Any, offset: Any) -> list:
         outs = f.outputs(consts, vectors)
@@ -175,7 +181,7 @@ def mosaic_gpu_call(k: Any) -> Callable[..., Any]:
         for part, o_ref in zip(pipeline(*x_refs), o_refs, strict=True):
             o_ref[program] = part.reshape(o_ref.shape[1:]).astype(o_ref.dtype)
 
-    kernel = f.kernel(body, [a.dtype for a in jax.tree.leaves(jax.eval_shape(init))], KERNEL_NAME)
+    kernel = f.kernel(body, [a.dtype for a in jax.tree.leaves(states)], KERNEL_NAME)
 
     def call(first: Any, *args: Any) -> list:
         """``kernel``'s inputs split into features, its states stacked by term."""
@@ -185,8 +191,7 @@ def mosaic_gpu_call(k: Any) -> Callable[..., Any]:
         for t in k.terms:
             mine = [p for (u, _), p in zip(elements, per_element, strict=True) if u is t]
             for i, a in enumerate(jax.tree.leaves(t.state)):
-                stacked = jnp.concatenate([p[i] for p in mine], axis=-1)
-                out.append(stacked.reshape(k.grid, *partial_shape(a)))
+                out.append(f.stacked([p[i] for p in mine], a))
         return out
 
     return call
