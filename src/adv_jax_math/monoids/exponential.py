@@ -88,7 +88,7 @@ class LogSumExp(Monoid):
     def fold(self, ys, idx, w) -> Any:
         y = self._rows(ys, w)
         top = _top(y)  # (jnp.max, its derivative NaN only on the rows at an infinite top)
-        s = jnp.sum(jnp.exp(_at_most_0(_shifted(y, top[None]))), axis=0)
+        s = jnp.sum(jnp.exp(_at_most_0(_shifted(y, _spread(top, y)))), axis=0)
         return top, _at_least_one(s, top), jnp.zeros_like(s)
 
     def merge(self, a: Any, b: Any) -> Any:
@@ -188,7 +188,7 @@ class WeightedLogSumExp(_ExponentAndCompanion):
         acc = self._dtypes([jax.ShapeDtypeStruct(y.shape[1:], y.dtype) for y in ys])[1]
         a, b = self._kept(ys, acc, w)
         top = lax.stop_gradient(jnp.max(a, axis=0))  # as jax.nn.logsumexp
-        s = jnp.sum(b * jnp.exp(a - _finite_or_zero(top)[None]), axis=0)
+        s = jnp.sum(b * jnp.exp(a - _spread(_finite_or_zero(top), a)), axis=0)
         return top, s, jnp.zeros_like(s)
 
     def merge(self, a: Any, b: Any) -> Any:

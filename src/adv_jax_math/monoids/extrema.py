@@ -141,10 +141,10 @@ def _tie_shares(pick: Any, y: jax.Array, dy: jax.Array, keep: Any, total: jax.Ar
     differently in each, and a row tied in the count was not in the sum (0)."""
     y = lax.optimization_barrier(y)
     top = pick(y, axis=0)
-    hit = (y == top[None]).astype(dy.dtype)
+    hit = (y == _spread(top, y)).astype(dy.dtype)
     if keep is not None:
         hit = hit * _col(keep, hit).astype(dy.dtype)
-    weights = nan_weights(hit, jnp.broadcast_to(total[None], hit.shape))
+    weights = nan_weights(hit, _spread(total, hit))
     return top, jnp.sum(_times(dy, weights), axis=0), jnp.sum(hit, axis=0)
 
 
@@ -194,7 +194,7 @@ class Tally(_Ordered):
         big = np.iinfo(index_dtype()).max
         rows = jnp.broadcast_to(_col(idx.astype(index_dtype()), y), y.shape)
         top = self._pick(y, axis=0)
-        hit = y == top[None]
+        hit = y == _spread(top, y)
         first = jnp.min(jnp.where(hit, rows, big), axis=0)
         count = hit.astype(_wide(_float(y.dtype)))
         count = jnp.sum(count if w is None else count * _col(w, count), axis=0)
@@ -264,7 +264,7 @@ class ArgExtremum(_Ordered):
         big = np.iinfo(index_dtype()).max
         rows = jnp.broadcast_to(_col(idx.astype(index_dtype()), y), y.shape)
         best = self._pick(y, axis=0)
-        first = jnp.min(jnp.where(y == best[None], rows, big), axis=0)
+        first = jnp.min(jnp.where(y == _spread(best, y), rows, big), axis=0)
         if _inexact(y.dtype):  # NaN wins (numpy's rule): the first NaN
             # No jnp.any over the rows: Pallas Triton has no reduce_or.
             first_nan = jnp.min(jnp.where(jnp.isnan(y), rows, big), axis=0)

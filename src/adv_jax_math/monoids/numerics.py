@@ -47,8 +47,9 @@ def _weigh(ct_y: jax.Array, keep: Any) -> jax.Array:
 
 
 def _spread(a: jax.Array, like: jax.Array) -> jax.Array:
-    """A per-element value ``(*t)`` (or a scalar) against rows ``(rows, *t)``."""
-    return jnp.broadcast_to(a[None] if a.ndim else a, like.shape)
+    """A per-element value ``(*t)`` (or a scalar) against rows ``(rows, *t)``: one
+    broadcast (Mosaic GPU lays out no ``(1, *t)`` arrays between)."""
+    return jnp.broadcast_to(a, like.shape)
 
 
 def _full(item: jax.ShapeDtypeStruct, value: Any, dtype: Any = None) -> jax.Array:

@@ -77,7 +77,7 @@ def _at_least_one(s: jax.Array, top: jax.Array) -> jax.Array:
 def _shares(y: jax.Array, top: jax.Array, dy: jax.Array) -> jax.Array:
     """``dy`` on the rows of ``y`` equal to ``top`` (every row where ``top`` is NaN),
     each divided by how many are, 0 on the others: a tangent of ``top``."""
-    tied = (y == top[None]) | jnp.isnan(top)[None]
+    tied = (y == _spread(top, y)) | _spread(jnp.isnan(top), y)
     count = jnp.sum(tied, axis=0).astype(dy.dtype)
     return jnp.sum(jnp.where(tied, dy, jnp.zeros_like(dy)), axis=0) / count
 
@@ -97,7 +97,7 @@ def _two_passes(y: jax.Array, again: jax.Array) -> tuple[jax.Array, jax.Array]:
     rows equal to it (every row for NaN), which finalize turns into NaN, as
     ``jax.grad(jax.nn.logsumexp)`` gives."""
     top = jnp.max(y, axis=0)
-    s = jnp.sum(jnp.exp(_at_most_0(again - _finite_or_zero(top)[None])), axis=0)
+    s = jnp.sum(jnp.exp(_at_most_0(again - _spread(_finite_or_zero(top), again))), axis=0)
     return top, _at_least_one(s, top)
 
 
@@ -110,7 +110,7 @@ def _two_passes_jvp(primals: tuple, tangents: tuple) -> tuple:
     # its weights sum to 1 whatever the rounding of y's other computations.
     once = lax.optimization_barrier(again)
     own = jnp.max(once, axis=0)
-    e = jnp.exp(once - _finite_or_zero(own)[None])
+    e = jnp.exp(once - _spread(_finite_or_zero(own), once))
     norm = jnp.where(finite, s / jnp.sum(e, axis=0), 0)  # never 0 / 0: its transpose
     ds = norm * jnp.sum(e * dagain, axis=0)
     # (only ever multiplied by NaN: finalize's _undefined_derivative)
@@ -226,7 +226,7 @@ def _own_softmax(y: jax.Array, b: jax.Array, dy: jax.Array, keep: Any) -> tuple:
     if keep is not None:
         y = jnp.where(_col(keep, y) > 0, y, jnp.full_like(y, -np.inf))
     top = jnp.max(y, axis=0)
-    e = jnp.exp(y - _finite_or_zero(top)[None])
+    e = jnp.exp(y - _spread(_finite_or_zero(top), y))
     return top, jnp.sum(b * e, axis=0), jnp.sum(e * dy, axis=0)
 
 

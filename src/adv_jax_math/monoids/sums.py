@@ -114,7 +114,7 @@ class Moments(Monoid):
             total, count = jnp.sum(y * w, axis=0), jnp.sum(w, axis=0)
         safe = jnp.where(count > 0, count, 1)
         mean = total / safe
-        d = y - mean[None]
+        d = y - _spread(mean, y)
         # d * (d * w): a padded row (w = 0) far from the mean adds 0, not inf * 0
         m2 = jnp.sum(d * d if w is None else d * (d * w), axis=0)
         return halves, mean, jnp.zeros_like(mean), m2, jnp.zeros_like(m2)
@@ -175,7 +175,7 @@ class Moments(Monoid):
     def tangent(self, ys, dys, idx, keep, state, items) -> Any:
         _, mean, _ = self._stats(state)
         y, dy = ys[0].astype(mean.dtype), _weigh(dys[0].astype(mean.dtype), keep)
-        return jnp.sum(dy, axis=0), jnp.sum((y - mean[None]) * dy, axis=0)
+        return jnp.sum(dy, axis=0), jnp.sum((y - _spread(mean, y)) * dy, axis=0)
 
     def tangent_finish(self, raw: Any, state: Any, items: Items) -> Any:
         n, _, _ = self._stats(state)
