@@ -62,6 +62,7 @@ from cases import map_reduce as case_lib
 from kinds import KINDS
 
 from adv_jax_math.core.devices import DEVICES
+from adv_jax_math.core.targets import KERNEL_NAME as FORWARD
 from adv_jax_math.kernels.fused_reduce.backward import BACKWARD_NAME as BACKWARD
 
 warnings.filterwarnings("ignore", "The Pallas Triton backend is deprecated")
@@ -150,7 +151,7 @@ _INFO_USED = re.compile(
 )
 
 
-def parse_ptxas(text: str, kernel: str = "adv_jax_math_fused_reduce") -> list[dict]:
+def parse_ptxas(text: str, kernel: str = FORWARD) -> list[dict]:
     """ptxas figures of every compiled copy of ``kernel`` in nvJitLink's info log (and
     Mosaic GPU's ptxas dump, where it is ``{kernel}_mosaic_gpu_kernel``).
 
@@ -297,9 +298,10 @@ def verdict_record(v) -> dict:
     return {"name": v.name, "device": d.name, "kernel": cost(v.kernel), "scan": cost(v.scan)}
 
 
-def compile_fn(fn, args, platform: str, jitted=None) -> dict:
+def compile_fn(fn, args, platform: str, jitted=None, kernel: str = FORWARD) -> dict:
     """Lower and compile ``jax.jit(fn)(*args)`` on the active mesh (``jax.set_mesh``),
-    as the README's recipe does; ``jitted``: an existing ``jax.jit`` of ``fn``."""
+    as the README's recipe does; ``jitted``: an existing ``jax.jit`` of ``fn``;
+    ``kernel``: the kernel whose ptxas figures are recorded (GPU)."""
     rec: dict = {}
     jitted = jitted or jax.jit(fn)
     t0 = time.perf_counter()
@@ -337,7 +339,7 @@ def compile_fn(fn, args, platform: str, jitted=None) -> dict:
     rec["seconds"] = round(time.perf_counter() - t0, 2)
     if platform == "gpu":
         backward = [dict(e, backward=True) for e in parse_ptxas(log["text"], BACKWARD)]
-        rec["ptxas"] = parse_ptxas(log["text"]) + backward
+        rec["ptxas"] = parse_ptxas(log["text"], kernel) + backward
         if not rec.get("compiled"):
             legal = [ln for ln in log["text"].splitlines() if "error:" in ln]
             if legal:

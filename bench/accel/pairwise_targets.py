@@ -40,7 +40,13 @@ if "--matmul" in sys.argv and "--target" in sys.argv[:-1]:
     import matmul_targets
 
     matmul_targets.setup(sys.argv[sys.argv.index("--target") + 1])
-from compile_targets import compile_fn, make_mesh  # first: it sets the TPU environment up
+from compile_targets import (  # first: it sets the TPU environment up
+    capture_logs,
+    compile_fn,
+    make_mesh,
+    on_target,
+    parse_ptxas,
+)
 from kinds import KINDS
 from publish import markdown_table, write_section
 
@@ -65,6 +71,7 @@ def compile_case(platform, mesh, case: pairwise.Pairwise, n, m, d, mode) -> dict
     import jax.numpy as jnp
 
     import adv_jax_math as ajm
+    from adv_jax_math.kernels.pairwise_device import DEVICE_KERNEL_NAME
 
     x, y = case.inputs(n, m, d)
     run = forward = lambda x, y: ajm.pairwise(case.f, x, y, case.reduction)
@@ -74,10 +81,13 @@ def compile_case(platform, mesh, case: pairwise.Pairwise, n, m, d, mode) -> dict
         )
         run = jax.value_and_grad(loss, argnums=(0, 1))
     rec = {"case": case.name, "mode": mode, "n": n, "m": m, "d": d}
-    with jax.set_mesh(mesh):
-        plan = ajm.explain_pairwise(case.f, x, y, case.reduction)
+    with on_target(mesh, platform):
+        with capture_logs() as probe:  # the tile kernel compiled alone, once per case
+            plan = ajm.explain_pairwise(case.f, x, y, case.reduction)
         rec.update(engine=plan.engine, tiles=list(plan.tiles))
-        rec.update(compile_fn(run, (x, y), platform))
+        rec.update(compile_fn(run, (x, y), platform, kernel=DEVICE_KERNEL_NAME))
+    if platform == "gpu":
+        rec["ptxas"] = parse_ptxas(probe["text"], DEVICE_KERNEL_NAME) + rec.get("ptxas", [])
     return rec
 
 
@@ -99,6 +109,9 @@ def table(directory: pathlib.Path) -> str:
                 cell = (
                     "K" if fused else f"K + {rec['while_loops']} loops"
                 ) + f" {rec['seconds']:.0f} s"
+                if "mosaic_gpu" in rec["engine"]:
+                    spills = sum(p.get("spill_stores", 0) for p in rec.get("ptxas") or [])
+                    cell += " mgpu" + (f" **{spills} B spilled**" if spills else "")
             rows.setdefault(key, {})[target] = cell
     return markdown_table(
         [

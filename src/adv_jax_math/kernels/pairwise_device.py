@@ -15,6 +15,8 @@ Each term's monoid folds the ``bj`` rows of a tile into one state per ``x`` row
   output block, which stays in VMEM across the ``y`` tiles (set at the first,
   merged into at the others); ``y`` stored lane-dense, each tile's row turned into
   a column in the kernel (a column in HBM would take 128 lanes per row);
+* ``"mosaic_gpu"``: the ``"gpu"`` loops on Pallas Mosaic GPU, every value a whole tile
+  in its layout (``pairwise_mosaic_gpu``);
 * ``"xla"``: the ``"gpu"`` loops in plain XLA, no Pallas (the CPU engine: XLA:CPU
   vectorizes the tiles, where ``f``'s small feature axes as the minor axis it does not);
   each tile folded into the states before (``Monoid.fold_into``), a top-k's by the
@@ -44,6 +46,7 @@ from ..monoids.softmax import SoftmaxWeighted
 from .fused_reduce.kernel import named_jit
 from .native import topk_fold, usable
 from .pairwise import _pad_rows
+from .pairwise_mosaic_gpu import mosaic_gpu_tiles, tile_ops
 from .unrolled import NotUnrolled, evaluate, objects
 
 __all__ = ["DEVICE_KERNEL_NAME", "Layout", "device_states"]
@@ -53,7 +56,8 @@ DEVICE_KERNEL_NAME = "adv_jax_math_pairwise_tiles"
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """How the kernel is built: ``kind`` (``"gpu"``, ``"tpu"``, ``"xla"``; ``"matmul"``:
+    """How the kernel is built: ``kind`` (``"gpu"``: Pallas Triton, ``"mosaic_gpu"``:
+    ``kernels/pairwise_mosaic_gpu.py``, ``"tpu"``, ``"xla"``; ``"matmul"``:
     ``kernels/matmul_tiles.py``), tiles ``(bi, bj)``, ``interpret`` on CPU, the
     compiler parameters (None in interpret mode and for ``"xla"``), and for
     ``"matmul"`` which of ``f``'s values stay one per y row (``per_y``), where its
@@ -90,6 +94,11 @@ def device_states(
     c_shapes = [np.shape(c) for c in consts]
 
     native = topk_fold if fast and usable() else None  # TopK.fold_into, on the CPU
+    mosaic_gpu = layout.kind == "mosaic_gpu"
+    iota: Any = lax.broadcasted_iota
+    tile2d = lambda e: jnp.broadcast_to(jnp.asarray(e), (bj, bi))
+    if mosaic_gpu:  # (every value a whole tile, in its layout)
+        iota, tile2d = tile_ops((bj, bi))
 
     def tile(c_vals: list, x_vals: list, y_vals: list, start: Any, acc: Any = None) -> list:
         """Each term's state over one tile (items: the tile's x rows), folded into
@@ -109,10 +118,9 @@ def device_states(
             keep = j < m
             kept = lambda a: keep.reshape(bj, *(1,) * (a.ndim - 1))
         else:
-            j = start + lax.broadcasted_iota(jnp.int32, (bj, bi), 0)
+            j = start + iota(jnp.int32, (bj, bi), 0)
             keep = j < m  # the tile's full shape: no row vector made a column
             kept = lambda a: keep
-        tile2d = lambda e: jnp.broadcast_to(jnp.asarray(e), (bj, bi))
 
         def fold(leaf: Any, src: list, whole: bool, into: Any) -> Any:
             w = None
@@ -179,6 +187,21 @@ def device_states(
 
     if fast:
         flat = _xla(tile, flat_consts, x_rows, y_cols, layout.tiles, (xt, yt))
+        return joined(jax.tree.unflatten(treedef, [o[:n] for o in flat]))
+    if mosaic_gpu:
+        flat = mosaic_gpu_tiles(
+            tile,
+            merge,
+            flat_consts,
+            [r[0] for r in x_rows],
+            [c[:, 0] for c in y_cols],
+            layout.tiles,
+            (xt, yt),
+            leaves,
+            treedef,
+            layout.interpret,
+            DEVICE_KERNEL_NAME,
+        )
         return joined(jax.tree.unflatten(treedef, [o[:n] for o in flat]))
     if layout.kind == "gpu":
 

@@ -50,7 +50,7 @@ from ..monoids.base import Monoid, is_monoid_tree
 from ..monoids.reduction import MonoidReduction
 from ..plan.base import target_platform
 from . import tiles as _tiles
-from .choose import device_kernel, kernel_for
+from .choose import device_kernel, interpreted
 from .grad import Pairs, fused
 from .kernel import first_row, layout_problem, recognized
 from .matmul import blocks, expanded, pair_width, top_k_folds
@@ -298,15 +298,14 @@ def _plan(
     elif shard:
         kernel_why = "shard=True under jax.set_mesh: the kernels do not spread over its devices"
     elif backend == "interpret":
-        found, declined = kernel_for(f, x, y, red, Layout(INTERPRET_LAYOUT, (bi, bj), True), None)
-        kernel = f"the {INTERPRET_LAYOUT} tile kernel, interpreted"
+        found, declined, kind = interpreted(f, x, y, red, tiles, (bi, bj), INTERPRET_LAYOUT)
+        kernel = f"the {kind} tile kernel, interpreted"
         if found is None:
             kernel = f"the interpret kernel ({declined})"
         elif found.kind == "matmul":
-            kernel = f"the {INTERPRET_LAYOUT} matmul tile kernel, interpreted ({declined})"
-        plan = PairwisePlan(
-            n, m, (bi, bj), what, _KERNEL, f"requested (backend='interpret'): {kernel}"
-        )
+            kernel = f"the {kind} matmul tile kernel, interpreted ({declined})"
+        at = found.tiles if found is not None else (bi, bj)
+        plan = PairwisePlan(n, m, at, what, _KERNEL, f"requested (backend='interpret'): {kernel}")
         return plan, red, found
     elif backend in ("auto", "pallas") and platform in ("gpu", "cuda", "rocm", "tpu"):
         found, kernel_why = device_kernel(f, x, y, red, tiles, platform)
@@ -317,7 +316,8 @@ def _plan(
             if on == "tpu":
                 why = f"a grid of {bi} x rows (parallel) by {bj} y rows (arbitrary)"
             engine = f"pairwise kernel ({on})"
-            lost: tuple = ()
+            # (on a GPU, the Pallas backends declined before this one)
+            lost: tuple = (("pairwise kernel", kernel_why),) if kernel_why else ()
             if found.kind == "matmul":
                 engine = f"pairwise kernel (matmul, {on})"
                 why += ": f's dot products over a tile one matmul"
@@ -331,7 +331,6 @@ def _plan(
                     else "two kernels (dx over the x tiles, dy over the y tiles) at the "
                     "largest of these tiles down to a quarter that compiles, else XLA's loops"
                 )
-                lost = (("pairwise kernel", kernel_why),)
             return PairwisePlan(n, m, found.tiles, what, engine, why, lost), red, found
     else:
         kernel_why = f"not requested (backend={backend!r})"

@@ -7,20 +7,23 @@ tiles before it is chosen."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any
 
 import jax
 
-from ..core.targets import pallas_triton, tpu_vmem_limit
+from ..core import config as _config
+from ..core.targets import pallas_triton, silence_triton_deprecation, tpu_vmem_limit
 from ..core.targets import target as device_target
+from ..kernels.fused_reduce.fused import kernel_targets
 from ..kernels.pairwise_device import Layout
 from ..monoids.reduction import MonoidReduction
 from . import tiles as _tiles
 from .kernel import layout_problem
 from .matmul import blocks, distances, kernel_layout, pair_width
 
-__all__ = ["MATMUL_DISTANCES", "device_kernel", "kernel_for"]
+__all__ = ["MATMUL_DISTANCES", "device_kernel", "interpreted", "kernel_for"]
 
 # Squared distances over this many features or more take the matmul tile kernel, not
 # the tile kernel: on a TPU v5e, k-NN top-8 at D = 128 (1e5 x 1e4) took 25.7 ms there
@@ -34,14 +37,34 @@ def device_kernel(
 ) -> tuple[Layout | None, str]:
     """The layout of a kernel for ``platform`` compiled (or lowered) at its tiles: the
     tile kernel's (features unrolled), else the matmul tiles' (None: neither; and why
-    not, the reasons joined)."""
-    kind = "tpu" if platform == "tpu" else "gpu"
-    target = device_target(platform)
+    not, the reasons joined). On CUDA GPUs each Pallas backend in turn
+    (``fused_reduce.fused.kernel_targets``: Mosaic GPU, then Triton); the reasons of
+    those declined come first."""
+    declined: list[str] = []
+    chain = kernel_targets(platform) if platform != "tpu" else [(device_target("tpu"), None)]
+    for target, why in chain:
+        kind = "tpu" if platform == "tpu" else "mosaic_gpu" if target.mosaic_gpu else "gpu"
+        found, why = (None, why) if why else _device_kernel(f, x, y, red, tiles, kind, target)
+        if found is not None or len(chain) == 1:
+            return found, "; ".join([*declined, why] if why else declined)
+        declined.append(f"{target.label} not used: {why}")
+    return None, "; ".join(declined)
+
+
+def _device_kernel(
+    f: Callable, x: Any, y: Any, red: MonoidReduction, tiles: Any, kind: str, target: Any
+) -> tuple[Layout | None, str]:
+    """:func:`device_kernel` on one backend (``kind``: ``"gpu"``, Pallas Triton;
+    ``"mosaic_gpu"``; ``"tpu"``)."""
     vmem = tpu_vmem_limit(target.device_kind)
-    rows = (jax.tree.leaves(x)[0].shape[0], jax.tree.leaves(y)[0].shape[0])
-    chosen = _tiles.device(kind, tiles, vmem, rows=rows)
+    rows = _rows(x, y)
+    chosen = _tiles.device(kind, tiles, vmem, rows=rows, width=_width(x))
     if isinstance(chosen, str):
         return None, chosen
+    if kind == "mosaic_gpu":  # (the matmul tiles are Triton's and Mosaic TPU's)
+        layout = Layout(kind, chosen)
+        found = layout_problem(f, x, y, red, layout, target)
+        return (None, f"the tile kernel: {found}") if found else (layout, "")
     if kind == "tpu":
         from jax.experimental.pallas import tpu as pltpu
 
@@ -49,13 +72,38 @@ def device_kernel(
             dimension_semantics=("parallel", "arbitrary"),
             vmem_limit_bytes=vmem,
         )
-    else:
+    else:  # (explain() says Triton, deprecated: its warning at every lowering is not shown)
         params = pallas_triton().CompilerParams(num_warps=4)
+        silence_triton_deprecation()
     matmul = _tiles.device(kind, tiles, vmem, matmul=True, rows=rows)
     assert not isinstance(matmul, str)  # (the same checks as the tile kernel's)
     if tiles == "auto":
         matmul = _within(*matmul, pair_width(f, x, y, red), 128 if kind == "tpu" else 16)
     return kernel_for(f, x, y, red, Layout(kind, chosen, params=params), target, matmul)
+
+
+def interpreted(
+    f: Callable,
+    x: Any,
+    y: Any,
+    red: MonoidReduction,
+    tiles: Any,
+    rows_tiles: tuple[int, int],
+    kind: str,
+) -> tuple[Layout | None, str, str]:
+    """``backend="interpret"``'s tile kernel: ``kind``'s (``"gpu"``, ``"tpu"``) at the
+    tiles ``rows_tiles``, or with ``config(gpu_backend="mosaic_gpu")`` Mosaic GPU's in
+    its interpreter at its own tiles; the layout (None: neither tile kernel), why not,
+    and which kind was tried."""
+    if _config.current().gpu_backend != "mosaic_gpu":
+        return (*kernel_for(f, x, y, red, Layout(kind, rows_tiles, True), None), kind)
+    chosen = _tiles.device("mosaic_gpu", tiles, 0, rows=_rows(x, y), width=_width(x))
+    if isinstance(chosen, str):
+        return None, f"the tile kernel: {chosen}", "mosaic_gpu"
+    layout = Layout("mosaic_gpu", chosen, True)
+    if problem := layout_problem(f, x, y, red, layout):
+        return None, f"the tile kernel: {problem}", "mosaic_gpu"
+    return layout, "", "mosaic_gpu"
 
 
 def kernel_for(
@@ -90,6 +138,15 @@ def kernel_for(
         if target is None:  # (traced only: not a matter of size)
             break
     return None, f"the tile kernel: {problem}; the matmul tile kernel: {matmul}"
+
+
+def _rows(x: Any, y: Any) -> tuple[int, int]:
+    return jax.tree.leaves(x)[0].shape[0], jax.tree.leaves(y)[0].shape[0]
+
+
+def _width(x: Any) -> int:
+    """The features of an x row (every leaf's, flat)."""
+    return sum(math.prod(a.shape[1:]) for a in jax.tree.leaves(x))
 
 
 def _within(bi: int, bj: int, width: int, least: int) -> tuple[int, int]:

@@ -39,6 +39,7 @@ from ..monoids.reduction import MonoidReduction
 from .kernel import kernel_states, kernel_sums, like, struct
 from .matmul import reverse as matmul_reverse
 from .matmul import states as matmul_states
+from .tiles import reverse
 
 __all__ = ["Pairs", "fused"]
 
@@ -189,8 +190,12 @@ def _kernel_reverse(p: Pairs, cts: list, res: tuple, items: list, pos: list) -> 
         if leaf.monoid.tally is not None and any(map(_inexact, jax.tree.leaves(leaf.out)))
     ]
     tallies: list = [None] * len(red.leaves)
+    across_x, across_y = reverse(None if p.layout is None else p.layout.kind, (bi, bj))
+    at = lambda tiles: None if p.layout is None else dataclasses.replace(p.layout, tiles=tiles)
     if tallied:
-        found, _ = kernel_states(p.conv, c, red.tallies(tallied), x, y, p.tiles, layout=p.layout)
+        found, _ = kernel_states(
+            p.conv, c, red.tallies(tallied), x, y, across_x, layout=at(across_x)
+        )
         for t, state in zip(tallied, found, strict=True):
             leaf = red.leaves[t]
             shares = lambda s, leaf=leaf: leaf.monoid.tally.shares(s, leaf.axis is None)
@@ -232,10 +237,9 @@ def _kernel_reverse(p: Pairs, cts: list, res: tuple, items: list, pos: list) -> 
     dx, dc, got = [], [], []
     if px or pc or tallied:
         nx, nc = len(px), len(pc)
-        out = kernel_sums(over_y, (x, rows), yj, (bi, bj), range(nx, nx + nc), p.layout)
+        out = kernel_sums(over_y, (x, rows), yj, across_x, range(nx, nx + nc), at(across_x))
         dx, dc, got = out[:nx], out[nx : nx + nc], out[nx + nc :]
-    swapped = None if p.layout is None else dataclasses.replace(p.layout, tiles=(bj, bi))
-    dy = kernel_sums(over_x, yj, (x, rows), (bj, bi), (), swapped) if py else []
+    dy = kernel_sums(over_x, yj, (x, rows), across_y, (), at(across_y)) if py else []
     wrong = jnp.asarray(False)
     for n, t in zip(got, tallied, strict=True):
         count, share = tallies[t][2], tallies[t][3]

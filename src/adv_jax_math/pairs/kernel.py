@@ -25,11 +25,13 @@ from ..analysis.recognize import recognize
 from ..core.sharding import explicit, on_every_device, sharding_of
 from ..core.trace import rows_aval
 from ..kernels.fused_reduce.probe import probe
+from ..kernels.fused_reduce.rules import mosaic_gpu_missing
 from ..kernels.pairwise import states
 from ..kernels.pairwise_device import Layout, device_states
 from ..kernels.unrolled import NotUnrolled, size
 from ..monoids.base import identity, merge_stacked
 from ..monoids.reduction import MonoidReduction
+from ..monoids.softmax import SoftmaxWeighted
 from ..monoids.sums import ADD
 
 __all__ = ["Prepared", "first_row", "kernel_states", "kernel_sums", "like", "recognized", "struct"]
@@ -150,9 +152,11 @@ def layout_problem(
     problem = tile_problem(run, args)
     if problem is None:  # (interpreted as on the device it stands for)
         problem = _unrolled_problem(pair.jaxpr, layout.kind)
+    if problem is None and layout.kind == "mosaic_gpu":
+        problem = _mosaic_gpu_problem(pair.jaxpr, red, args)
     if problem is not None or target is None:
         return problem
-    return Probe(target, layout, run, args, str(pair.jaxpr)).problem()
+    return Probe(target, layout, run, args, probe_text(pair.jaxpr, red)).problem()
 
 
 MAX_CONTRACTION = 16  # wider dot products: the matmul tiles are faster
@@ -178,6 +182,30 @@ def _unrolled_problem(pair: Any, kind: str) -> str | None:
     return None
 
 
+def _mosaic_gpu_problem(pair: Any, red: MonoidReduction, args: Any) -> str | None:
+    """Why the tile kernel cannot take ``pair`` on Mosaic GPU (static rules), or None:
+    an operation it has no lowering for, 64-bit values (TMA copies take none), a term
+    that sorts (top-k) or weighs vectors by a softmax (each is folded on its own tile
+    element by element)."""
+    if missing := mosaic_gpu_missing(pair.jaxpr, "f"):
+        return missing
+    wide = sorted({str(a.dtype) for a in jax.tree.leaves(args) if a.dtype.itemsize > 4})
+    if wide:
+        return f"Mosaic GPU's TMA copies take no 64-bit types ({', '.join(wide)})"
+    for leaf in red.leaves:
+        if leaf.monoid.sorts or isinstance(leaf.monoid, SoftmaxWeighted):
+            return f"Mosaic GPU's tile kernel does not fold {leaf.monoid.name} (Triton's does)"
+    return None
+
+
+def probe_text(jaxpr: Any, red: MonoidReduction) -> str:
+    """What a tile kernel's probe is cached by, besides shapes and tiles: ``jaxpr``
+    printed and each term's monoid, sources and axis (two reductions of one ``f``, an
+    ARGMIN and a MIN_ARGMIN say, are two kernels)."""
+    terms = [(repr(leaf.monoid), leaf.sources, leaf.axis) for leaf in red.leaves]
+    return f"{jaxpr}\n{terms}"
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Probe:
     """A tile kernel as ``fused_reduce.probe`` compiles it: ``call(*args())``."""
@@ -186,7 +214,7 @@ class Probe:
     layout: Layout
     run: Callable
     arguments: tuple
-    text: str  # the pair jaxpr, printed
+    text: str  # the pair jaxpr and the terms (probe_text)
 
     @property
     def rows(self) -> str:

@@ -39,7 +39,7 @@ from ..kernels.pairwise_device import Layout
 from ..monoids.reduction import LeafReduction, MonoidReduction
 from ..monoids.softmax import SoftmaxWeighted
 from .dots import MIN_FEATURES, pair_jaxpr, prologue_jaxpr, sources, tile
-from .kernel import Probe, first_row, struct
+from .kernel import Probe, first_row, probe_text, struct
 from .sides import sides
 
 __all__ = [
@@ -103,7 +103,7 @@ def kernel_layout(
     run = lambda c, xs, ys: tile_states(values, red, c, xs, ys, layout)
     structs = lambda tree: [struct(a) for a in jax.tree.leaves(tree)]
     args = (structs([*own, *consts]), structs(x), structs(y))
-    text = str(prologue_jaxpr(conv, consts, x, y, red))
+    text = probe_text(prologue_jaxpr(conv, consts, x, y, red), red)
     return Probe(target, layout, run, args, text).problem() or layout
 
 
@@ -278,7 +278,7 @@ def _reverse_layout(
     c, x, y, _ = res
     bi, bj = layout.tiles
     least = 16
-    text = str(prologue_jaxpr(conv, list(c), x, y, red))
+    text = probe_text(prologue_jaxpr(conv, list(c), x, y, red), red)
     args = jax.tree.map(struct, (res, cts))
     tried = [(bi, bj), (bi, bj // 2), (bi // 2, bj // 2), (bi // 2, bj // 4)]
     for back in dict.fromkeys(t for t in tried if min(t) >= least):

@@ -16,12 +16,24 @@ from typing import Any
 from ..monoids.reduction import MonoidReduction
 from ..plan.base import target_platform
 
-__all__ = ["batch_sizes", "check", "chunk", "device", "kernel", "rows", "shard_y", "swapped", "xla"]
+__all__ = [
+    "batch_sizes",
+    "check",
+    "chunk",
+    "device",
+    "kernel",
+    "reverse",
+    "rows",
+    "shard_y",
+    "swapped",
+    "xla",
+]
 
 TILE_ELEMENTS = 1 << 18  # bi * bj of an "auto" tile: 1 MiB per float32 output leaf
 MAX_Y_TILE = 2048  # bj of an "auto" tile
 SORT_TILE_ELEMENTS, SORT_MAX_Y_TILE = 1 << 20, 8192  # the same for top-k on the CPU tiles
-DEVICE_TILES = {"gpu": (64, 64), "tpu": (512, 256)}  # (bi, bj) of an "auto" tile kernel
+# (bi, bj) of an "auto" tile kernel ("gpu": Pallas Triton's)
+DEVICE_TILES = {"gpu": (64, 64), "mosaic_gpu": (64, 64), "tpu": (512, 256)}
 # of an "auto" matmul tile kernel. TPU v5e, attention N = M = 16384, d = 64, bf16:
 # (512, 256) 4.1 ms, (256, 512) 3.2, (512, 512) 2.5, (1024, 512) 2.2, (512, 1024) 2.05,
 # (1024, 1024) 2.0, (256, 2048) 2.0 (min of 5; XLA's dot_product_attention 5.1 ms)
@@ -93,14 +105,49 @@ def _aligned(kind: str, rows: int) -> int:
     return max(16, 1 << max(rows - 1, 0).bit_length())
 
 
+# Registers per thread that the x features of a Mosaic GPU "auto" tile hold: each is
+# a vector of the tile's bi columns, bi / 4 registers per thread in the WGMMA layout,
+# held across the loop over y tiles. At bi = 64, D = 16 took 256 and the H100 kernels
+# spilled 400-1100 bytes (a sum, logsumexp, min-argmin, variance); at bi = 16, none.
+MOSAIC_GPU_X_REGISTERS = 64
+
+
+def _mosaic_gpu(tiles: Any, rows: tuple[int, int], width: int) -> tuple[int, int] | str:
+    """:func:`device` on Mosaic GPU: ``bj`` a multiple of 64 (the tile's y rows are a
+    warpgroup's four warps' 16 each), ``bi`` of 8; "auto": 64 y rows by the most x rows
+    up to 64 (a power of two, at least 8) whose ``width`` features hold at most
+    :data:`MOSAIC_GPU_X_REGISTERS`, no more than the least multiple of 8 holding ``n``."""
+    if tiles != "auto":
+        bi, bj = tiles
+        if bi % 8 or bj % 64:
+            return (
+                f"tiles={tiles!r}: on Mosaic GPU bj is a multiple of 64 (a warpgroup's rows) "
+                f"and bi of 8 (default {DEVICE_TILES['mosaic_gpu']})"
+            )
+        return bi, bj
+    bi, bj = DEVICE_TILES["mosaic_gpu"]
+    while bi > 8 and width * bi // 4 > MOSAIC_GPU_X_REGISTERS:
+        bi //= 2
+    n = rows[0]
+    return (min(bi, 8 * max(1, -(-n // 8))) if n else bi), bj
+
+
 def device(
-    kind: str, tiles: Any, vmem: int, matmul: bool = False, rows: tuple[int, int] = (0, 0)
+    kind: str,
+    tiles: Any,
+    vmem: int,
+    matmul: bool = False,
+    rows: tuple[int, int] = (0, 0),
+    width: int = 1,
 ) -> tuple[int, int] | str:
     """The tile kernel's tiles on ``kind``: "auto" :func:`kernel`'s, no larger than
     the least that hold the ``rows`` (``(n, m)``; 0: any) (TPU v5e, 37 x 53 pairs
     with a per-pair L1 distance over 64 features: 121 s to compile at 512 x 1024,
     most of every tile padding), or the given ``tiles``; or why those cannot be: on
-    GPU powers of two, on TPU multiples of 128 (x and y rows on lanes)."""
+    GPU powers of two, on TPU multiples of 128 (x and y rows on lanes). On Mosaic GPU
+    (:func:`_mosaic_gpu`) the "auto" tiles depend on the ``width`` features of x."""
+    if kind == "mosaic_gpu":
+        return _mosaic_gpu(tiles, rows, width)
     if tiles == "auto":
         bi, bj = kernel(kind, vmem, matmul)
         n, m = rows
@@ -117,6 +164,24 @@ def shard_y(tiles: Any, n: int, m: int, devices: int) -> int:
     """``bj`` of ``shard="y"``'s chunks (each every x row by ``bj`` y rows): the given
     tiles', or "auto": at most 2^18 pairs and a device's share of the ``m`` y rows."""
     return max(1, min(-(-m // devices), TILE_ELEMENTS // n)) if tiles == "auto" else tiles[1]
+
+
+# The reverse pass's tiles on Mosaic GPU (its kernels, x or y rows across): 8 rows
+# across, 64 down. Its per-pair VJP holds many tile values, each 32 registers per
+# thread at 64 x 64: a logsumexp's gradient kernels for H100 took 255 registers and
+# spilled 588 bytes at D = 3 and 14 KB at D = 16; at 16 x 64, none at D = 3 and
+# 512-576 bytes at D = 16; at 8 x 64, 201-217 registers and none at D = 16.
+MOSAIC_GPU_REVERSE = (8, 64)
+
+
+def reverse(kind: str | None, tiles: tuple[int, int]) -> tuple[tuple[int, int], tuple[int, int]]:
+    """The tiles of the reverse pass's two kernels, after a forward kernel of ``kind``
+    (None: the interpret kernel) at ``tiles``: the pass over x tiles (dx; a max's
+    tally before it) at the same tiles and the pass over y tiles (dy) at them swapped;
+    on Mosaic GPU all at :data:`MOSAIC_GPU_REVERSE`."""
+    if kind == "mosaic_gpu":
+        return MOSAIC_GPU_REVERSE, MOSAIC_GPU_REVERSE
+    return tiles, (tiles[1], tiles[0])
 
 
 def swapped(tiles: Any) -> Any:

@@ -1,0 +1,143 @@
+"""The pairwise tile kernel on Pallas Mosaic GPU (``kernels/pairwise_mosaic_gpu.py``):
+every case of ``bench/cases/pairwise.py`` it takes, run in Mosaic GPU's interpreter on
+CPU (``backend="interpret"``, ``gpu_backend="mosaic_gpu"``) against the dense plain-JAX
+oracle, values and gradients, with ragged last tiles of x and y rows; the cases it
+declines (top-k, softmax-weighted) with their reason; and the backend chain lowered for
+abstract H100 and A100 devices (Mosaic GPU, then Triton)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+from helpers import assert_tree_close, needs_abstract_devices, normal
+from test_pairwise import CASES, dense
+
+import adv_jax_math as ajm
+from adv_jax_math.core import targets
+from adv_jax_math.core.targets import abstract_mesh
+
+H100, A100 = "NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB"
+N, M, D = 150, 200, 3  # 3 x tiles of 64 rows (the last 22 rows), 4 y tiles (the last 8)
+TAKEN = [
+    "add",
+    "vector_add",
+    "max",
+    "min",
+    "logsumexp",
+    "weighted_logsumexp",
+    "argmin",
+    "argmax",
+    "min_argmin",
+    "max_argmax",
+    "mean",
+    "var",
+    "pytree",
+]
+DECLINED = {"top_k": "top_k", "k_nearest": "top_k", "softmax_weighted": "softmax_weighted"}
+MOSAIC = dict(backend="interpret", gpu_backend="mosaic_gpu")
+
+
+def inputs():
+    x, y = normal(0, (N, D)), normal(1, (M, D))
+    return x, y.at[64].set(y[63])  # a tie across the border of the first two y tiles
+
+
+def loss(run):
+    leaves = lambda out: [v for v in jax.tree.leaves(out) if v.dtype.kind == "f"]
+    return lambda x, y: sum(jnp.sum(jnp.sin(v)) for v in leaves(run(x, y)))
+
+
+@pytest.mark.parametrize("name", TAKEN)
+def test_values_match_the_dense_oracle(name):
+    reduction, f, want = CASES[name]
+    x, y = inputs()
+    with ajm.config(**MOSAIC):
+        plan = ajm.explain_pairwise(f, x, y, reduction)
+        got = ajm.pairwise(f, x, y, reduction)
+    assert "mosaic_gpu tile kernel, interpreted" in plan.reason and plan.tiles == (64, 64), plan
+    assert_tree_close(got, want(dense(f, x, y)), rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("name", ["add", "logsumexp", "weighted_logsumexp", "min_argmin", "var"])
+def test_gradients_match_the_dense_oracle(name):
+    # the reverse pass's pairwise sums (dx over x tiles, dy over y tiles) are the same
+    # Mosaic GPU tile kernel
+    reduction, f, want = CASES[name]
+    x, y = inputs()
+    with ajm.config(**MOSAIC):
+        got = jax.value_and_grad(loss(lambda x, y: ajm.pairwise(f, x, y, reduction)), (0, 1))(x, y)
+    expect = jax.value_and_grad(loss(lambda x, y: want(dense(f, x, y))), (0, 1))(x, y)
+    assert_tree_close(got, expect, rtol=2e-4, atol=2e-4)
+
+
+@pytest.mark.parametrize("name", list(DECLINED))
+def test_declined_monoids_say_why(name):
+    reduction, f, want = CASES[name]
+    x, y = inputs()
+    with ajm.config(**MOSAIC):
+        plan = ajm.explain_pairwise(f, x, y, reduction)
+        got = ajm.pairwise(f, x, y, reduction)
+    assert f"Mosaic GPU's tile kernel does not fold {DECLINED[name]}" in plan.reason, plan
+    assert_tree_close(got, want(dense(f, x, y)), rtol=2e-5, atol=2e-5)
+
+
+def test_tiles_follow_the_layout_and_the_features():
+    reduction, f, want = CASES["add"]
+    x, y = inputs()
+    with ajm.config(**MOSAIC):
+        plan = ajm.explain_pairwise(f, x, y, reduction, tiles=(32, 32))
+        assert "on Mosaic GPU bj is a multiple of 64" in plan.reason, plan
+        # 16 features: 16 x rows a tile (their vectors stay in registers); given tiles
+        wide = [normal(2, (70, 16)), normal(3, (90, 16))]
+        assert ajm.explain_pairwise(f, *wide, reduction).tiles == (16, 64)
+        got = ajm.pairwise(f, *wide, reduction, tiles=(24, 128))
+    assert_tree_close(got, want(dense(f, *wide)), rtol=2e-5, atol=2e-5)
+
+
+# -- the backend chain, lowered for abstract GPUs ---------------------------------------
+
+
+def lowered_on(kind, f, reduction, x, y):
+    with jax.sharding.use_abstract_mesh(abstract_mesh("cuda", kind)):
+        plan = ajm.explain_pairwise(f, x, y, reduction)
+        grad = jax.jit(jax.value_and_grad(loss(lambda x, y: ajm.pairwise(f, x, y, reduction))))
+        return plan, grad.trace(x, y).lower(lowering_platforms=("cuda",)).as_text()
+
+
+X = jax.ShapeDtypeStruct((100003, 3), jnp.float32)
+Y = jax.ShapeDtypeStruct((200003, 3), jnp.float32)
+
+
+@needs_abstract_devices
+def test_hopper_takes_mosaic_gpu_forward_and_backward():
+    reduction, f, _ = CASES["logsumexp"]
+    plan, text = lowered_on(H100, f, reduction, X, Y)
+    assert plan.engine == "pairwise kernel (mosaic_gpu)", plan
+    assert "mosaic_gpu" in text and "triton" not in text
+
+
+@needs_abstract_devices
+def test_hopper_falls_back_to_triton_with_the_reason_and_ampere_keeps_triton():
+    reduction, f, _ = CASES["k_nearest"]
+    plan, text = lowered_on(H100, f, reduction, X, Y)
+    assert plan.engine == "pairwise kernel (gpu)", plan
+    assert "Pallas Mosaic GPU not used: the tile kernel: Mosaic GPU's" in str(plan), plan
+    reduction, f, _ = CASES["add"]
+    plan, text = lowered_on(A100, f, reduction, X, Y)
+    assert plan.engine == "pairwise kernel (gpu)" and "compute capability 9.0" in str(plan)
+    assert "triton" in text
+
+
+@needs_abstract_devices
+def test_without_pallas_triton_hopper_still_runs_pairs_and_ampere_falls_back(monkeypatch):
+    def gone():
+        raise ImportError("No module named 'jax.experimental.pallas.triton'")
+
+    monkeypatch.setattr(targets, "pallas_triton", gone)
+    reduction, f, _ = CASES["min_argmin"]
+    plan, text = lowered_on(H100, f, reduction, X, Y)
+    assert plan.engine == "pairwise kernel (mosaic_gpu)" and "triton" not in text, plan
+    plan = lowered_on(A100, f, reduction, X, Y)[0]
+    assert not plan.engine.startswith("pairwise kernel"), plan  # XLA's loops
+    assert "Pallas Triton is missing from this jax" in str(plan), plan
