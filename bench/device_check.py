@@ -22,8 +22,9 @@ tests). Workloads, from ``workloads``:
     k-NN top-8 at D = 128 and Sinkhorn's logsumexp at D = 64 against the dense XLA
     expression (``--full``: the whole grid, else its quick subset);
 (f) ``--gpu-backends`` (alone): the fused kernel built by Pallas Mosaic GPU against
-    Pallas Triton's (``config(gpu_backend=...)``) on the workloads of (a), the ones
-    Mosaic GPU takes (one value per row), next to the scan engine.
+    Pallas Triton's (``config(gpu_backend=...)``) on the workloads of (a), next to the
+    scan engine; then the pairwise tile kernel from each, forward and
+    ``value_and_grad``, on a kernel sum, a logsumexp and a min-argmin at D = 3 and 16.
 
 Engines: ``fused`` (the kernel alone: ``batch_size = n`` under ``backend="pallas"``,
 so the block is the engine's own choice, printed from ``explain``),
@@ -300,6 +301,49 @@ def gpu_backends(*, interpret: bool, peak: float, reps: int) -> None:
             )
 
 
+def pairwise_backends(*, interpret: bool, reps: int) -> None:
+    """(f), the pairwise tile kernel: forward and ``value_and_grad`` (w.r.t. x and y)
+    of KeOps' Gaussian kernel sum, a logsumexp and a min-argmin at N = M = 1e5, D = 3
+    and 16, the kernel from Mosaic GPU and from Triton (each row's engine and tiles from
+    ``explain_pairwise``); the errors against Mosaic GPU's forward."""
+    kernel = "interpret" if interpret else "auto"
+    named = {c.name: c for c in pairwise.REDUCTIONS}
+    cases = [pairwise.gaussian(p=2.0), named["logsumexp"], named["min_argmin"]]
+    print("\n## Pallas Mosaic GPU against Pallas Triton (the pairwise tile kernel)")
+    print("| case | N = M, D | pass | backend | engine, tiles | ms | Gpairs/s | max rel err |")
+    print("|---|---|---|---|---|---|---|---|")
+    for case, d in ((c, d) for c in cases for d in (3, 16)):
+        n = 128 if interpret else 100_000
+        x, y = _arrays(case.inputs(n, n, d))
+        reference = {}
+        for gpu in ("mosaic_gpu", "triton"):
+            options = {"backend": kernel, "gpu_backend": gpu}
+
+            def forward(x, y, case=case, options=options):
+                with ajm.config(**options):  # read while tracing
+                    out = ajm.pairwise(case.f, x, y, case.reduction)
+                return [v for v in jax.tree.leaves(out) if v.dtype == jnp.float32]
+
+            loss = lambda x, y, forward=forward: sum(jnp.sum(v) for v in forward(x, y))
+            with ajm.config(**options):
+                plan = ajm.explain_pairwise(case.f, x, y, case.reduction)
+            passes = (("forward", forward), ("value_and_grad", jax.value_and_grad(loss, (0, 1))))
+            for name, fun in passes:
+                try:
+                    m = measure(jax.jit(fun), (x, y), repeats=reps, warmup=1)
+                except Exception as e:  # one backend failing is a result too
+                    print(f"| {case.name} | {n}, {d} | {name} | {gpu} | failed: {e!s:.160} |")
+                    continue
+                ref = reference.setdefault(name, m.out)
+                seconds = m.time.median
+                print(
+                    f"| {case.name} | {n}, {d} | {name} | {gpu} | {plan.engine}, {plan.tiles} "
+                    f"| {seconds * 1e3:.3f} | {float(n) * n / seconds / 1e9:.1f} "
+                    f"| {max_rel_error(m.out, ref):.1e} |",
+                    flush=True,
+                )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--interpret", action="store_true", help="tiny sizes, interpret mode")
@@ -320,6 +364,7 @@ def main() -> None:
         return
     if args.gpu_backends:  # (f) alone, as (e)
         gpu_backends(interpret=args.interpret, peak=peak, reps=args.reps)
+        pairwise_backends(interpret=args.interpret, reps=args.reps)
         return
 
     # (a) x + 1 reduced over 1 GiB of float32, chunks of 1/16 of it

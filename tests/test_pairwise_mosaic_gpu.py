@@ -3,7 +3,7 @@ every case of ``bench/cases/pairwise.py`` it takes, run in Mosaic GPU's interpre
 CPU (``backend="interpret"``, ``gpu_backend="mosaic_gpu"``) against the dense plain-JAX
 oracle, values and gradients, with ragged last tiles of x and y rows; the cases it
 declines (top-k, softmax-weighted) with their reason; and the backend chain lowered for
-abstract H100 and A100 devices (Mosaic GPU, then Triton)."""
+abstract H100 and A100 devices (Mosaic GPU, then Triton); on an Auto mesh."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 from helpers import assert_tree_close, needs_abstract_devices, normal
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 from test_pairwise import CASES, dense
 
 import adv_jax_math as ajm
@@ -141,3 +143,24 @@ def test_without_pallas_triton_hopper_still_runs_pairs_and_ampere_falls_back(mon
     plan = lowered_on(A100, f, reduction, X, Y)[0]
     assert not plan.engine.startswith("pairwise kernel"), plan  # XLA's loops
     assert "Pallas Triton is missing from this jax" in str(plan), plan
+
+
+# -- on meshes (DESIGN.md §9) --------------------------------------------------------
+
+
+# Mosaic GPU's interpreter (jax 0.12) cannot run a kernel under shard_map over several
+# CPU devices ("Barrier remains allocated", DESIGN.md §10): inputs on an Explicit mesh
+# (split or replicated) and shard=True fail there, and break the interpreter for the
+# rest of the process; compiled for a GPU they are ordinary kernels. On an Auto mesh:
+@pytest.mark.skipif(jax.device_count() != 4, reason="needs the 4 virtual CPU devices")
+def test_on_an_auto_mesh_values_and_gradients_match():
+    mesh = jax.make_mesh((4,), ("x",), axis_types=(AxisType.Auto,))
+    host_x, host_y = normal(4, (72, D)), normal(5, (132, D))
+    x, y = (jax.device_put(a, NamedSharding(mesh, P())) for a in (host_x, host_y))
+    reduction, f, want = CASES["logsumexp"]
+    ours = lambda x, y: ajm.pairwise(f, x, y, reduction)
+    with ajm.config(**MOSAIC):
+        assert "mosaic_gpu tile kernel" in ajm.explain_pairwise(f, x, y, reduction).reason
+        got = jax.jit(jax.value_and_grad(loss(ours), (0, 1)))(x, y)
+    expect = jax.value_and_grad(loss(lambda x, y: want(dense(f, x, y))), (0, 1))(host_x, host_y)
+    assert_tree_close(jax.device_get(got), expect, rtol=2e-4, atol=2e-4)

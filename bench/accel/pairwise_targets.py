@@ -10,12 +10,14 @@ Per case (``COMPILED`` of the reductions of ``bench/cases/pairwise.py`` and its 
 N x M rows of D features, f32): ``ajm.pairwise`` as users call it, forward and
 ``jax.value_and_grad`` w.r.t. ``x`` and ``y``, compiled with
 ``jax.jit(...).lower(avals).compile()`` under ``jax.set_mesh`` of a one-device mesh of
-a compile-only device of the target (the planner's own compile probe runs in that
-trace); records the engine ``explain_pairwise`` plans and what
+a compile-only device of the target, the default device too (``on_target``: Mosaic GPU
+compiles for the default device's architecture; the planner's own compile probe runs in
+that trace); records the engine ``explain_pairwise`` plans and what
 ``compile_targets.compile_fn`` records: whether it compiled (else the compiler's first
 lines), whether the program holds the kernel, its HLO while loops, the compiled temp
-bytes and the compile time. ``--table DIR`` prints the Markdown table
-of every ``DIR/*.json`` (``--readme README.md`` rewrites its section).
+bytes, the compile time and on GPUs the tile kernel's ptxas figures (Mosaic GPU's; the
+table marks its kernels ``mgpu`` and their spills). ``--table DIR`` prints the Markdown
+table of every ``DIR/*.json`` (``--readme README.md`` rewrites its section).
 
 ``--matmul``: issue 41's matrix-unit grid instead (attention, k-NN top-8, Sinkhorn;
 ``matmul_targets.py``), its own records and table (``--table DIR --out FILE.md``);

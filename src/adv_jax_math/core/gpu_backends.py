@@ -19,7 +19,10 @@ def mosaic_gpu_problem() -> str | None:
     try:
         from jax.experimental.pallas import mosaic_gpu as plgpu
 
+        # (what the kernels use: an older jax may lack some)
         plgpu.kernel, plgpu.emit_pipeline, plgpu.InterpretGPUParams  # noqa: B018
+        plgpu.LoweringSemantics.Lane, plgpu.load, plgpu.broadcasted_iota  # noqa: B018
+        plgpu.layout_cast, plgpu.Layout.WGMMA.reduce, plgpu.Layout.WG_STRIDED  # noqa: B018
     except Exception as e:  # ImportError, or a module without these (older jax)
         return (
             f"Pallas Mosaic GPU is not usable with this jax ({jax.__version__}): "
