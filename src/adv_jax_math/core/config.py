@@ -172,11 +172,12 @@ class Options:
         Report chunks done, rows per second and time left on stderr while the
         chunk loop runs (adds nothing to compiled programs when off).
     gpu_backend : str
-        Which Pallas backend builds the fused kernel on NVIDIA GPUs: ``"auto"``
-        (Mosaic GPU on Hopper and newer where it compiles, else Triton; ``explain()``
-        says which and why), ``"mosaic_gpu"`` or ``"triton"`` (that one only, for
-        testing; the scan engine runs where it cannot). With ``backend="interpret"``,
-        ``"mosaic_gpu"`` runs the Mosaic GPU kernel in its CPU interpreter.
+        Which Pallas backend builds the fused kernel and the pairwise tile kernel on
+        NVIDIA GPUs: ``"auto"`` (Mosaic GPU on Hopper and newer where it compiles,
+        else Triton; ``explain()`` says which and why), ``"mosaic_gpu"`` or
+        ``"triton"`` (that one only, for testing; the scan engine runs where it
+        cannot). With ``backend="interpret"``, ``"mosaic_gpu"`` runs the Mosaic GPU
+        kernels in its CPU interpreter.
     """
 
     backend: str = "auto"
