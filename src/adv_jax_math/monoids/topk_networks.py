@@ -39,18 +39,19 @@ def select(k: int, lists: list, key_min: Any) -> tuple:
             jnp.maximum,
             [over(jnp.where(al, kk, key_min), ax, jnp.max) for kk, rr, al, ax in lists],
         )
-        level = lambda ax, top=top: top if ax is None else top[None]
+        # (against the rows in one broadcast: Mosaic GPU lays out no (1, n) arrays)
+        level = lambda ax, like, top=top: top if ax is None else jnp.broadcast_to(top, like.shape)
         sel = functools.reduce(
             jnp.minimum,
             [
-                over(jnp.where(al & (kk == level(ax)), rr, big), ax, jnp.min)
+                over(jnp.where(al & (kk == level(ax, kk)), rr, big), ax, jnp.min)
                 for kk, rr, al, ax in lists
             ],
         )
         keys.append(top)
         rows.append(sel)
-        gone = lambda ax, sel=sel: sel if ax is None else sel[None]
-        lists = [(kk, rr, al & (rr != gone(ax)), ax) for kk, rr, al, ax in lists]
+        gone = lambda ax, like, sel=sel: sel if ax is None else jnp.broadcast_to(sel, like.shape)
+        lists = [(kk, rr, al & (rr != gone(ax, rr)), ax) for kk, rr, al, ax in lists]
     return tuple(keys), tuple(rows)
 
 

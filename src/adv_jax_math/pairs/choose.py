@@ -20,7 +20,7 @@ from ..kernels.fused_reduce.fused import kernel_targets
 from ..kernels.pairwise_device import Layout
 from ..monoids.reduction import MonoidReduction
 from . import tiles as _tiles
-from .kernel import layout_problem
+from .kernel import layout_problem, state_width
 from .matmul import blocks, distances, kernel_layout, pair_width
 
 __all__ = ["MATMUL_DISTANCES", "device_kernel", "interpreted", "kernel_for"]
@@ -58,7 +58,8 @@ def _device_kernel(
     ``"mosaic_gpu"``; ``"tpu"``)."""
     vmem = tpu_vmem_limit(target.device_kind)
     rows = _rows(x, y)
-    chosen = _tiles.device(kind, tiles, vmem, rows=rows, width=_width(x))
+    held = _held(f, x, y, red) if kind == "mosaic_gpu" else 1
+    chosen = _tiles.device(kind, tiles, vmem, rows=rows, held=held)
     if isinstance(chosen, str):
         return None, chosen
     if kind == "mosaic_gpu":  # (the matmul tiles are Triton's and Mosaic TPU's)
@@ -97,7 +98,7 @@ def interpreted(
     and which kind was tried."""
     if _config.current().gpu_backend != "mosaic_gpu":
         return (*kernel_for(f, x, y, red, Layout(kind, rows_tiles, True), None), kind)
-    chosen = _tiles.device("mosaic_gpu", tiles, 0, rows=_rows(x, y), width=_width(x))
+    chosen = _tiles.device("mosaic_gpu", tiles, 0, rows=_rows(x, y), held=_held(f, x, y, red))
     if isinstance(chosen, str):
         return None, f"the tile kernel: {chosen}", "mosaic_gpu"
     layout = Layout("mosaic_gpu", chosen, True)
@@ -144,9 +145,10 @@ def _rows(x: Any, y: Any) -> tuple[int, int]:
     return jax.tree.leaves(x)[0].shape[0], jax.tree.leaves(y)[0].shape[0]
 
 
-def _width(x: Any) -> int:
-    """The features of an x row (every leaf's, flat)."""
-    return sum(math.prod(a.shape[1:]) for a in jax.tree.leaves(x))
+def _held(f: Callable, x: Any, y: Any, red: MonoidReduction) -> int:
+    """The values per x row the tile kernel holds across its loop over y tiles: x's
+    features (every leaf's, flat) and the states (``kernel.state_width``)."""
+    return sum(math.prod(a.shape[1:]) for a in jax.tree.leaves(x)) + state_width(f, x, y, red)
 
 
 def _within(bi: int, bj: int, width: int, least: int) -> tuple[int, int]:

@@ -14,6 +14,7 @@ tile kernel (traced, then compiled for the target).
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -185,17 +186,31 @@ def _unrolled_problem(pair: Any, kind: str) -> str | None:
 def _mosaic_gpu_problem(pair: Any, red: MonoidReduction, args: Any) -> str | None:
     """Why the tile kernel cannot take ``pair`` on Mosaic GPU (static rules), or None:
     an operation it has no lowering for, 64-bit values (TMA copies take none), a term
-    that sorts (top-k) or weighs vectors by a softmax (each is folded on its own tile
-    element by element)."""
+    that weighs vectors by a softmax (each score with each value: not one state per
+    element)."""
     if missing := mosaic_gpu_missing(pair.jaxpr, "f"):
         return missing
     wide = sorted({str(a.dtype) for a in jax.tree.leaves(args) if a.dtype.itemsize > 4})
     if wide:
         return f"Mosaic GPU's TMA copies take no 64-bit types ({', '.join(wide)})"
     for leaf in red.leaves:
-        if leaf.monoid.sorts or isinstance(leaf.monoid, SoftmaxWeighted):
+        if isinstance(leaf.monoid, SoftmaxWeighted):
             return f"Mosaic GPU's tile kernel does not fold {leaf.monoid.name} (Triton's does)"
     return None
+
+
+def state_width(f: Callable, x: Any, y: Any, red: MonoidReduction) -> int:
+    """The state values of one x row in the tile kernel: each element of each term's
+    values per pair folded on its own, each with its monoid's state leaves (a top-k of
+    10: 20)."""
+    conv, consts = jax.closure_convert(f, first_row(x), first_row(y))
+    outs = [v.aval for v in _pair(conv, consts, red, x, y).jaxpr.outvars]
+    total = 0
+    for leaf in red.leaves:
+        one = [jax.ShapeDtypeStruct((), outs[s].dtype) for s in leaf.sources]
+        per = len(jax.tree.leaves(jax.eval_shape(lambda leaf=leaf, one=one: leaf.monoid.init(one))))
+        total += per * math.prod(outs[leaf.sources[-1]].shape)
+    return total
 
 
 def probe_text(jaxpr: Any, red: MonoidReduction) -> str:

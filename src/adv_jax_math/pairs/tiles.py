@@ -105,18 +105,20 @@ def _aligned(kind: str, rows: int) -> int:
     return max(16, 1 << max(rows - 1, 0).bit_length())
 
 
-# Registers per thread that the x features of a Mosaic GPU "auto" tile hold: each is
-# a vector of the tile's bi columns, bi / 4 registers per thread in the WGMMA layout,
-# held across the loop over y tiles. At bi = 64, D = 16 took 256 and the H100 kernels
-# spilled 400-1100 bytes (a sum, logsumexp, min-argmin, variance); at bi = 16, none.
-MOSAIC_GPU_X_REGISTERS = 64
+# Values per x row that a Mosaic GPU "auto" tile holds across its loop over y tiles: x's
+# features and the states (each a vector of the tile's bi columns, bi / 4 registers per
+# thread in the WGMMA layout). H100, 64 x 64 tiles: D = 16 (a sum, logsumexp,
+# min-argmin, variance) spilled 400-1100 bytes and k-NN top-10 at D = 3 (20 state
+# vectors) 7.3 KB; at 16 x 64 neither did (123-160 and 254 registers).
+MOSAIC_GPU_HELD = 96
 
 
-def _mosaic_gpu(tiles: Any, rows: tuple[int, int], width: int) -> tuple[int, int] | str:
+def _mosaic_gpu(tiles: Any, rows: tuple[int, int], held: int) -> tuple[int, int] | str:
     """:func:`device` on Mosaic GPU: ``bj`` a multiple of 64 (the tile's y rows are a
     warpgroup's four warps' 16 each), ``bi`` of 8; "auto": 64 y rows by the most x rows
-    up to 64 (a power of two, at least 8) whose ``width`` features hold at most
-    :data:`MOSAIC_GPU_X_REGISTERS`, no more than the least multiple of 8 holding ``n``."""
+    up to 64 (a power of two, at least 8) at which the ``held`` values per x row (x's
+    features, the states) take at most :data:`MOSAIC_GPU_HELD` registers, no more than
+    the least multiple of 8 holding ``n``."""
     if tiles != "auto":
         bi, bj = tiles
         if bi % 8 or bj % 64:
@@ -126,7 +128,7 @@ def _mosaic_gpu(tiles: Any, rows: tuple[int, int], width: int) -> tuple[int, int
             )
         return bi, bj
     bi, bj = DEVICE_TILES["mosaic_gpu"]
-    while bi > 8 and width * bi // 4 > MOSAIC_GPU_X_REGISTERS:
+    while bi > 8 and held * bi // 4 > MOSAIC_GPU_HELD:
         bi //= 2
     n = rows[0]
     return (min(bi, 8 * max(1, -(-n // 8))) if n else bi), bj
@@ -138,16 +140,16 @@ def device(
     vmem: int,
     matmul: bool = False,
     rows: tuple[int, int] = (0, 0),
-    width: int = 1,
+    held: int = 1,
 ) -> tuple[int, int] | str:
     """The tile kernel's tiles on ``kind``: "auto" :func:`kernel`'s, no larger than
     the least that hold the ``rows`` (``(n, m)``; 0: any) (TPU v5e, 37 x 53 pairs
     with a per-pair L1 distance over 64 features: 121 s to compile at 512 x 1024,
     most of every tile padding), or the given ``tiles``; or why those cannot be: on
     GPU powers of two, on TPU multiples of 128 (x and y rows on lanes). On Mosaic GPU
-    (:func:`_mosaic_gpu`) the "auto" tiles depend on the ``width`` features of x."""
+    (:func:`_mosaic_gpu`) the "auto" tiles depend on the values ``held`` per x row."""
     if kind == "mosaic_gpu":
-        return _mosaic_gpu(tiles, rows, width)
+        return _mosaic_gpu(tiles, rows, held)
     if tiles == "auto":
         bi, bj = kernel(kind, vmem, matmul)
         n, m = rows
