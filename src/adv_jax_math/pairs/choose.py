@@ -56,16 +56,13 @@ def _device_kernel(
 ) -> tuple[Layout | None, str]:
     """:func:`device_kernel` on one backend (``kind``: ``"gpu"``, Pallas Triton;
     ``"mosaic_gpu"``; ``"tpu"``)."""
+    if kind == "mosaic_gpu":
+        return _mosaic_gpu(f, x, y, red, tiles, target)
     vmem = tpu_vmem_limit(target.device_kind)
     rows = _rows(x, y)
-    held = _held(f, x, y, red) if kind == "mosaic_gpu" else 1
-    chosen = _tiles.device(kind, tiles, vmem, rows=rows, held=held)
+    chosen = _tiles.device(kind, tiles, vmem, rows=rows)
     if isinstance(chosen, str):
         return None, chosen
-    if kind == "mosaic_gpu":  # (the matmul tiles are Triton's and Mosaic TPU's)
-        layout = Layout(kind, chosen)
-        found = layout_problem(f, x, y, red, layout, target)
-        return (None, f"the tile kernel: {found}") if found else (layout, "")
     if kind == "tpu":
         from jax.experimental.pallas import tpu as pltpu
 
@@ -98,13 +95,21 @@ def interpreted(
     and which kind was tried."""
     if _config.current().gpu_backend != "mosaic_gpu":
         return (*kernel_for(f, x, y, red, Layout(kind, rows_tiles, True), None), kind)
+    return (*_mosaic_gpu(f, x, y, red, tiles, None), "mosaic_gpu")
+
+
+def _mosaic_gpu(
+    f: Callable, x: Any, y: Any, red: MonoidReduction, tiles: Any, target: Any
+) -> tuple[Layout | None, str]:
+    """The Mosaic GPU tile kernel at its tiles, compiled (or lowered) for ``target``
+    (None: interpreted, traced only), or why not (the matmul tiles are Triton's and
+    Mosaic TPU's)."""
     chosen = _tiles.device("mosaic_gpu", tiles, 0, rows=_rows(x, y), held=_held(f, x, y, red))
     if isinstance(chosen, str):
-        return None, f"the tile kernel: {chosen}", "mosaic_gpu"
-    layout = Layout("mosaic_gpu", chosen, True)
-    if problem := layout_problem(f, x, y, red, layout):
-        return None, f"the tile kernel: {problem}", "mosaic_gpu"
-    return layout, "", "mosaic_gpu"
+        return None, f"the tile kernel: {chosen}"
+    layout = Layout("mosaic_gpu", chosen, target is None)
+    problem = layout_problem(f, x, y, red, layout, target)
+    return (None, f"the tile kernel: {problem}") if problem else (layout, "")
 
 
 def kernel_for(
