@@ -12,7 +12,7 @@ PIP_FLAGS ?= --quiet --disable-pip-version-check
 PYTEST_FLAGS ?=
 
 .PHONY: all demo test test-slow test-upstream test-compat test-asan test-accel accel-pairwise accel-pairwise-matmul test-clients lint bench \
-  bench-monoids bench-pairwise docs clean
+  bench-monoids bench-pairwise bench-ott docs clean
 
 all: test
 
@@ -176,6 +176,14 @@ $(VENV)/.bench-pairwise-installed: $(VENV)/.installed pyproject.toml
 
 bench-pairwise: $(VENV)/.bench-pairwise-installed
 	$(VENV)/bin/python bench/pairwise_report.py $(BENCH_PAIRWISE_FLAGS)
+
+# OTT-JAX's Sinkhorn through adv_jax_math.ott against OTT's dense and online point
+# clouds, in one process (about 10 min on 2 cores): bench/results/ott.{json,md} and the
+# table of docs/guides/ott.md (from a clean tree, as bench-monoids; BENCH_OTT_FLAGS=
+# --allow-dirty to measure uncommitted changes, --quick for a smoke run).
+BENCH_OTT_FLAGS ?=
+bench-ott: $(VENV)/.installed
+	$(VENV)/bin/python bench/ott_report.py $(BENCH_OTT_FLAGS)
 
 clean:
 	rm -rf $(VENV) $(VENV_COMPAT) .venv-accel-gpu .venv-accel-tpu build .pytest_cache
