@@ -309,10 +309,13 @@ def _elements(leaf: Any, objs: Sequence[np.ndarray]) -> tuple[Any, list[tuple]]:
     the maxima and norms of one score's folds are the same computation)."""
     if leaf.axis != 0:
         raise NotUnrolled(f"a term reduces every axis ({leaf}), not the pairs'")
-    if _softmax(leaf):  # every score with every value, scores first
+    if _softmax(leaf):  # every score with every value (of its own heads), scores first
         scores, values = objs
         paired = dataclasses.replace(leaf, monoid=leaf.monoid.paired())
-        return paired, [(s, v) for s in scores.reshape(-1) for v in values.reshape(-1)]
+        heads = _size_of(values.shape[: leaf.monoid.heads])
+        own = values.reshape(heads, -1)  # each head's values
+        pairs = [(s, v) for i, s in enumerate(scores.reshape(-1)) for v in own[i % heads]]
+        return paired, pairs
     if any(o.shape != objs[0].shape for o in objs):
         raise NotUnrolled(f"a term reads values of shapes {[o.shape for o in objs]}")
     return leaf, list(zip(*(o.reshape(-1) for o in objs), strict=True))
@@ -324,7 +327,8 @@ def _join(leaf: Any, parts: list, shape: tuple) -> Any:
     (a softmax-weighted sum's maxima and norms taken once, its sums stacked)."""
     stacked = lambda shape, *p: jnp.stack(p, 1).reshape(p[0].shape[0], *shape)
     if _softmax(leaf):  # parts: scores by values; maxima and norms once per score
-        (s_shape, v_shape), k = shape, _size_of(shape[1])
+        s_shape, v_shape = shape[0], shape[1][leaf.monoid.heads :]
+        k = _size_of(v_shape)
         per_score = [stacked(s_shape, *(p[i] for p in parts[::k])) for i in range(3)]
         sums = [stacked((*s_shape, *v_shape), *(p[i] for p in parts)) for i in (3, 4)]
         return (*per_score, *sums)

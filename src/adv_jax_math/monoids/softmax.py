@@ -24,16 +24,41 @@ __all__ = ["SOFTMAX_WEIGHTED", "SoftmaxWeighted", "softmax_weighted"]
 class SoftmaxWeighted(_ExponentAndCompanion):
     """``jnp.tensordot(jax.nn.softmax(scores, 0), values, ([0], [0]))`` for ``fun``
     returning ``(scores (n, *s), values (n, *v))``: the result is ``(*s, *v)``
-    (attention for ``s = (queries,)``); with ``return_lse=True`` also
+    (attention for ``s = (queries,)``); with ``heads=k``, the scores' last ``k`` axes
+    pair with the values' first ``k`` (heads: ``s = (*a, *h)``, ``v = (*h, *u)``, the
+    result ``(*a, *h, *u)``); with ``return_lse=True`` also
     ``jax.nn.logsumexp(scores, 0)``, to combine partial results across calls. An
     online softmax (Milakov & Gimelshein 2018), compensated."""
 
-    def __init__(self, return_lse: bool = False):
-        self.return_lse = bool(return_lse)
-        self.name = "softmax_weighted" + ("(return_lse=True)" if return_lse else "")
+    def __init__(self, return_lse: bool = False, heads: int = 0):
+        if isinstance(heads, bool):
+            heads = int(heads)
+        if not isinstance(heads, int) or heads < 0:
+            raise TypeError(
+                f"softmax_weighted: heads={heads!r}; pass True (the scores' last axis "
+                "pairs with the values' first: one score per head), or the number of "
+                "axes that pair"
+            )
+        self.return_lse, self.heads = bool(return_lse), heads
+        options = [f"heads={heads}"] * bool(heads) + ["return_lse=True"] * self.return_lse
+        self.name = "softmax_weighted" + (f"({', '.join(options)})" if options else "")
 
     def __repr__(self) -> str:
-        return "adv_jax_math." + (self.name if self.return_lse else "SOFTMAX_WEIGHTED")
+        return "adv_jax_math." + (
+            self.name if self.name != "softmax_weighted" else "SOFTMAX_WEIGHTED"
+        )
+
+    def _paired_shape(self, s: tuple, v: tuple) -> tuple:
+        """The result's shape for rows of scores ``s`` and values ``v``: ``(*s, *v)``, or
+        with heads ``(*s, *v[heads:])``, the heads checked."""
+        k = self.heads
+        if k and (len(s) < k or len(v) < k or tuple(s[len(s) - k :]) != tuple(v[:k])):
+            raise ValueError(
+                f"{self!r}: fun returns (scores, values) with rows of shapes {tuple(s)} and "
+                f"{tuple(v)}; with heads={k} the scores' last {k} axes pair with the values' "
+                f"first {k} and must be equal (scores (..., heads), values (heads, ...))"
+            )
+        return (*s, *v[k:])
 
     def _dtypes(self, items: Items) -> tuple[np.dtype, np.dtype]:
         out = _float(jnp.result_type(items[0].dtype, items[1].dtype))
@@ -42,7 +67,7 @@ class SoftmaxWeighted(_ExponentAndCompanion):
     def init(self, items: Items) -> Any:
         _, acc = self._dtypes(items)
         s, v = items
-        both = jax.ShapeDtypeStruct(s.shape + v.shape, acc)
+        both = jax.ShapeDtypeStruct(self._paired_shape(s.shape, v.shape), acc)
         zero = lambda it: _full(it, 0, acc)
         return _full(s, -np.inf, acc), zero(s), zero(s), zero(both), zero(both)
 
@@ -56,7 +81,7 @@ class SoftmaxWeighted(_ExponentAndCompanion):
         top = _top(s)  # (as LogSumExp.fold's: the lse's NaN derivative at an infinite top)
         # an infinite top is not shifted away: exp(inf - inf) is NaN, as jax.nn.softmax
         e = jnp.exp(s - _finite_or_zero(top)[None])
-        weighted = self._weigh(e, v)
+        weighted = self._weigh(e, v) if not self.heads else self._pair(e, v)
         return top, jnp.sum(e, axis=0), jnp.zeros_like(top), weighted, jnp.zeros_like(weighted)
 
     @staticmethod
@@ -68,6 +93,14 @@ class SoftmaxWeighted(_ExponentAndCompanion):
             ve = v if v.ndim > 1 or e.ndim == 1 else lax.broadcast_in_dim(v, e.shape, (0,))
             return jnp.sum(ev * ve, axis=0)
         return jnp.tensordot(e, v, axes=([0], [0]))
+
+    def _pair(self, p: jax.Array, v: jax.Array) -> jax.Array:
+        """With heads: ``sum_i p[i, *a, *h] v[i, *h, *u]``, ``(*a, *h, *u)``: one
+        matmul per head."""
+        k, na = self.heads, p.ndim - 1 - self.heads
+        h_p, h_v = list(range(1 + na, p.ndim)), list(range(1, 1 + k))
+        out = lax.dot_general(p, v, (([0], [0]), (h_p, h_v)))  # (*h, *a, *u)
+        return jnp.moveaxis(out, list(range(k)), list(range(na, na + k)))
 
     def paired(self) -> SoftmaxWeighted:
         """This sum with values that share the scores' items (each item's score
@@ -98,7 +131,7 @@ class SoftmaxWeighted(_ExponentAndCompanion):
 
     def empty(self, items: Items) -> Any:
         dtype = self._dtypes(items)[0]
-        out = jnp.zeros(items[0].shape + items[1].shape, dtype)  # a sum over no rows
+        out = jnp.zeros(self._paired_shape(items[0].shape, items[1].shape), dtype)  # no rows
         return (out, jnp.full(items[0].shape, -jnp.inf, dtype)) if self.return_lse else out
 
     def _centered(self, ys: Any, keep: Any, state: Any) -> tuple[jax.Array, jax.Array]:
@@ -109,27 +142,46 @@ class SoftmaxWeighted(_ExponentAndCompanion):
         p = _softmax(s, state[0], state[1] + state[2])
         if keep is not None:
             p = p * _col(keep, p).astype(p.dtype)
-        return p, v.reshape(v.shape[:1] + (1,) * (s.ndim - 1) + v.shape[1:]) - out[None]
+        lift = (1,) * (s.ndim - 1 - self.heads)
+        return p, v.reshape(v.shape[:1] + lift + v.shape[1:]) - out[None]
 
     def cotangent(self, ct, ys, idx, keep, state, items, tally=None) -> tuple:
         p, centered = self._centered(ys, keep, state)
         ct_out, ct_lse = ct if self.return_lse else (ct, None)
-        ns = p.ndim - 1
+        ns, nv = p.ndim - 1, centered.ndim - p.ndim
         # out[S, V] = sum_i p_i[S] v_i[V]: d/dv_i = sum over S of p_i ct, and
         # d/ds_i = p_i (<ct, v_i - out> over V + ct_lse)
-        ct_v = jnp.tensordot(p, ct_out, axes=(list(range(1, ns + 1)), list(range(ns))))
-        nv = centered.ndim - p.ndim
-        if ns and nv:  # every score with every value: <ct, v_i> - <ct, out> as matmuls
+        if self.heads:  # the same per head: matmuls batched over the heads
+            ct_v, ct_s = self._heads_cotangents(p, ys[1].astype(p.dtype), ct_out, state)
+        elif ns and nv:  # every score with every value: <ct, v_i> - <ct, out> as matmuls
             # (flash attention's dO V^T - delta), not (rows, *s, *v) centered values
+            ct_v = jnp.tensordot(p, ct_out, axes=(list(range(1, ns + 1)), list(range(ns))))
             v = ys[1].astype(p.dtype)
             over_v = list(range(ns, ns + nv))
             delta = jnp.sum(ct_out * self._parts(state)[0], axis=tuple(over_v))
             ct_s = p * (jnp.tensordot(v, ct_out, axes=(list(range(1, nv + 1)), over_v)) - delta)
         else:
+            ct_v = jnp.tensordot(p, ct_out, axes=(list(range(1, ns + 1)), list(range(ns))))
             ct_s = p * jnp.sum(ct_out[None] * centered, axis=tuple(range(p.ndim, centered.ndim)))
         if ct_lse is not None:
             ct_s = ct_s + p * ct_lse[None]
         return self._cotangents((ct_s, ct_v), ys)
+
+    def _heads_cotangents(self, p, v, ct, state) -> tuple[jax.Array, jax.Array]:
+        """With heads (``p (i, *a, *h)``, ``v (i, *h, *u)``, ``ct (*a, *h, *u)``): the
+        values' cotangents ``sum_a p ct`` and the scores' ``p (<v_i, ct> - delta)``
+        over ``u`` (flash attention's ``dO V^T - delta``), matmuls per head."""
+        k, na = self.heads, p.ndim - 1 - self.heads
+        a_p, h_p = list(range(1, 1 + na)), list(range(1 + na, p.ndim))
+        a_c, h_c = list(range(na)), list(range(na, na + k))
+        u_c = list(range(na + k, ct.ndim))
+        ct_v = lax.dot_general(p, ct, ((a_p, a_c), (h_p, h_c)))  # (*h, i, *u)
+        ct_v = jnp.moveaxis(ct_v, k, 0)
+        u_v = list(range(1 + k, v.ndim))
+        vc = lax.dot_general(v, ct, ((u_v, u_c), (list(range(1, 1 + k)), h_c)))  # (*h, i, *a)
+        vc = jnp.moveaxis(vc, list(range(k)), list(range(1 + na, 1 + na + k)))
+        delta = jnp.sum(ct * self._parts(state)[0], axis=tuple(u_c))
+        return ct_v, p * (vc - delta[None])
 
     def tangent(self, ys, dys, idx, keep, state, items) -> Any:
         p, centered = self._centered(ys, keep, state)
@@ -140,7 +192,8 @@ class SoftmaxWeighted(_ExponentAndCompanion):
         # of 1e4: an error of 1e-3 where the derivative is 0)
         spread = pds.reshape(pds.shape + (1,) * (centered.ndim - p.ndim))
         via_s = jnp.sum(spread * centered, axis=0)
-        return jnp.tensordot(p, dv, axes=([0], [0])) + via_s, jnp.sum(pds, axis=0)
+        via_v = self._pair(p, dv) if self.heads else jnp.tensordot(p, dv, axes=([0], [0]))
+        return via_v + via_s, jnp.sum(pds, axis=0)
 
     def tangent_finish(self, raw: Any, state: Any, items: Items) -> Any:
         d_out, d_lse = raw
@@ -159,7 +212,7 @@ class _Paired(SoftmaxWeighted):
 SOFTMAX_WEIGHTED = SoftmaxWeighted()
 
 
-def softmax_weighted(return_lse: bool = False) -> SoftmaxWeighted:
+def softmax_weighted(return_lse: bool = False, heads: bool | int = False) -> SoftmaxWeighted:
     """Softmax-weighted sums of ``fun``'s ``(scores, values)`` over the rows, as
     ``jnp.tensordot(jax.nn.softmax(scores, 0), values, ([0], [0]))``.
 
@@ -169,6 +222,12 @@ def softmax_weighted(return_lse: bool = False) -> SoftmaxWeighted:
     result is ``(weighted sum, jax.nn.logsumexp(scores, 0))``, so that partial results
     of several calls or devices can be combined. ``SOFTMAX_WEIGHTED`` is
     ``softmax_weighted()``.
+
+    ``heads=True`` pairs scores and values head by head: the scores' last axis with the
+    values' first, scores ``(n, *a, h)`` and values ``(n, h, *u)`` giving
+    ``(*a, h, *u)`` (multi-head attention: one score per head, ``(h,)``, and a value
+    vector per head, ``(h, d)``: the result ``(h, d)``, not every score with every
+    value's ``(h, h, d)``). An int pairs that many axes.
 
     Examples
     --------
@@ -180,5 +239,15 @@ def softmax_weighted(return_lse: bool = False) -> SoftmaxWeighted:
     ...                          reduction=ajm.softmax_weighted(return_lse=True))
     >>> print(round(float(out), 4), round(float(jnp.exp(lse)), 4))
     4.0 4.0
+
+    Two heads, each with its own scores and 2-vectors:
+
+    >>> s2 = jnp.stack([scores, -scores], 1)              # (3 rows, 2 heads)
+    >>> v2 = jnp.stack([jnp.stack([values, values], 1), jnp.ones((3, 2))], 1)
+    >>> ajm.batch_map(lambda r: r, (s2, v2), 2, reduction=ajm.softmax_weighted(heads=True))
+    Array([[4., 4.],
+           [1., 1.]], dtype=float32)
     """
-    return SOFTMAX_WEIGHTED if not return_lse else SoftmaxWeighted(return_lse=True)
+    if not return_lse and not heads:
+        return SOFTMAX_WEIGHTED
+    return SoftmaxWeighted(return_lse=return_lse, heads=heads)
