@@ -78,6 +78,10 @@ class Monoid:
     sorts : bool
         :meth:`fold_fast` sorts the rows it folds (top-k: ``lax.top_k``), and merging
         states costs another: the CPU tiles take fewer, larger tiles of ``y``.
+    broadcasts : bool
+        The leaves a term reads (``arity`` 2) may have rows of different shapes that
+        broadcast to one, as NumPy's (``jax.nn.logsumexp``'s ``a`` and ``b``); the
+        term's state and result are of the broadcast shape.
     native_kernel : str or None
         The native CPU kernel (``kernels.native``) that may fold a chunk of the rows
         in one pass (``"logsumexp"``), or None. The scan engine decides per chunk
@@ -101,6 +105,7 @@ class Monoid:
     selects: bool = False
     reads_twice: bool = False
     sorts: bool = False
+    broadcasts: bool = False
     native_kernel: str | None = None
     # For monoids whose state is their result: the plain-JAX binary combine and
     # reduction (``jnp.add``, ``jnp.sum``), used when a Monoid is called directly.

@@ -149,11 +149,15 @@ class _ExponentAndCompanion(Monoid):
 
 class WeightedLogSumExp(_ExponentAndCompanion):
     """``jax.nn.logsumexp(a, 0, b=b, return_sign=...)`` for ``fun`` returning
-    ``(a (n, *t), b (n, *t))``: ``log |sum_i b_i exp(a_i)|`` (NaN where the sum is
-    negative), with ``return_sign=True`` also its sign. Rows of weight 0 are left
-    out (their ``a`` may be anything), as jax does; the running maximum of the kept
-    ``a`` shifts the signed, compensated sum, and its derivative is ``jax.nn``'s
-    (through the sum only)."""
+    ``(a (n, *t), b (n, *u))``: ``log |sum_i b_i exp(a_i)|`` (NaN where the sum is
+    negative), ``t`` and ``u`` broadcast as ``jax.nn.logsumexp``'s ``a`` and ``b``
+    (a weight per row, ``b (n,)`` or ``(n, 1)``, against vectors ``a``), with
+    ``return_sign=True`` also its sign. Rows of weight 0 are left out (their ``a`` may
+    be anything), as jax does; the running maximum of the kept ``a`` shifts the
+    signed, compensated sum, and its derivative is ``jax.nn``'s (through the sum
+    only)."""
+
+    broadcasts = True
 
     def __init__(self, return_sign: bool = False):
         self.return_sign = bool(return_sign)
@@ -163,23 +167,34 @@ class WeightedLogSumExp(_ExponentAndCompanion):
         return "adv_jax_math." + (self.name if self.return_sign else "WEIGHTED_LOGSUMEXP")
 
     def _dtypes(self, items: Items) -> tuple[np.dtype, np.dtype]:
+        self._shape(items)
+        out = _float(jnp.result_type(items[0].dtype, items[1].dtype))
+        return out, _wide(out)
+
+    def _shape(self, items: Items) -> tuple[int, ...]:
+        """The shape of one row's result: ``a``'s and ``b``'s, broadcast (as
+        ``jax.nn.logsumexp``'s ``b``: a weight per row against a vector ``a``)."""
         a, b = items
-        if tuple(a.shape) != tuple(b.shape):
+        try:
+            return tuple(np.broadcast_shapes(tuple(a.shape), tuple(b.shape)))
+        except ValueError:
             raise ValueError(
                 f"{self!r}: fun returns (a, b) with rows of shapes {tuple(a.shape)} and "
-                f"{tuple(b.shape)}; each row of a needs a weight in b of the same shape"
-            )
-        out = _float(jnp.result_type(a.dtype, b.dtype))
-        return out, _wide(out)
+                f"{tuple(b.shape)}, which do not broadcast; b weighs a as "
+                "jax.nn.logsumexp's b does: give each row of b a shape that broadcasts "
+                "against a's (a weight per row: shape (), or (1,))"
+            ) from None
 
     def init(self, items: Items) -> Any:
         _, acc = self._dtypes(items)
-        return _full(items[0], -np.inf, acc), _full(items[0], 0, acc), _full(items[0], 0, acc)
+        row = jax.ShapeDtypeStruct(self._shape(items), acc)
+        return _full(row, -np.inf), _full(row, 0), _full(row, 0)
 
     def _kept(self, ys: Sequence[jax.Array], acc: Any, w: Any = None) -> tuple:
         """``a`` where ``b != 0`` (else -inf) and ``b``, rows dropped by ``w`` (the
-        encoded weights: inf keeps a row, -inf drops it) weighted 0."""
-        a, b = (y.astype(acc) for y in ys)
+        encoded weights: inf keeps a row, -inf drops it) weighted 0; both broadcast
+        to one shape."""
+        a, b = (y.astype(acc) for y in _broadcast(ys))
         if w is not None:
             b = jnp.where(_col(w, b) == np.inf, b, jnp.zeros_like(b))
         return jnp.where(b != 0, a, jnp.full_like(a, -np.inf)), b
@@ -221,7 +236,7 @@ class WeightedLogSumExp(_ExponentAndCompanion):
 
     def tangent(self, ys, dys, idx, keep, state, items) -> Any:
         a, b = self._kept(ys, state[1].dtype)
-        da, db = (d.astype(a.dtype) for d in dys)
+        da, db = (d.astype(a.dtype) for d in _broadcast(dys))
         # a row of weight 0 takes no derivative by its a (jax's where), even a NaN one
         return _own_softmax(a, b, jnp.where(b != 0, b * da, 0) + db, keep)
 
@@ -238,7 +253,29 @@ class WeightedLogSumExp(_ExponentAndCompanion):
         p, b, none = self._weights(ys, keep, state)
         ct = jnp.where(none, 0, ct[0] if self.return_sign else ct)
         g = _spread(ct, p) * p
-        return self._cotangents((jnp.where(b != 0, g * b, 0), g), ys)
+        cts = (jnp.where(b != 0, g * b, 0), g)
+        return self._cotangents(tuple(_unbroadcast(c, y) for c, y in zip(cts, ys, strict=True)), ys)
+
+
+def _broadcast(ys: Sequence[jax.Array]) -> list[jax.Array]:
+    """Rows ``(rows, *t)`` of several shapes ``t`` broadcast to one, as NumPy
+    broadcasts the shapes ``t`` (aligned at their last axes); as they are if equal
+    (inside the kernels, always)."""
+    if all(y.shape == ys[0].shape for y in ys):
+        return list(ys)
+    t = np.broadcast_shapes(*(y.shape[1:] for y in ys))
+    lift = lambda y: y.reshape(y.shape[:1] + (1,) * (len(t) + 1 - y.ndim) + y.shape[1:])
+    return [jnp.broadcast_to(lift(y), y.shape[:1] + t) for y in ys]
+
+
+def _unbroadcast(ct: jax.Array, y: jax.Array) -> jax.Array:
+    """The cotangent ``(rows, *t)`` of rows ``y`` that :func:`_broadcast` spread to
+    ``t``: summed back over the axes it spread them along."""
+    if ct.shape == y.shape:
+        return ct
+    lead = ct.ndim - y.ndim
+    spread = [lead + i for i in range(1, y.ndim) if y.shape[i] == 1 and ct.shape[lead + i] != 1]
+    return jnp.sum(ct, axis=(*range(1, lead + 1), *spread)).reshape(y.shape)
 
 
 LOGSUMEXP = LogSumExp()

@@ -30,7 +30,7 @@ the tiles, the second this same call with ``x`` and ``y`` swapped (``f`` evaluat
 twice), planned as any other.
 
 :func:`explain_pairwise` shows the plan: sizes, tiles, engine and why the others
-were not taken (and the column pass's plan, for ``columns=``).
+were not taken, its gradient (and the column pass's plan, for ``columns=``).
 """
 
 from __future__ import annotations
@@ -50,9 +50,10 @@ from ..monoids.base import Monoid, is_monoid_tree
 from ..monoids.reduction import MonoidReduction
 from ..plan.base import target_platform
 from . import tiles as _tiles
+from .backward_plan import described
 from .choose import device_kernel, interpreted
 from .grad import Pairs, fused
-from .kernel import first_row, layout_problem, recognized
+from .kernel import broadcast_pairs, first_row, layout_problem, recognized, rows_of
 from .matmul import blocks, expanded, pair_width, top_k_folds
 from .scan import scan, scan_y
 from .spread import local_rows, spread
@@ -76,6 +77,8 @@ class PairwisePlan:
     reason: str
     rejected: tuple[tuple[str, str], ...] = ()
     columns: PairwisePlan | None = None  # the column pass (``columns=``): y rows, x rows
+    backward: str = ""  # explain_pairwise's: how the derivatives run (pairs.backward_plan)
+    memory: str = ""  # explain_pairwise's: what reverse mode holds (estimated)
 
     def __str__(self) -> str:
         bi, bj = self.tiles
@@ -85,6 +88,8 @@ class PairwisePlan:
             ("tiles", f"{bi} x {bj} rows: {xt} x tile(s), {yt} y tile(s) each"),
             ("reduction", f"{self.reduction} over the y rows, for each x row"),
             ("engine", f"{self.engine}: {self.reason}"),
+            *((("gradient", self.backward),) if self.backward else ()),
+            *((("grad memory", self.memory),) if self.memory else ()),
             *(("rejected", f"{name}: {why}") for name, why in self.rejected),
         ]
         if self.columns is not None:
@@ -183,6 +188,7 @@ def _pairwise(
     f: Callable, x: Any, y: Any, reduction: Any, tiles: Any, shard: bool | str, mesh: Any
 ) -> Any:
     """One pass: ``reduction`` over ``j`` of ``f(x_i, y_j)``, for every ``i``."""
+    f = broadcast_pairs(f, reduction)
     plan, red, layout = _plan(f, x, y, reduction, tiles, shard, mesh)
     if plan.engine == _SCAN_Y:  # every device reduces its y rows for every x row,
         # on the mesh x and y are typed on where none is given or set
@@ -220,12 +226,17 @@ def explain_pairwise(
     pass's as its ``columns``."""
     if columns is not None:
         _check_monoids(columns, "columns")
-    plan = _plan(f, x, y, reduction, tiles, shard)[0]
+    plan = _explained(f, x, y, reduction, tiles, shard)
     if columns is None:
         return plan
     swapped = lambda yj, xi: f(xi, yj)
-    columns_plan = _plan(swapped, y, x, columns, _tiles.swapped(tiles), shard)[0]
+    columns_plan = _explained(swapped, y, x, columns, _tiles.swapped(tiles), shard)
     return dataclasses.replace(plan, columns=columns_plan)
+
+
+def _explained(f: Callable, x: Any, y: Any, reduction: Any, tiles: Any, shard: Any) -> PairwisePlan:
+    f = broadcast_pairs(f, reduction)  # (as _pairwise runs it)
+    return described(*_plan(f, x, y, reduction, tiles, shard), f, x, y, shard)
 
 
 _SCAN, _KERNEL, _TILES = "pairwise scan", "pairwise kernel (interpret)", "pairwise tiles (xla)"
@@ -249,19 +260,6 @@ def _rows_like(out: jax.Array, x: Any) -> jax.Array:
     return jax.sharding.reshard(out, NamedSharding(sharding.mesh, PartitionSpec(sharding.spec[0])))
 
 
-def _rows(tree: Any, name: str) -> int:
-    leaves = jax.tree.leaves(tree)
-    if not leaves:
-        raise ValueError(f"pairwise: {name} has no arrays; pass a pytree of arrays with rows")
-    sizes = {tuple(jnp.shape(a))[:1] for a in leaves}
-    if () in sizes or len(sizes) != 1:
-        shapes = [tuple(jnp.shape(a)) for a in leaves]
-        raise ValueError(
-            f"pairwise: every leaf of {name} needs the same leading (row) axis; got shapes {shapes}"
-        )
-    return int(sizes.pop()[0])
-
-
 def _plan(
     f: Callable,
     x: Any,
@@ -278,7 +276,7 @@ def _plan(
     if shard not in (False, True, "x", "y"):
         raise TypeError(f"pairwise: shard={shard!r}; pass False, True (or 'x'), or 'y'")
     _check_monoids(reduction, "reduction")
-    n, m = _rows(x, "x"), _rows(y, "y")
+    n, m = rows_of(x, "x"), rows_of(y, "y")
     if shard in (True, "x") and n and m and context_mesh() is None:
         local = local_rows(n, mesh)
         share = lambda a: jax.ShapeDtypeStruct((local, *jnp.shape(a)[1:]), jnp.result_type(a))

@@ -20,7 +20,7 @@ from ..kernels.fused_reduce.fused import kernel_targets
 from ..kernels.pairwise_device import Layout
 from ..monoids.reduction import MonoidReduction
 from . import tiles as _tiles
-from .kernel import layout_problem, state_width
+from .kernel import layout_problem, rows_of, state_width
 from .matmul import blocks, distances, kernel_layout, pair_width
 
 __all__ = ["MATMUL_DISTANCES", "device_kernel", "interpreted", "kernel_for"]
@@ -59,7 +59,7 @@ def _device_kernel(
     if kind == "mosaic_gpu":
         return _mosaic_gpu(f, x, y, red, tiles, target)
     vmem = tpu_vmem_limit(target.device_kind)
-    rows = _rows(x, y)
+    rows = (rows_of(x, "x"), rows_of(y, "y"))
     chosen = _tiles.device(kind, tiles, vmem, rows=rows)
     if isinstance(chosen, str):
         return None, chosen
@@ -104,7 +104,8 @@ def _mosaic_gpu(
     """The Mosaic GPU tile kernel at its tiles, compiled (or lowered) for ``target``
     (None: interpreted, traced only), or why not (the matmul tiles are Triton's and
     Mosaic TPU's)."""
-    chosen = _tiles.device("mosaic_gpu", tiles, 0, rows=_rows(x, y), held=_held(f, x, y, red))
+    rows = (rows_of(x, "x"), rows_of(y, "y"))
+    chosen = _tiles.device("mosaic_gpu", tiles, 0, rows=rows, held=_held(f, x, y, red))
     if isinstance(chosen, str):
         return None, f"the tile kernel: {chosen}"
     layout = Layout("mosaic_gpu", chosen, target is None)
@@ -144,10 +145,6 @@ def kernel_for(
         if target is None:  # (traced only: not a matter of size)
             break
     return None, f"the tile kernel: {problem}; the matmul tile kernel: {matmul}"
-
-
-def _rows(x: Any, y: Any) -> tuple[int, int]:
-    return jax.tree.leaves(x)[0].shape[0], jax.tree.leaves(y)[0].shape[0]
 
 
 def _held(f: Callable, x: Any, y: Any, red: MonoidReduction) -> int:

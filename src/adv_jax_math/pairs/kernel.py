@@ -30,7 +30,7 @@ from ..kernels.fused_reduce.rules import mosaic_gpu_missing
 from ..kernels.pairwise import states
 from ..kernels.pairwise_device import Layout, device_states
 from ..kernels.unrolled import NotUnrolled, size
-from ..monoids.base import identity, merge_stacked
+from ..monoids.base import Monoid, identity, merge_stacked
 from ..monoids.reduction import MonoidReduction
 from ..monoids.softmax import SoftmaxWeighted
 from ..monoids.sums import ADD
@@ -60,6 +60,20 @@ def struct(a: Any) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a))
 
 
+def rows_of(tree: Any, name: str) -> int:
+    """The rows of every leaf of ``tree`` (``x`` or ``y``: ``name``), checked equal."""
+    leaves = jax.tree.leaves(tree)
+    if not leaves:
+        raise ValueError(f"pairwise: {name} has no arrays; pass a pytree of arrays with rows")
+    sizes = {tuple(jnp.shape(a))[:1] for a in leaves}
+    if () in sizes or len(sizes) != 1:
+        shapes = [tuple(jnp.shape(a)) for a in leaves]
+        raise ValueError(
+            f"pairwise: every leaf of {name} needs the same leading (row) axis; got shapes {shapes}"
+        )
+    return int(sizes.pop()[0])
+
+
 def recognized(f: Callable, x: Any, y: Any, reduction: Any, bj: int) -> MonoidReduction:
     """The terms over ``j`` of one x row's outputs on ``bj`` y rows."""
     pairs = lambda xi, yc: jax.vmap(f, (None, 0))(xi, yc)
@@ -68,6 +82,36 @@ def recognized(f: Callable, x: Any, y: Any, reduction: Any, bj: int) -> MonoidRe
     if rec.leaves is None:
         raise ValueError(f"pairwise: reduction={reduction!r} is not recognized: {rec.how}")
     return MonoidReduction(rec.leaves, rec.out_tree, rec.prologue, rec.how)
+
+
+def broadcast_pairs(f: Callable, reduction: Any) -> Callable:
+    """``f`` with the values each term of a broadcasting monoid reads
+    (``Monoid.broadcasts``: ``weighted_logsumexp``'s ``a`` and ``b``) broadcast to one
+    shape per pair, as ``jax.nn.logsumexp`` broadcasts ``b``: every pairwise engine
+    then folds values of one shape (the monoid broadcasts rows-first values only; a
+    tile's x rows stand between). ``f`` itself where no term broadcasts."""
+    is_monoid = lambda m: isinstance(m, Monoid)
+    monoids = jax.tree.leaves(reduction, is_leaf=is_monoid)
+    if not any(getattr(m, "broadcasts", False) for m in monoids):  # (or not monoids)
+        return f
+
+    def each(monoid: Monoid, sub: Any) -> Any:
+        vals, tree = jax.tree.flatten(sub)
+        try:
+            shape = jnp.broadcast_shapes(*(jnp.shape(v) for v in vals))
+        except ValueError:  # (the monoid refuses them, saying why)
+            return sub
+        same = [jnp.broadcast_to(v, shape) for v in vals]
+        return jax.tree.unflatten(tree, same) if monoid.broadcasts else sub
+
+    def broadcast(xi: Any, yj: Any) -> Any:
+        out = f(xi, yj)
+        try:
+            return jax.tree.map(each, reduction, out, is_leaf=is_monoid)
+        except ValueError:  # not a prefix of f's output: recognition says so
+            return out
+
+    return broadcast
 
 
 def kernel_states(
@@ -208,7 +252,9 @@ def state_width(f: Callable, x: Any, y: Any, red: MonoidReduction) -> int:
     total = 0
     for leaf in red.leaves:
         one = [jax.ShapeDtypeStruct((), outs[s].dtype) for s in leaf.sources]
-        per = len(jax.tree.leaves(jax.eval_shape(lambda leaf=leaf, one=one: leaf.monoid.init(one))))
+        # (a softmax-weighted sum folds one score and one value at a time: paired)
+        m = leaf.monoid.paired() if isinstance(leaf.monoid, SoftmaxWeighted) else leaf.monoid
+        per = len(jax.tree.leaves(jax.eval_shape(lambda m=m, one=one: m.init(one))))
         total += per * math.prod(outs[leaf.sources[-1]].shape)
     return total
 
