@@ -99,7 +99,13 @@ ROUTES = {  # name: (features, backend, the interpreted kernel's layout, engine)
 }
 
 
-@pytest.mark.parametrize("route", list(ROUTES))
+@pytest.mark.parametrize(
+    "route",
+    [  # (the TPU layout and the GPU matmul kernel in make test-slow)
+        pytest.param(r, marks=pytest.mark.slow if r in ("tpu kernel", "gpu matmul kernel") else ())
+        for r in ROUTES
+    ],
+)
 def test_pairwise_weights_broadcast_on_every_engine(route, monkeypatch):
     features, backend, layout, name = ROUTES[route]
     if layout:
