@@ -21,7 +21,7 @@ Workloads: one lse kernel application (a Sinkhorn half-step), the signed weighte
 of implicit differentiation (``vec`` with negative entries), a Sinkhorn solve of a fixed
 number of iterations (``reg_ot_cost``) and its gradient with respect to the x points
 by implicit differentiation. A geometry that fails to compile or run is reported with
-its error (OTT 0.6.0's online mode on jax >= 0.10: ``jax.interpreters.batching`` lost
+its error (OTT 0.6.0's online mode on jax >= 0.9.2: ``jax.interpreters.batching`` lost
 ``is_vmappable``).
 """
 
