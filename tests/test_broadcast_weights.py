@@ -162,3 +162,16 @@ def test_shapes_that_do_not_broadcast_are_refused_with_both_shapes():
     a, b = normal(0, (23, 6)), normal(1, (23, 4))
     with pytest.raises(ValueError, match=r"rows of shapes \(6,\) and \(4,\), which do not"):
         ajm.batch_map(lambda v: v, (a, b), 4, reduction=ajm.WEIGHTED_LOGSUMEXP)
+
+
+@pytest.mark.skipif(jax.device_count() != 4, reason="needs the 4 virtual CPU devices")
+@pytest.mark.parametrize("shard", [True, "y"])
+@pytest.mark.parametrize("axis_type", ["Explicit", "Auto"])
+def test_pairwise_weights_broadcast_spread_over_devices(shard, axis_type):
+    # the x rows (shard=True) or the y rows ("y") over 4 devices, under jax.set_mesh
+    f, x, y = _sinkhorn(3)
+    mesh = jax.make_mesh((4,), ("d",), axis_types=(getattr(jax.sharding.AxisType, axis_type),))
+    run = lambda x, y: ajm.pairwise(f, x, y, ajm.weighted_logsumexp(True), shard=shard)
+    with jax.set_mesh(mesh):
+        got = jax.jit(run)(x, y)
+    _close(got, _dense(f, x, y, True))
