@@ -1,8 +1,8 @@
 """The pairwise tile kernel on Pallas Mosaic GPU (``kernels/pairwise_mosaic_gpu.py``):
 every case of ``bench/cases/pairwise.py`` it takes, run in Mosaic GPU's interpreter on
 CPU (``backend="interpret"``, ``gpu_backend="mosaic_gpu"``) against the dense plain-JAX
-oracle, values and gradients, with ragged last tiles of x and y rows; the cases it
-declines (softmax-weighted sums) with their reason; and the backend chain lowered for
+oracle, values and gradients, with ragged last tiles of x and y rows; an ``f`` it
+declines (a primitive it lacks) with the reason; and the backend chain lowered for
 abstract H100 and A100 devices (Mosaic GPU, then Triton); on an Auto mesh."""
 
 from __future__ import annotations
@@ -37,8 +37,9 @@ TAKEN = [
     pytest.param("top_k", marks=pytest.mark.slow),  # (k_nearest: the same fold, by default)
     "k_nearest",
     "pytree",
+    "softmax_weighted",  # (each score with each value: a fold per pair of them)
+    "softmax_two_heads",
 ]
-DECLINED = {"softmax_weighted": "softmax_weighted", "softmax_two_heads": "softmax_weighted"}
 MOSAIC = dict(backend="interpret", gpu_backend="mosaic_gpu")
 
 
@@ -71,7 +72,7 @@ def test_values_match_the_dense_oracle(name):
 
 
 # (a top-k's: about 15 s in the interpreter, in make test-slow)
-GRADIENTS = ["add", "logsumexp", "weighted_logsumexp", "min_argmin", "var"]
+GRADIENTS = ["add", "logsumexp", "weighted_logsumexp", "min_argmin", "var", "softmax_weighted"]
 
 
 @pytest.mark.parametrize("name", [*GRADIENTS, pytest.param("k_nearest", marks=pytest.mark.slow)])
@@ -86,10 +87,15 @@ def test_gradients_match_the_dense_oracle(name):
     assert_tree_close(got, expect, rtol=2e-4, atol=2e-4)
 
 
-@pytest.mark.parametrize("name", list(DECLINED))
-def test_declined_monoids_say_why(name):
-    plan = planned_and_checked(name)
-    assert f"Mosaic GPU's tile kernel does not fold {DECLINED[name]}" in plan.reason, plan
+def test_a_primitive_mosaic_gpu_lacks_is_named():
+    reduction, f, want = CASES["add"]
+    floored = lambda a, b: jnp.floor(8 * f(a, b))  # (Mosaic GPU has no floor)
+    x, y = inputs()
+    with ajm.config(**MOSAIC):
+        plan = ajm.explain_pairwise(floored, x, y, reduction)
+        got = ajm.pairwise(floored, x, y, reduction)
+    assert "Mosaic GPU has no lowering for floor (in f)" in str(plan), plan
+    assert_tree_close(got, want(dense(floored, x, y)), rtol=2e-5, atol=2e-5)
 
 
 def test_tiles_follow_the_layout_and_the_features():
@@ -132,10 +138,11 @@ def test_hopper_takes_mosaic_gpu_forward_and_backward():
 
 @needs_abstract_devices
 def test_hopper_falls_back_to_triton_with_the_reason_and_ampere_keeps_triton():
-    reduction, f, _ = CASES["softmax_weighted"]
-    plan, text = lowered_on(H100, f, reduction, X, Y)
+    reduction, f, _ = CASES["add"]
+    floored = lambda a, b: jnp.floor(8 * f(a, b))
+    plan, text = lowered_on(H100, floored, reduction, X, Y)
     assert plan.engine == "pairwise kernel (gpu)", plan
-    assert "Pallas Mosaic GPU not used: the tile kernel: Mosaic GPU's" in str(plan), plan
+    assert "Pallas Mosaic GPU not used: the tile kernel: Mosaic GPU has no" in str(plan), plan
     reduction, f, _ = CASES["add"]
     plan, text = lowered_on(A100, f, reduction, X, Y)
     assert plan.engine == "pairwise kernel (gpu)" and "compute capability 9.0" in str(plan)

@@ -15,7 +15,7 @@ from jax import lax
 
 from .base import _col
 from .exponential import _ExponentAndCompanion
-from .numerics import Items, _float, _full, _two_sum, _wide
+from .numerics import Items, _float, _full, _spread, _two_sum, _wide
 from .shifted import _bound, _finite_or_zero, _log_shifted, _rescale, _softmax, _top
 
 __all__ = ["SOFTMAX_WEIGHTED", "SoftmaxWeighted", "softmax_weighted"]
@@ -80,7 +80,7 @@ class SoftmaxWeighted(_ExponentAndCompanion):
                 v = jnp.where(_col(w, v) == np.inf, v, jnp.zeros_like(v))
         top = _top(s)  # (as LogSumExp.fold's: the lse's NaN derivative at an infinite top)
         # an infinite top is not shifted away: exp(inf - inf) is NaN, as jax.nn.softmax
-        e = jnp.exp(s - _finite_or_zero(top)[None])
+        e = jnp.exp(s - _spread(_finite_or_zero(top), s))  # (one broadcast: Mosaic GPU)
         weighted = self._weigh(e, v) if not self.heads else self._pair(e, v)
         return top, jnp.sum(e, axis=0), jnp.zeros_like(top), weighted, jnp.zeros_like(weighted)
 
@@ -164,7 +164,7 @@ class SoftmaxWeighted(_ExponentAndCompanion):
             ct_v = jnp.tensordot(p, ct_out, axes=(list(range(1, ns + 1)), list(range(ns))))
             ct_s = p * jnp.sum(ct_out[None] * centered, axis=tuple(range(p.ndim, centered.ndim)))
         if ct_lse is not None:
-            ct_s = ct_s + p * ct_lse[None]
+            ct_s = ct_s + p * _spread(ct_lse, p)
         return self._cotangents((ct_s, ct_v), ys)
 
     def _heads_cotangents(self, p, v, ct, state) -> tuple[jax.Array, jax.Array]:
@@ -181,7 +181,7 @@ class SoftmaxWeighted(_ExponentAndCompanion):
         vc = lax.dot_general(v, ct, ((u_v, u_c), (list(range(1, 1 + k)), h_c)))  # (*h, i, *a)
         vc = jnp.moveaxis(vc, list(range(k)), list(range(1 + na, 1 + na + k)))
         delta = jnp.sum(ct * self._parts(state)[0], axis=tuple(u_c))
-        return ct_v, p * (vc - delta[None])
+        return ct_v, p * (vc - _spread(delta, vc))
 
     def tangent(self, ys, dys, idx, keep, state, items) -> Any:
         p, centered = self._centered(ys, keep, state)

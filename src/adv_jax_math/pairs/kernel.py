@@ -198,7 +198,7 @@ def layout_problem(
     if problem is None:  # (interpreted as on the device it stands for)
         problem = _unrolled_problem(pair.jaxpr, layout.kind)
     if problem is None and layout.kind == "mosaic_gpu":
-        problem = _mosaic_gpu_problem(pair.jaxpr, red, args)
+        problem = _mosaic_gpu_problem(pair.jaxpr, args)
     if problem is not None or target is None:
         return problem
     return Probe(target, layout, run, args, probe_text(pair.jaxpr, red)).problem()
@@ -227,19 +227,14 @@ def _unrolled_problem(pair: Any, kind: str) -> str | None:
     return None
 
 
-def _mosaic_gpu_problem(pair: Any, red: MonoidReduction, args: Any) -> str | None:
+def _mosaic_gpu_problem(pair: Any, args: Any) -> str | None:
     """Why the tile kernel cannot take ``pair`` on Mosaic GPU (static rules), or None:
-    an operation it has no lowering for, 64-bit values (TMA copies take none), a term
-    that weighs vectors by a softmax (each score with each value: not one state per
-    element)."""
+    an operation it has no lowering for, 64-bit values (TMA copies take none)."""
     if missing := mosaic_gpu_missing(pair.jaxpr, "f"):
         return missing
     wide = sorted({str(a.dtype) for a in jax.tree.leaves(args) if a.dtype.itemsize > 4})
     if wide:
         return f"Mosaic GPU's TMA copies take no 64-bit types ({', '.join(wide)})"
-    for leaf in red.leaves:
-        if isinstance(leaf.monoid, SoftmaxWeighted):
-            return f"Mosaic GPU's tile kernel does not fold {leaf.monoid.name} (Triton's does)"
     return None
 
 
@@ -252,10 +247,16 @@ def state_width(f: Callable, x: Any, y: Any, red: MonoidReduction) -> int:
     total = 0
     for leaf in red.leaves:
         one = [jax.ShapeDtypeStruct((), outs[s].dtype) for s in leaf.sources]
-        # (a softmax-weighted sum folds one score and one value at a time: paired)
-        m = leaf.monoid.paired() if isinstance(leaf.monoid, SoftmaxWeighted) else leaf.monoid
+        folds, m = math.prod(outs[leaf.sources[-1]].shape), leaf.monoid
+        if isinstance(m, SoftmaxWeighted):  # each score with each value (of its heads)
+            folds = (
+                math.prod(outs[leaf.sources[0]].shape)
+                * folds
+                // math.prod(outs[leaf.sources[-1]].shape[: m.heads])
+            )
+            m = m.paired()
         per = len(jax.tree.leaves(jax.eval_shape(lambda m=m, one=one: m.init(one))))
-        total += per * math.prod(outs[leaf.sources[-1]].shape)
+        total += per * folds
     return total
 
 
