@@ -152,8 +152,15 @@ def test_cpu_tiles_fold_top_k_natively_and_agree_with_it_off(d):
     np.testing.assert_allclose(np.asarray(got[0]), -np.asarray(want_v), rtol=2e-5)
 
 
-@pytest.mark.parametrize("d", [3, 32])  # the unrolled tiles, the matmul tiles
-@pytest.mark.parametrize("mode", ["grad", "jvp", "hvp"])
+# by default each mode on one of the tiles, each tiles at least once (the rest slow)
+@pytest.mark.parametrize(
+    "mode, d",  # d: the unrolled tiles (3), the matmul tiles (32)
+    [
+        pytest.param(mode, d, marks=() if (i + j) % 2 == 0 else pytest.mark.slow)
+        for i, mode in enumerate(["grad", "jvp", "hvp"])
+        for j, d in enumerate([3, 32])
+    ],
+)
 def test_derivatives_through_the_native_fold_match_it_off(mode, d):
     # f closes over a traced scale s; ragged tiles (the last y tile's rows weighted
     # out); forward over reverse traces the fold's rule apart from its primal
