@@ -188,6 +188,20 @@ needs_abstract_devices = pytest.mark.skipif(
 )
 
 
+ENGINES = ("scan", "interpret", "shard")  # what :func:`engine` runs under
+
+
+def each_on_an_engine(cases: Any) -> list[Any]:
+    """``(case, engine)`` parameters for every case on every engine of :func:`engine`:
+    by default case ``i`` on engine ``i % 3`` (every case once, every engine at least
+    once), the rest of the product marked slow (``make test-slow``)."""
+    return [
+        pytest.param(c, e, marks=() if i % len(ENGINES) == j else pytest.mark.slow)
+        for i, c in enumerate(cases)
+        for j, e in enumerate(ENGINES)
+    ]
+
+
 @contextlib.contextmanager
 def engine(name: str) -> Iterator[dict[str, Any]]:
     """Run under one engine: ``"scan"``, ``"interpret"`` (the fused kernel in

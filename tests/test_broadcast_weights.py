@@ -10,7 +10,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_tree_close, engine, needs_abstract_devices, normal, on_abstract_device
+from helpers import (
+    assert_tree_close,
+    each_on_an_engine,
+    engine,
+    needs_abstract_devices,
+    normal,
+    on_abstract_device,
+)
 
 import adv_jax_math as ajm
 from adv_jax_math.pairs import api as pairs_api
@@ -35,15 +42,7 @@ def _jax_b(a, b):
     return b.reshape(b.shape[:1] + (1,) * (a.ndim - b.ndim) + b.shape[1:])
 
 
-# every shape on one engine, every engine on a shape or two by default (the rest slow)
-@pytest.mark.parametrize(
-    "shapes, name",
-    [
-        pytest.param(s, e, marks=() if i % 3 == j else pytest.mark.slow)
-        for i, s in enumerate(SHAPES)
-        for j, e in enumerate(["scan", "interpret", "shard"])
-    ],
-)
+@pytest.mark.parametrize("shapes, name", each_on_an_engine(SHAPES))
 def test_batch_map_weights_broadcast_as_jax(shapes, name):
     sa, sb = SHAPES[shapes]
     a, b = 3 * normal(0, sa), normal(1, sb)

@@ -9,7 +9,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_tree_close, engine, needs_abstract_devices, normal, on_abstract_device
+from helpers import (
+    assert_tree_close,
+    each_on_an_engine,
+    engine,
+    needs_abstract_devices,
+    normal,
+    on_abstract_device,
+)
 
 import adv_jax_math as ajm
 from adv_jax_math.pairs import api as pairs_api
@@ -33,15 +40,7 @@ SHAPES = {  # scores' rows, values' rows, heads
 }
 
 
-# every shape on one engine, every engine on a shape or two by default (the rest slow)
-@pytest.mark.parametrize(
-    "shape, name",
-    [
-        pytest.param(s, e, marks=() if i % 3 == j else pytest.mark.slow)
-        for i, s in enumerate(SHAPES)
-        for j, e in enumerate(["scan", "interpret", "shard"])
-    ],
-)
+@pytest.mark.parametrize("shape, name", each_on_an_engine(SHAPES))
 def test_batch_map_pairs_scores_and_values_head_by_head(shape, name):
     ss, sv, k = SHAPES[shape]
     s, v = 2 * normal(0, ss), normal(1, sv)

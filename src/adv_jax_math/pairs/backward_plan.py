@@ -242,9 +242,8 @@ def _matmul(
             where += " (faster than its kernels on a TPU v5e)"
     back = f"reverse mode{on_each}: {per_tile}: {where}{tangent}"
     kernels = layout.on == "gpu" and layout.target is not None
-    tile, rows, w, read = estimate(f, x, y, red, (bi, bj), n, in_memory=not kernels, width=width)
-    memory = _memory(tile, rows, w, read, (bi, bj), "registers or shared memory")
+    tile, rows, w, read = estimate(f, x, y, red, (bi, bj), n, width=width)
+    memory = _memory(0 if kernels else tile, rows, w, read, (bi, bj), "registers or shared memory")
     if kernels:
-        tile = estimate(f, x, y, red, (bi, bj), n, width=width)[0]
         memory += f"; where XLA's loops run it instead, {fmt_bytes(tile)} more: a tile's values"
     return dataclasses.replace(p, backward=back, memory=memory)
