@@ -79,13 +79,16 @@ test-asan: $(VENV)/.installed
 # two compile-only venvs (CUDA plugin, libtpu) pinned to .venv's jax, every case
 # compiled through the public batch_map per target and checked, and the README's
 # compile and roofline tables regenerated. ACCEL_FLAGS=--quick compiles the quick subset.
+# h100.triton: Pallas Triton forced; GPU.no-triton: jax.experimental.pallas.triton made
+# unimportable, as in a jax without it (bench/accel/compile_targets.py, VARIANTS).
 ACCEL_TARGETS ?= h100 h200 b200 a100 v5e v6e v5p v4
+ACCEL_VARIANTS ?= h100.triton h100.no-triton h200.no-triton b200.no-triton a100.no-triton
 ACCEL_FLAGS ?=
 ACCEL_OUT ?= bench/results/accel
 test-accel: $(VENV)/.installed
 	bash bench/accel/setup_venvs.sh
 	mkdir -p $(ACCEL_OUT)
-	status=0; for t in $(ACCEL_TARGETS); do \
+	status=0; for t in $(ACCEL_TARGETS) $(ACCEL_VARIANTS); do \
 	  case $$t in v*) venv=.venv-accel-tpu;; *) venv=.venv-accel-gpu;; esac; \
 	  JAX_PLATFORMS=cpu PYTHONPATH=src $$venv/bin/python \
 	    bench/accel/compile_targets.py --target $$t --check --json $(ACCEL_OUT)/$$t.json \

@@ -79,6 +79,44 @@ MARKERS = {
 # One jitted function compiled for two device kinds in one process: target -> (the
 # other target, compiled before and after it; the case whose plan differs or not).
 PAIRS = {"v4": ("v5e", "issue_mixture_rows"), "a100": ("h100", "issue_field")}
+# GPU backend variants of a target, ``h100.triton``: the backend forced by
+# ``config(gpu_backend="triton")``, or ``no-triton``, jax.experimental.pallas.triton
+# made unimportable as in a jax that no longer ships it (set before the library runs).
+VARIANTS = ("triton", "no-triton")
+
+
+def split_target(target: str) -> tuple[str, str]:
+    """``"h100.no-triton"`` -> ``("h100", "no-triton")``; ``"h100"`` -> ``("h100", "")``."""
+    base, _, variant = target.partition(".")
+    return base, variant
+
+
+def target_name(target: str) -> str:
+    if target in KINDS or (
+        split_target(target)[0] in KINDS
+        and split_target(target)[1] in VARIANTS
+        and platform_of(target) == "gpu"
+    ):
+        return target
+    known = ", ".join(
+        [*KINDS, *(f"{g}.{v}" for g in KINDS if not g.startswith("v") for v in VARIANTS)]
+    )
+    raise argparse.ArgumentTypeError(f"unknown target {target!r}; known: {known}")
+
+
+@contextlib.contextmanager
+def variant(target: str):
+    """The GPU backend variant of ``target`` around a case (see ``VARIANTS``)."""
+    import adv_jax_math as ajm
+
+    name = split_target(target)[1]
+    if name == "no-triton":
+        module = "jax.experimental.pallas.triton"
+        if sys.modules.get(module) is not None:
+            raise RuntimeError(f"{module} was imported before the no-triton variant took effect")
+        sys.modules[module] = None  # import raises ImportError, as a missing module would
+    with ajm.config(gpu_backend="triton") if name == "triton" else contextlib.nullcontext():
+        yield
 
 
 @contextlib.contextmanager
@@ -104,7 +142,7 @@ def make_mesh(target: str):
 
     from adv_jax_math.core import targets
 
-    kind = KINDS[target]
+    kind = KINDS[split_target(target)[0]]
     if platform_of(target) == "tpu":
         desc = topologies.get_topology_desc(targets.TPU_TOPOLOGIES[kind], platform="tpu")
     else:
@@ -374,12 +412,12 @@ def scan_programs(case: case_lib.Case) -> dict:
     return out
 
 
-def run_case(case: case_lib.Case, mesh, platform: str) -> dict:
+def run_case(case: case_lib.Case, target: str, mesh, platform: str) -> dict:
     """Compile first (the kernel's probe runs inside that jit trace), then explain()."""
     rec: dict = {"case": case.name, "grad": case.grad, "expect": case.expect}
     ctx = jax.enable_x64(True) if case.x64 else contextlib.nullcontext()
     try:
-        with ctx, on_target(mesh, platform):
+        with ctx, variant(target), on_target(mesh, platform):
             rec.update(compile_fn(case.program(), (case.params, case.inputs), platform))
             try:
                 rec["explain"] = explain_case(case)
@@ -442,6 +480,7 @@ def check(rec: dict, target: str) -> list[str]:
     (v4 may fall back); a case may require the kernel, or a fallback with the
     compiler's message, on given targets, or Mosaic GPU's kernel on GPUs that have it."""
     case = case_lib.BY_NAME[rec["case"]]
+    base, variant = split_target(target)
     engine = rec.get("explain", {}).get("backend")
     kernel = bool(rec.get("kernel_in_compiled") or rec.get("kernel_in_lowered"))
     problems = []
@@ -452,11 +491,17 @@ def check(rec: dict, target: str) -> list[str]:
             f"explain() says {engine!r} but the kernel is {'' if kernel else 'not '}there"
         )
     reason = rec.get("explain", {}).get("reason", "")
-    if engine == "pallas" and f"compiled for {KINDS[target]}" not in reason:
-        problems.append(f"the kernel was not compiled for {KINDS[target]} first: {reason}")
-    if target in case.kernel_on and engine != "pallas":
-        problems.append(f"must take the kernel on {target}: {rec['explain'].get('reason')}")
     backward = rec.get("explain", {}).get("backward", "")
+    if engine == "pallas" and f"compiled for {KINDS[base]}" not in reason:
+        problems.append(f"the kernel was not compiled for {KINDS[base]} first: {reason}")
+    gpu = DEVICES[KINDS[base]].gpu
+    hopper = gpu is not None and gpu.capability >= (9, 0)
+    # Without Pallas Triton only Mosaic GPU's cases keep a kernel, and only on Hopper+.
+    gone = variant == "no-triton" and not (case.mosaic_gpu and hopper)
+    if base in case.kernel_on and engine != "pallas" and not gone:
+        problems.append(f"must take the kernel on {target}: {rec['explain'].get('reason')}")
+    if gone and base in case.kernel_on and "Pallas Triton is missing" not in reason:
+        problems.append(f"must fall back saying Pallas Triton is missing on {target}: {reason}")
     kernels = rec.get("backward_kernel") and not rec.get("while_loops")
     if case.grad and rec.get("compiled") and backward.startswith("backward kernel") and not kernels:
         problems.append(
@@ -464,14 +509,14 @@ def check(rec: dict, target: str) -> list[str]:
             f"{'a' if rec.get('backward_kernel') else 'no'} backward kernel and "
             f"{rec.get('while_loops')} while loops"
         )
-    if case.grad and engine == "pallas" and target != "v4" and not kernels:
+    if case.grad and engine == "pallas" and base != "v4" and not kernels:
         problems.append(  # the issue's goal: every gradient program fused but on v4
             f"value_and_grad must hold the backward kernel and no while loop on {target}: "
             f"{backward or 'no backward kernel'}"
         )
-    gpu = DEVICES[KINDS[target]].gpu
-    if case.mosaic_gpu and gpu is not None and engine == "pallas":
-        want = "Pallas Mosaic GPU" if gpu.capability >= (9, 0) else "Pallas Triton"
+    if gpu is not None and engine == "pallas" and (case.mosaic_gpu or variant):
+        mosaic = variant == "no-triton" or (hopper and variant != "triton")
+        want = "Pallas Mosaic GPU" if mosaic else "Pallas Triton"
         if f"({want}" not in reason:
             problems.append(f"must take {want}'s kernel on {target}: {reason}")
         if case.grad and f"per program ({want})" not in backward:
@@ -481,7 +526,7 @@ def check(rec: dict, target: str) -> list[str]:
         ]
         if spills:
             problems.append(f"{want}'s kernels must not spill on {target}: {spills}")
-    need = case.fallback_on.get(target)
+    need = case.fallback_on.get(base)
     if need and (engine != "scan" or need not in rec["explain"].get("reason", "")):
         problems.append(f"must fall back with {need!r} on {target}: {rec['explain'].get('reason')}")
     return problems
@@ -540,7 +585,7 @@ def run_pair(target: str) -> list[str]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--target", required=True, choices=sorted(KINDS))
+    ap.add_argument("--target", required=True, type=target_name, help="h100, ..., h100.triton")
     ap.add_argument("--json", help="write the records here")
     ap.add_argument("--case", action="append", help="case name or prefix (repeatable)")
     ap.add_argument("--quick", action="store_true", help="the quick subset of cases")
@@ -555,7 +600,7 @@ def main(argv=None) -> int:
     sized = lambda c: dataclasses.replace(c, batch_size=args.batch_size) if args.batch_size else c
     if args.one:
         platform, mesh = make_mesh(args.target)
-        rec = run_case(sized(case_lib.BY_NAME[args.one]), mesh, platform)
+        rec = run_case(sized(case_lib.BY_NAME[args.one]), args.target, mesh, platform)
         with open(args.record, "w") as f:
             json.dump(rec, f, default=str)
         return 0
@@ -571,7 +616,8 @@ def main(argv=None) -> int:
     platform, mesh = make_mesh(args.target) if args.same_process else (None, None)
     how = "all cases in one process" if args.same_process else "a fresh process per case"
     print(
-        f"# target {args.target}: {KINDS[args.target]} ({platform_of(args.target)}), "
+        f"# target {args.target}: {KINDS[split_target(args.target)[0]]} "
+        f"({platform_of(args.target)}), "
         f"jax {jax.__version__}, {how}"
     )
     selected = [sized(c) for c in case_lib.select(args.case, args.quick)]
@@ -586,7 +632,7 @@ def main(argv=None) -> int:
         rec = (
             run_fresh(args.target, case, args.batch_size)
             if fresh
-            else run_case(case, mesh, platform)
+            else run_case(case, args.target, mesh, platform)
         )
         rec["target"] = args.target
         records.append(rec)
