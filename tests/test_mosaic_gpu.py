@@ -83,6 +83,12 @@ def test_several_blocks_per_program_and_a_global_row_offset():
 
 
 W3 = jnp.array([0.5, -1.0, 2.0], jnp.float32)
+M16 = jnp.linspace(-2.0, 2.0, 16, dtype=jnp.float32)
+
+
+def mixture(x):
+    """One value per row in and out, 16 in between (a mixture's components)."""
+    return jax.nn.logsumexp(-0.5 * (x[:, None] - M16) ** 2, axis=1)
 
 
 @pytest.mark.parametrize(
@@ -94,6 +100,7 @@ W3 = jnp.array([0.5, -1.0, 2.0], jnp.float32)
         ("outer", lambda x: x[:, :, None] * x[:, None, :], (700, 3), "min", 0),
         ("everything", lambda x: jnp.tanh(x) - W3, (999, 3), "logsumexp", None),
         ("pytree", lambda t: (t[0] * t[1][:, None], t[1] + 1), ((1300, 3), (1300,)), "add", 0),
+        ("wider inside", mixture, (2001,), "logsumexp", 0),
     ],
 )
 def test_rows_of_features_go_feature_by_feature(name, fun, x, monoid, axis):
@@ -109,6 +116,19 @@ def test_rows_of_features_go_feature_by_feature(name, fun, x, monoid, axis):
         got = jax.jit(call)(xs)
     assert plan.engine == "interpret" and "Pallas Mosaic GPU interpreter" in plan.reason, plan
     assert_tree_close(got, oracle(monoid, axis)(fun(xs)), rtol=3e-6, atol=3e-6)
+
+
+def test_values_wider_inside_fun_than_its_rows_have_gradients():
+    """``fun`` may hold more values per row than it reads or returns (up to 64): the
+    backward kernel unrolls them too."""
+    x = normal(9, (2001,))
+    loss = lambda x: ajm.batch_map(mixture, x, 256, reduction=ajm.LOGSUMEXP)
+    with ajm.config(backend="interpret", gpu_backend="mosaic_gpu"):
+        plan = ajm.explain(mixture, x, 256, reduction=ajm.LOGSUMEXP)
+        got = jax.jit(jax.value_and_grad(loss))(x)
+    assert plan.backward.endswith("per program (Pallas Mosaic GPU interpreter)"), plan.backward
+    want = jax.value_and_grad(lambda x: jax.nn.logsumexp(mixture(x)))(x)
+    assert_tree_close(got, want, rtol=3e-6, atol=3e-6)
 
 
 GRADS = {
@@ -205,6 +225,18 @@ def test_hopper_takes_rows_of_features_feature_by_feature():
     assert "split into" not in explain_on(H100, SIN, X1).reason  # one feature: nothing to split
     text = lowered_on(H100, lambda x: jnp.sin(x) * 2.0, X2)
     assert "mosaic_gpu" in text and "triton" not in text
+
+
+@needs_abstract_devices
+def test_hopper_takes_values_wider_inside_fun_and_declines_past_64():
+    """A ``fun`` may widen its rows inside (16 components of one value); past 64
+    values per row Mosaic GPU declines with the shape (Triton takes it)."""
+    assert explain_on(H100, mixture, X1).block_backend == "mosaic_gpu"
+    scales = np.linspace(0.0, 1.0, 128, dtype=np.float32)
+    wide = lambda x: jnp.sum(jnp.sin(x[:, None] * scales), axis=1)
+    plan = explain_on(H100, wide, X1)
+    assert plan.block_backend == "triton", plan
+    assert "up to 64 values per row, but fun holds float32[" in plan.reason, plan.reason
 
 
 @needs_abstract_devices

@@ -163,11 +163,11 @@ def elementwise(closed: ClosedJaxpr) -> bool:
 _ROW_REDUCE = frozenset({"reduce_sum", "reduce_max", "reduce_min"})
 
 
-def row_local(closed: ClosedJaxpr, rows: int) -> bool:
+def row_local(closed: ClosedJaxpr, rows: int, bounded: bool = True) -> bool:
     """Whether ``closed``, traced on ``rows`` rows (calls inlined, no effects), works row
-    by row with no value larger per row than its largest input or output: elementwise
-    operations, reshapes and broadcasts, and sums, maxima or minima over other axes than
-    the rows (``norm(r, axis=-1)``)."""
+    by row: elementwise operations, reshapes and broadcasts, and sums, maxima or minima
+    over other axes than the rows (``norm(r, axis=-1)``); ``bounded``: with no value
+    larger per row than its largest input or output."""
     shape = lambda v: tuple(v.aval.shape)
     per_row = lambda v: int(np.prod(shape(v)[1:] if shape(v)[:1] == (rows,) else shape(v)))
     ends = [v for v in (*closed.jaxpr.invars, *closed.jaxpr.outvars) if not isinstance(v, Literal)]
@@ -182,7 +182,7 @@ def row_local(closed: ClosedJaxpr, rows: int) -> bool:
                 inner = 0 not in eqn.params["axes"]
             else:
                 inner = name in ELEMENTWISE | KEEPDIMS
-            if not inner or any(per_row(v) > bound for v in eqn.outvars):
+            if not inner or (bounded and any(per_row(v) > bound for v in eqn.outvars)):
                 return False
         return not jaxpr.effects
 

@@ -182,7 +182,7 @@ def mosaic_gpu_features_problem(closed: Any, rows: int, items: Sequence[Any]) ->
     and each term to reduce every element of its items on its own (its sources of
     one shape, its state of that shape: sums, extrema, logsumexp, moments, top-k)."""
     why = "Mosaic GPU lowers one value per row, so fun's blocks go feature by feature"
-    if not row_local(closed, rows):
+    if not row_local(closed, rows, bounded=False):  # (values per row: bounded below)
         return f"{why} only when fun works row by row (elementwise, reshapes, sums over features)"
     for aval in _all_avals(closed.jaxpr):
         shape = tuple(getattr(aval, "shape", ()))
