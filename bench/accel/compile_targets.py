@@ -635,6 +635,7 @@ def main(argv=None) -> int:
             else run_case(case, args.target, mesh, platform)
         )
         rec["target"] = args.target
+        rec["same_process"] = args.same_process
         records.append(rec)
         print(_row(rec), flush=True)
         failures += [f"{case.name}: {p}" for p in check(rec, args.target)]
