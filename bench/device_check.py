@@ -24,7 +24,12 @@ tests). Workloads, from ``workloads``:
 (f) ``--gpu-backends`` (alone): the fused kernel built by Pallas Mosaic GPU against
     Pallas Triton's (``config(gpu_backend=...)``) on the workloads of (a), next to the
     scan engine; then the pairwise tile kernel from each, forward and
-    ``value_and_grad``, on a kernel sum, a logsumexp and a min-argmin at D = 3 and 16.
+    ``value_and_grad``, on a kernel sum, a logsumexp and a min-argmin at D = 3 and 16;
+(g) ``--heads`` (alone): multi-head attention in ``dot_product_attention``'s
+    ``(B, T, N, H)`` layout as the pairwise guide writes it (``jax.vmap`` over B, one
+    ``ajm.pairwise`` call with ``softmax_weighted(heads=True)`` for every head, a causal
+    mask from the rows' indices) against ``jax.nn.dot_product_attention``, forward
+    and the gradient with respect to q, k and v.
 
 Engines: ``fused`` (the kernel alone: ``batch_size = n`` under ``backend="pallas"``,
 so the block is the engine's own choice, printed from ``explain``),
@@ -344,6 +349,61 @@ def pairwise_backends(*, interpret: bool, reps: int) -> None:
                 )
 
 
+def multi_head(q, k, v, causal: bool, explain: bool = False):
+    """The pairwise guide's multi-head attention (``tests/test_heads.py``'s);
+    ``explain``: ``explain_pairwise`` of its first batch row instead."""
+    t, scale = jnp.arange(q.shape[1]), q.shape[-1] ** -0.5
+
+    def f(qi, kvj):
+        (qh, i), (kh, vh, j) = qi, kvj
+        s = jnp.einsum("nh,nh->n", qh, kh, preferred_element_type=jnp.float32) * scale
+        return (jnp.where(j <= i, s, -jnp.inf) if causal else s), vh
+
+    heads = ajm.softmax_weighted(heads=True)
+    if explain:
+        return ajm.explain_pairwise(f, (q[0], t), (k[0], v[0], t), heads)
+    one = lambda q, k, v: ajm.pairwise(f, (q, t), (k, v, t), heads)
+    return jax.vmap(one)(q, k, v)
+
+
+def heads(*, interpret: bool, reps: int) -> None:
+    """(g): multi-head attention through one pairwise call against XLA's."""
+    print("\n## multi-head attention: ajm.pairwise(heads=True) against dot_product_attention")
+    print("| B, T, N, H | dtype | causal | pass | engine | ms | max rel err |")
+    print("|---|---|---|---|---|---|---|")
+    shapes = [(1, 300, 2, 16)] if interpret else [(1, 8192, 8, 64), (2, 4096, 8, 128)]
+    for b, t, n, h in shapes:
+        for dtype in (jnp.bfloat16, jnp.float32):
+            q, k, v = _arrays([jax.ShapeDtypeStruct((b, t, n, h), dtype)] * 3)
+            for causal in (False, True):
+                engines = {
+                    "xla": lambda q, k, v, c=causal: jax.nn.dot_product_attention(
+                        q, k, v, is_causal=c
+                    ),
+                    "pairwise": lambda q, k, v, c=causal: multi_head(q, k, v, c),
+                }
+                plan = multi_head(q, k, v, causal, explain=True)
+                engines[f"pairwise: {plan.engine}"] = engines.pop("pairwise")
+                for name_pass in ("forward", "value_and_grad"):
+                    reference = None
+                    for name, fun in engines.items():
+                        if name_pass == "value_and_grad":
+                            fun = jax.value_and_grad(
+                                lambda q, k, v, fun=fun: jnp.sum(fun(q, k, v).astype(jnp.float32)),
+                                (0, 1, 2),
+                            )
+                        row = f"| {b}, {t}, {n}, {h} | {jnp.dtype(dtype).name} | {causal} | "
+                        row += f"{name_pass} | {name} | "
+                        try:
+                            meas = measure(jax.jit(fun), (q, k, v), repeats=reps, warmup=1)
+                        except Exception as e:  # one engine failing is a result too
+                            print(row + f"failed: {type(e).__name__}: {str(e)[:160]} | |")
+                            continue
+                        reference = meas.out if reference is None else reference
+                        err = max_rel_error(meas.out, reference)
+                        print(row + f"{meas.time.median * 1e3:.3f} | {err:.1e} |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--interpret", action="store_true", help="tiny sizes, interpret mode")
@@ -353,6 +413,7 @@ def main() -> None:
     parser.add_argument("--matmul", action="store_true", help="only (e), the matrix units")
     parser.add_argument("--full", action="store_true", help="(e): the whole grid")
     parser.add_argument("--gpu-backends", action="store_true", help="only (f)")
+    parser.add_argument("--heads", action="store_true", help="only (g), multi-head attention")
     args = parser.parse_args()
     if not args.interpret and jax.default_backend() not in ("gpu", "tpu"):
         raise SystemExit(f"no GPU or TPU: jax.devices() = {jax.devices()}; use --interpret")
@@ -361,6 +422,9 @@ def main() -> None:
     common = {"interpret": args.interpret, "peak": peak, "reps": args.reps}
     if args.matmul:  # (e) alone: device_check*.sh run it as a step of its own
         matrix_units(interpret=args.interpret, reps=args.reps, full=args.full)
+        return
+    if args.heads:  # (g) alone, as (e)
+        heads(interpret=args.interpret, reps=args.reps)
         return
     if args.gpu_backends:  # (f) alone, as (e)
         gpu_backends(interpret=args.interpret, peak=peak, reps=args.reps)
