@@ -34,6 +34,7 @@ log "kernel tests on the device"
 timeout -k 10 300 "$PY" -m pytest tests/test_accelerator.py tests/test_accelerator_pairwise.py \
     tests/test_kernel.py -q -rs -p no:cacheprovider -o addopts="" \
     -W "ignore:Transparent hugepages:UserWarning" -W "ignore:cloud_tpu_init failed:UserWarning" \
+    -W "ignore::pytest.PytestConfigWarning" \
     ${PYTEST_ARGS:-} || STATUS=$?
 
 log "benchmarks"

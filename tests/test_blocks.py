@@ -4,6 +4,7 @@ and blocks per kernel program, per platform. Pure functions, no tracing."""
 import jax
 import jax.numpy as jnp
 import pytest
+from helpers import needs_abstract_devices
 
 from adv_jax_math.core.targets import target
 from adv_jax_math.kernels.fused_reduce.blocks import choose_block, choose_steps, tpu_legal_rows
@@ -92,3 +93,20 @@ def test_tpu_legal_rows():
         1024,
         4096,
     ]
+
+
+@needs_abstract_devices
+@pytest.mark.parametrize(("k", "rows"), [(16, 16), (8, 32), (4, 64)])
+def test_triton_blocks_of_a_top_k_shrink_with_k(k, rows):
+    """Its merge network holds k slots per element beside the block: 64 rows of 128
+    distances spilled on H100 at k = 16 and 8 (fused.TRITON_TOPK_ROWS)."""
+    import adv_jax_math as ajm
+    from adv_jax_math.core.targets import abstract_mesh
+
+    pts = jax.ShapeDtypeStruct((100003, 16), jnp.float32)
+    queries = jnp.ones((128, 16), jnp.float32)
+    fun = lambda p: jnp.sum(p * p, 1, keepdims=True) - 2 * p @ queries.T
+    a100 = abstract_mesh("cuda", "NVIDIA A100-SXM4-80GB")
+    with jax.sharding.use_abstract_mesh(a100):
+        plan = ajm.explain(fun, pts, 4096, reduction=ajm.top_k(k, smallest=True))
+    assert plan.engine == "pallas" and plan.block_rows == rows, plan

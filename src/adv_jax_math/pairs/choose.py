@@ -30,6 +30,14 @@ __all__ = ["MATMUL_DISTANCES", "device_kernel", "interpreted", "kernel_for"]
 # and 179 ms unrolled. Below (KeOps' D = 3 and 16 measured and tuned unrolled) they
 # stay unrolled, with the direct form's rounding; 16-63: not measured on a device.
 MATMUL_DISTANCES = 64
+# On a TPU, matmul tiles that make several values per pair (a score per head) run in
+# XLA's loops: on a TPU v5e (jax 0.10.2) the matmul tile kernel took 46-56 ms for
+# multi-head attention (T = 8192, 8 heads of 64, bf16, forward) at tiles from
+# 128 x 128 to 512 x 1024, XLA's loops 4.1 ms (bench/device_check.py --heads).
+TPU_WIDE_PAIRS = (
+    "f makes {} values per pair (a score per head, say): on a TPU v5e the matmul tile "
+    "kernel took 46-56 ms for multi-head attention where XLA's loops took 4.1 ms"
+)
 
 
 def device_kernel(
@@ -75,9 +83,11 @@ def _device_kernel(
         silence_triton_deprecation()
     matmul = _tiles.device(kind, tiles, vmem, matmul=True, rows=rows)
     assert not isinstance(matmul, str)  # (the same checks as the tile kernel's)
+    width = pair_width(f, x, y, red)
     if tiles == "auto":
-        matmul = _within(*matmul, pair_width(f, x, y, red), 128 if kind == "tpu" else 16)
-    return kernel_for(f, x, y, red, Layout(kind, chosen, params=params), target, matmul)
+        matmul = _within(*matmul, width, 128 if kind == "tpu" else 16)
+    wide = TPU_WIDE_PAIRS.format(width) if kind == "tpu" and width > 1 else None
+    return kernel_for(f, x, y, red, Layout(kind, chosen, params=params), target, matmul, wide)
 
 
 def interpreted(
@@ -121,11 +131,12 @@ def kernel_for(
     layout: Layout,
     target: Any,
     matmul_tiles: tuple[int, int] | None = None,
+    no_matmul: str | None = None,
 ) -> tuple[Layout | None, str]:
     """The tile kernel at ``layout`` where it takes ``f``, else the matmul tile kernel
-    at ``matmul_tiles`` (default: the same; None: neither), each compiled (or lowered)
-    for ``target`` (None: traced only); and why the tile kernel (and the matmul one)
-    did not."""
+    at ``matmul_tiles`` (default: the same), each compiled (or lowered) for ``target``
+    (None: traced only); and why the tile kernel (and the matmul one) did not.
+    ``no_matmul``: why the matmul tile kernel is not tried."""
     problem = layout_problem(f, x, y, red, layout, target)
     if problem is None and isinstance(blocks(f, x, y, red), tuple):
         wide = sorted({n for n, _ in distances(f, x, y, red) if n >= MATMUL_DISTANCES})
@@ -133,6 +144,8 @@ def kernel_for(
             problem = f"f's squared distances over {wide[-1]} features: a matmul, not unrolled"
     if problem is None:
         return layout, ""
+    if no_matmul:
+        return None, f"the tile kernel: {problem}; the matmul tile kernel: {no_matmul}"
     bi, bj = matmul_tiles or layout.tiles
     least = 128 if layout.kind == "tpu" else 16
     # its tiles, else halves of them (TPU v4's 16 MiB of VMEM: a top-k at 256 x 512)
