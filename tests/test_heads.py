@@ -161,3 +161,37 @@ def test_without_heads_every_score_takes_every_value():
     want = jnp.tensordot(jax.nn.softmax(s, 0), v, ([0], [0]))
     assert out.shape == (3, 3, 2)
     np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(jax.device_count() != 4, reason="needs the 4 virtual CPU devices")
+@pytest.mark.parametrize("shard", [True, "y"])
+@pytest.mark.parametrize("axis_type", ["Explicit", "Auto"])
+def test_multi_head_attention_spread_over_devices(shard, axis_type):
+    """The queries (shard=True) or the keys ("y") over 4 devices under jax.set_mesh,
+    203 of them (not a multiple of 4): values and gradients."""
+    q, k, v = (a[0] for a in _qkv(1, 203, 4, 16))
+    t, f = jnp.arange(203), scores(0.25, True)
+    ours = lambda q, k, v: ajm.pairwise(f, (q, t), (k, v, t), HEADS, shard=shard)
+    plain = lambda q, k, v: jax.nn.dot_product_attention(q[None], k[None], v[None], is_causal=True)[
+        0
+    ]
+    mesh = jax.make_mesh((4,), ("d",), axis_types=(getattr(jax.sharding.AxisType, axis_type),))
+    with jax.set_mesh(mesh):
+        got = jax.jit(ours)(q, k, v)
+        grads = jax.jit(jax.grad(_loss(ours), (0, 1, 2)))(q, k, v)
+    assert_tree_close(got, plain(q, k, v), rtol=1e-5, atol=1e-5)
+    assert_tree_close(grads, jax.grad(_loss(plain), (0, 1, 2))(q, k, v), rtol=1e-4, atol=1e-4)
+
+
+def test_multi_head_attention_hessian_vector_product():
+    """Forward over reverse mode (a Hessian-vector product) against XLA's attention."""
+    q, k, v = _qkv(1, 70, 2, 8)
+    dq, dk, dv = _qkv(1, 70, 2, 8)
+    ours = lambda q, k, v: attention(q, k, v, True)
+    plain = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True)
+
+    def hvp(run):
+        grad = jax.grad(_loss(run), (0, 1, 2))
+        return jax.jvp(grad, (q, k, v), (dq, dk, dv))[1]
+
+    assert_tree_close(jax.jit(lambda: hvp(ours))(), hvp(plain), rtol=1e-4, atol=1e-4)
