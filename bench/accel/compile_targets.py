@@ -92,20 +92,16 @@ def split_target(target: str) -> tuple[str, str]:
 
 
 def target_name(target: str) -> str:
-    if target in KINDS or (
-        split_target(target)[0] in KINDS
-        and split_target(target)[1] in VARIANTS
-        and platform_of(target) == "gpu"
-    ):
+    base, variant = split_target(target)
+    if base in KINDS and (not variant or (variant in VARIANTS and platform_of(base) == "gpu")):
         return target
-    known = ", ".join(
-        [*KINDS, *(f"{g}.{v}" for g in KINDS if not g.startswith("v") for v in VARIANTS)]
-    )
+    gpus = [g for g in KINDS if platform_of(g) == "gpu"]
+    known = ", ".join([*KINDS, *(f"{g}.{v}" for g in gpus for v in VARIANTS)])
     raise argparse.ArgumentTypeError(f"unknown target {target!r}; known: {known}")
 
 
 @contextlib.contextmanager
-def variant(target: str):
+def backend_variant(target: str):
     """The GPU backend variant of ``target`` around a case (see ``VARIANTS``)."""
     import adv_jax_math as ajm
 
@@ -417,7 +413,7 @@ def run_case(case: case_lib.Case, target: str, mesh, platform: str) -> dict:
     rec: dict = {"case": case.name, "grad": case.grad, "expect": case.expect}
     ctx = jax.enable_x64(True) if case.x64 else contextlib.nullcontext()
     try:
-        with ctx, variant(target), on_target(mesh, platform):
+        with ctx, backend_variant(target), on_target(mesh, platform):
             rec.update(compile_fn(case.program(), (case.params, case.inputs), platform))
             try:
                 rec["explain"] = explain_case(case)
