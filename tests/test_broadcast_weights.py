@@ -174,3 +174,22 @@ def test_pairwise_weights_broadcast_spread_over_devices(shard, axis_type):
     with jax.set_mesh(mesh):
         got = jax.jit(run)(x, y)
     _close(got, _dense(f, x, y, True))
+
+
+@pytest.mark.parametrize("shapes, name", each_on_an_engine(["weight per row", "a per row"]))
+def test_broadcast_weights_at_special_values(shapes, name):
+    """Zero weights (a row left out, whatever its values: jax masks them), infinite and
+    NaN values, an all -inf column, against jax.nn.logsumexp(b=) with the same shapes."""
+    sa, sb = SHAPES[shapes]
+    a, b = np.array(3 * normal(0, sa)), np.array(jnp.abs(normal(1, sb)) + 0.1)
+    a[2], a[5] = np.inf, -np.inf  # (rows of a: every column of them)
+    a[7, ...] = np.nan
+    a[:, -1:] = -np.inf  # one column (all of a's, where a has one) with nothing in it
+    b[2], b[7] = 0.0, 0.0  # the +inf and the NaN rows weighted out
+    a, b = jnp.asarray(a), jnp.asarray(b)
+    for sign in (False, True):
+        reduction = ajm.weighted_logsumexp(sign)
+        with engine(name) as kw:
+            run = lambda a, b, r=reduction: ajm.batch_map(lambda v: v, (a, b), 4, reduction=r, **kw)
+            got = jax.jit(run)(a, b)
+        _close(got, jax.nn.logsumexp(a, 0, b=_jax_b(a, b), return_sign=sign))
