@@ -46,6 +46,15 @@ def test_arrays_a_fold_holds_across_its_reductions(monoid, count):
     assert all(shape == (64, 8, 16) for shape, _ in held)
 
 
+@pytest.mark.parametrize("monoid", [ajm.ARGMIN, ajm.top_k(4)], ids=["ARGMIN", "top_k(4)"])
+def test_held_arrays_when_a_row_has_as_many_elements_as_the_block_rows(monoid):
+    """A state per element of 64 elements has the shape of a block of 64 rows: the
+    reductions are found by their axes, not by shape (the fold's one broadcast of its
+    state hid them: blocks of 1024 rows on v4 then ran out of VMEM)."""
+    held = _held(monoid, S((64,), jnp.float32), rows=64)
+    assert sum(shape == (64, 64) for shape, _ in held) == len(_held(monoid)), held
+
+
 def test_held_arrays_shrink_the_tpu_block():
     args = dict(
         inputs=[S((10007, 8, 16), jnp.int32)],

@@ -233,7 +233,9 @@ def held_across_reductions(closed: Any, rows: int) -> tuple[tuple[tuple[int, ...
     a max) streams its block."""
     nodes, block, last = _lifetimes(closed, rows)
     ops = [n for n in nodes if n.name not in ("in", "lit", "const")]
-    reductions = [n.k for n in ops if not block(n) and any(map(block, n.args))]
+    reductions = [
+        n.k for n in ops if _over_rows(n, block) or (not block(n) and any(map(block, n.args)))
+    ]
     best: list = []
     for r in reductions:
         held = [n for n in nodes if block(n) and n.k <= r < last.get(id(n), -1)]
@@ -241,6 +243,16 @@ def held_across_reductions(closed: Any, rows: int) -> tuple[tuple[tuple[int, ...
         if size > sum(math.prod(s) * dt.itemsize for s, dt in best):
             best = [(tuple(int(d) for d in n.aval.shape), np.dtype(n.aval.dtype)) for n in held]
     return tuple(best)
+
+
+def _over_rows(n: Any, block: Callable[[Any], bool]) -> bool:
+    """Whether node ``n`` reduces a block over its rows (axis 0), by its parameters: a
+    reduction's result of ``rows`` elements (a state per feature, ``rows`` of them)
+    has a block's shape."""
+    if n.name == "dot_general":
+        (lc, rc), _ = n.params["dimension_numbers"]
+        return (block(n.args[0]) and 0 in lc) or (block(n.args[1]) and 0 in rc)
+    return 0 in n.params.get("axes", ()) and any(map(block, n.args))
 
 
 def live_at_peak(closed: Any, rows: int) -> tuple[tuple[tuple[int, ...], np.dtype], ...]:
