@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Check the fused Pallas engine on a machine with an NVIDIA GPU, in under 15 minutes
-# (each step has its own time limit: 150 + 60 + 150 + 100 + 240 + 150 s at most):
+# Check the fused Pallas engine on a machine with an NVIDIA GPU, in under 17 minutes
+# (each step has its own time limit: 150 + 60 + 150 + 100 + 240 + 150 + 150 s at most):
 #   1. a venv with the CUDA build of jax matching the project's jax version,
 #   2. this package installed into it,
 #   3. the kernel tests on the real device (tests/test_accelerator.py, test_kernel.py),
@@ -10,7 +10,9 @@
 #      top-8 at D = 128; Sinkhorn at D = 64),
 #   6. bench/device_check.py --gpu-backends: the fused kernel and the pairwise tile
 #      kernel from Mosaic GPU against Triton's (Hopper and newer; elsewhere Mosaic GPU's
-#      rows say why it declined).
+#      rows say why it declined),
+#   7. bench/device_check.py --heads: multi-head attention (softmax_weighted(heads=True))
+#      against jax.nn.dot_product_attention.
 #
 # Usage (from anywhere): bash bench/device_check.sh [device_check.py options]
 # Environment:
@@ -86,5 +88,7 @@ log "matrix-unit cases (issue 41)"
 timeout -k 10 240 "$VPY" bench/device_check.py --matmul "$@" || STATUS=$?
 log "Pallas Mosaic GPU against Pallas Triton (issue 42)"
 timeout -k 10 150 "$VPY" bench/device_check.py --gpu-backends "$@" || STATUS=$?
+log "multi-head attention"
+timeout -k 10 150 "$VPY" bench/device_check.py --heads "$@" || STATUS=$?
 log "done (exit status $STATUS)"
 exit "$STATUS"

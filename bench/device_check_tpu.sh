@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Check the Pallas kernels on a machine with a TPU (the workplace's TPU machines: jax,
-# jaxlib and libtpu installed, no package registry), in under 16 minutes:
+# jaxlib and libtpu installed, no package registry), in under 19 minutes:
 #   1. the kernel tests on the real device (tests/test_accelerator*.py, test_kernel.py),
 #      in one process (one program at a time can hold a TPU);
 #   2. bench/device_check.py: fused kernel vs scan engine vs plain XLA, and the pairwise
 #      tile kernel on KeOps' Gaussian sum;
 #   3. bench/device_check.py --matmul: issue 41's matrix-unit cases (attention forward
 #      and value_and_grad against jax.nn.dot_product_attention; k-NN top-8 at D = 128;
-#      Sinkhorn at D = 64).
+#      Sinkhorn at D = 64);
+#   4. bench/device_check.py --heads: multi-head attention (softmax_weighted(heads=True)).
 # The package is imported from src/ (the native CPU kernels are optional and not built).
 #
 # Usage (from anywhere): bash bench/device_check_tpu.sh [device_check.py options]
@@ -41,5 +42,7 @@ log "benchmarks"
 timeout -k 10 300 "$PY" bench/device_check.py "$@" || STATUS=$?
 log "matrix-unit cases (issue 41)"
 timeout -k 10 300 "$PY" bench/device_check.py --matmul "$@" || STATUS=$?
+log "multi-head attention"
+timeout -k 10 300 "$PY" bench/device_check.py --heads "$@" || STATUS=$?
 log "done (exit status $STATUS)"
 exit "$STATUS"
