@@ -83,7 +83,7 @@ def _device_kernel(
         silence_triton_deprecation()
     matmul = _tiles.device(kind, tiles, vmem, matmul=True, rows=rows)
     assert not isinstance(matmul, str)  # (the same checks as the tile kernel's)
-    width = pair_width(f, x, y, red)
+    width = pair_width(f, x, y, red) if tiles == "auto" or kind == "tpu" else 1
     if tiles == "auto":
         matmul = _within(*matmul, width, 128 if kind == "tpu" else 16)
     wide = TPU_WIDE_PAIRS.format(width) if kind == "tpu" and width > 1 else None
