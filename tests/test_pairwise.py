@@ -465,16 +465,18 @@ def test_max_gradient_with_most_optimizations_disabled(backend):
 
 
 @needs_abstract_devices
-def test_matmul_kernel_tiles_shrink_for_values_wide_per_pair():
+def test_values_wide_per_pair_run_in_xla_loops_on_a_tpu():
     # an L1 distance over 64 features beside a squared one: a (bj, bi, 64) difference per
-    # tile; "auto" tiles shrink so that it holds no more than a score of the default
-    # tiles (given tiles stay), attention's stay
+    # tile; on a TPU several values per pair take XLA's loops (choose.TPU_WIDE_PAIRS,
+    # measured with a score per head), given tiles kept; attention's one score per pair
+    # keeps the matmul tile kernel at its tiles
     q, k = jnp.ones((4096, 64)), jnp.ones((4096, 64))
     with on_abstract_device("tpu"):
         wide = ajm.explain_pairwise(_two_heads, q, k, ajm.SOFTMAX_WEIGHTED)
         given = ajm.explain_pairwise(_two_heads, q, k, ajm.SOFTMAX_WEIGHTED, tiles=(256, 256))
         attention = ajm.explain_pairwise(lambda a, b: (a @ b, b), q, k, ajm.SOFTMAX_WEIGHTED)
-    assert wide.engine == "pairwise kernel (matmul, tpu)", str(wide)
-    assert wide.tiles == (128, 128) and "f makes 64 values per pair" in wide.reason, str(wide)
+    assert wide.engine == "pairwise tiles (matmul)", str(wide)
+    assert "the matmul tile kernel: f makes 64 values per pair" in str(wide), str(wide)
     assert given.tiles == (256, 256), str(given)
+    assert attention.engine == "pairwise kernel (matmul, tpu)", str(attention)
     assert attention.tiles == (512, 1024) and "values per pair" not in attention.reason

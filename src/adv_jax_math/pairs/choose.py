@@ -84,9 +84,9 @@ def _device_kernel(
     matmul = _tiles.device(kind, tiles, vmem, matmul=True, rows=rows)
     assert not isinstance(matmul, str)  # (the same checks as the tile kernel's)
     width = pair_width(f, x, y, red) if tiles == "auto" or kind == "tpu" else 1
-    if tiles == "auto":
-        matmul = _within(*matmul, width, 128 if kind == "tpu" else 16)
     wide = TPU_WIDE_PAIRS.format(width) if kind == "tpu" and width > 1 else None
+    if tiles == "auto" and kind == "gpu":
+        matmul = _within(*matmul, width, 16)
     return kernel_for(f, x, y, red, Layout(kind, chosen, params=params), target, matmul, wide)
 
 
@@ -169,9 +169,9 @@ def _held(f: Callable, x: Any, y: Any, red: MonoidReduction) -> int:
 def _within(bi: int, bj: int, width: int, least: int) -> tuple[int, int]:
     """The "auto" matmul kernel tiles halved (the larger side first, down to
     ``least``) until a value of ``width`` elements per pair holds no more elements
-    than a score of the tiles given (TPU v5e, 4096 x 4096 pairs with an L1 distance
-    over 64 features beside a squared one: probing 512 x 1024, then its halves, took
-    341 s; at 128 x 128, 10 s)."""
+    than a score of the tiles given (on a TPU v5e, before such values went to XLA's
+    loops there: 4096 x 4096 pairs with an L1 distance over 64 features beside a
+    squared one, probing 512 x 1024, then its halves, took 341 s; at 128 x 128, 10 s)."""
     pairs = bi * bj
     while bi * bj * width > pairs and max(bi, bj) > least:
         bi, bj = (bi, max(least, bj // 2)) if bj >= bi else (max(least, bi // 2), bj)
