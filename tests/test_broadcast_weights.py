@@ -42,16 +42,22 @@ def _jax_b(a, b):
     return b.reshape(b.shape[:1] + (1,) * (a.ndim - b.ndim) + b.shape[1:])
 
 
-@pytest.mark.parametrize("shapes, name", each_on_an_engine(SHAPES))
-def test_batch_map_weights_broadcast_as_jax(shapes, name):
-    sa, sb = SHAPES[shapes]
-    a, b = 3 * normal(0, sa), normal(1, sb)
+def _values_and_signs_as_jax(a, b, name):
+    """``batch_map``'s weighted logsumexp on engine ``name`` against jax's, with signs
+    and without."""
     for sign in (False, True):
         reduction = ajm.weighted_logsumexp(sign)
         with engine(name) as kw:
             run = lambda a, b, r=reduction: ajm.batch_map(lambda v: v, (a, b), 4, reduction=r, **kw)
             got = jax.jit(run)(a, b)
         _close(got, jax.nn.logsumexp(a, 0, b=_jax_b(a, b), return_sign=sign))
+
+
+@pytest.mark.parametrize("shapes, name", each_on_an_engine(SHAPES))
+def test_batch_map_weights_broadcast_as_jax(shapes, name):
+    sa, sb = SHAPES[shapes]
+    a, b = 3 * normal(0, sa), normal(1, sb)
+    _values_and_signs_as_jax(a, b, name)
 
     # gradients by a and by the (positive) weights, in their own shapes
     def loss(lse, a, b):
@@ -187,9 +193,4 @@ def test_broadcast_weights_at_special_values(shapes, name):
     a[:, -1:] = -np.inf  # one column (all of a's, where a has one) with nothing in it
     b[2], b[7] = 0.0, 0.0  # the +inf and the NaN rows weighted out
     a, b = jnp.asarray(a), jnp.asarray(b)
-    for sign in (False, True):
-        reduction = ajm.weighted_logsumexp(sign)
-        with engine(name) as kw:
-            run = lambda a, b, r=reduction: ajm.batch_map(lambda v: v, (a, b), 4, reduction=r, **kw)
-            got = jax.jit(run)(a, b)
-        _close(got, jax.nn.logsumexp(a, 0, b=_jax_b(a, b), return_sign=sign))
+    _values_and_signs_as_jax(a, b, name)

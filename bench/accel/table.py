@@ -79,21 +79,14 @@ def without_triton(records: dict[str, list[dict]]) -> list[str]:
         if not t.endswith(".no-triton") or t not in records:
             continue
         recs = records[t]
-        kept = [r["case"] for r in recs if r.get("explain", {}).get("backend") == "pallas"]
-        mosaic = [
-            r["case"]
-            for r in recs
-            if "(Pallas Mosaic GPU" in r.get("explain", {}).get("reason", "")
-        ]
-        missing = [
-            r["case"]
-            for r in recs
-            if "Pallas Triton is missing" in r.get("explain", {}).get("reason", "")
-        ]
+        plans = [r.get("explain", {}) for r in recs]
+        kept = sum(e.get("backend") == "pallas" for e in plans)
+        mosaic = sum("(Pallas Mosaic GPU" in e.get("reason", "") for e in plans)
+        missing = sum("Pallas Triton is missing" in e.get("reason", "") for e in plans)
         failed = [r["case"] for r in recs if not r.get("compiled")]
         lines.append(
-            f"- {t.split('.')[0]}: {len(kept)} of {len(recs)} cases kept a kernel "
-            f"({len(mosaic)} Pallas Mosaic GPU's), {len(missing)} fell back to scan saying "
+            f"- {t.split('.')[0]}: {kept} of {len(recs)} cases kept a kernel "
+            f"({mosaic} Pallas Mosaic GPU's), {missing} fell back to scan saying "
             f"Pallas Triton is missing"
             + (f"; did not compile: {', '.join(failed)}" if failed else "")
         )
