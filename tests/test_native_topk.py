@@ -70,14 +70,16 @@ def state(rng, k: int, items: int, smallest: bool, below: int):
     return np.where(kept, vals, 0).astype(np.float32), np.where(kept, rows, EMPTY).astype(np.int32)
 
 
+@pytest.mark.parametrize("alive_share", [0.8, 1.0])
 @pytest.mark.parametrize("smallest", [False, True])
-@pytest.mark.parametrize("k", [1, 3, 8])
-def test_fold_matches_the_sorted_oracle(smallest, k):
-    rng = np.random.default_rng(k + 10 * smallest)
-    rows, items = 37, 21  # items not a multiple of the kernel's 16 lanes
+@pytest.mark.parametrize("k", [1, 3, 8, 13])
+def test_fold_matches_the_sorted_oracle(smallest, k, alive_share):
+    rng = np.random.default_rng(k + 10 * smallest + int(100 * alive_share))
+    # items not a multiple of the kernel's 8 lanes, rows not of its 4-row tests
+    rows, items = 37, 21
     values = special_block(rng, rows, items)
     idx = (100 + rng.permutation(rows)).astype(np.int32)  # not in order
-    alive = (rng.random(rows) < 0.8).astype(np.int32)
+    alive = (rng.random(rows) < alive_share).astype(np.int32)
     vals, srows = state(rng, k, items, smallest, 100)
     got = jax.jit(_native.topk_fold, static_argnames="smallest")(
         values, idx, alive, vals, srows, smallest=smallest

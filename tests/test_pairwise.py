@@ -204,12 +204,12 @@ def test_explain_names_engine_tiles_and_rejections():
     vector = ajm.explain_pairwise(*CASES["softmax_weighted"][1:2], x, y, ajm.SOFTMAX_WEIGHTED)
     assert vector.engine == "pairwise tiles (xla)", str(vector)  # (2,) values per pair
     # "auto" tiles: 2^18 pairs, y in tiles of 2048 rows; for a top-k on the CPU tiles
-    # y split evenly into tiles of at most 8192 rows (a multiple of 8), 2^20 pairs
+    # y split evenly into tiles of at most 16384 rows (a multiple of 8), 2^21 pairs
     rows = lambda n: jax.ShapeDtypeStruct((n, D), jnp.float32)
     assert ajm.explain_pairwise(f, rows(10_000), rows(5_000), reduction).tiles == (128, 2048)
     knn = lambda n, m: ajm.explain_pairwise(sqdist, rows(n), rows(m), ajm.top_k(3)).tiles
-    assert knn(10_000, 5_000) == (128, 5000) and knn(100_000, 10_007) == (128, 5008)
-    assert knn(10, 100_000) == (10, 7696)
+    assert knn(10_000, 5_000) == (256, 5000) and knn(100_000, 10_007) == (128, 10_007)
+    assert knn(10, 100_000) == (10, 14288)
     with ajm.config(backend="scan"):
         assert knn(10_000, 5_000) == (128, 2048)
 

@@ -12,11 +12,18 @@
 //
 // Order: a value's key is its IEEE total-order integer (-0.0 below +0.0), every NaN
 // the highest, bit-inverted for smallest; an empty slot's key is the lowest. A
-// candidate is better with the higher key, then the lower row. Each item's state is
-// kept sorted; a row of the block only enters where it beats the item's k-th slot,
-// which the block's rows are compared against T at a time (vectorized): past the
-// first rows of a long reduction almost none do, so the block costs about one
-// compare per value, where a sort (lax.top_k) and a merge network cost many.
+// candidate is better with the higher key, then the lower row (one int64 rank). A row
+// of the block only enters where it beats the item's worst slot, which the block's
+// rows are compared against 4 rows by 8 items at a time (vectorized): past the first
+// rows of a long reduction almost none do, so the block costs about one compare per
+// value, where a sort (lax.top_k) and a merge network cost many. An entering value
+// replaces the worst slot, and the next worst is found by a scan of the K slots (no
+// shifting); the slots are sorted once, when stored.
+//
+// Measured (bench/knn_blocks.py's fold alone: 32 blocks of 10000 rows by 256 items,
+// normal values, k = 10, ~20,000 entries per block): 39 ms with a sorted state, one
+// row and 16 lanes per test (GCC made scalar compares of 16-lane vectors in the
+// target_clones functions), 34 ms now; a min over the same blocks 14 ms.
 
 #include <cstdint>
 #include <cstring>
@@ -39,7 +46,8 @@ namespace {
 
 constexpr int32_t kEmptyRow = std::numeric_limits<int32_t>::max();
 constexpr int32_t kLowest = std::numeric_limits<int32_t>::min();
-constexpr int kLanes = 16;  // items compared at once against their k-th slots
+constexpr int kLanes = 8;  // items compared at once: one AVX register (GCC lowers wider
+                            // vectors to scalars in target_clones functions)
 
 // The order key of a float32 (its bits), inverted (~) for smallest.
 inline int32_t Key(float v, int32_t flip) {
@@ -50,108 +58,163 @@ inline int32_t Key(float v, int32_t flip) {
   return key ^ flip;
 }
 
-inline bool Better(int32_t ka, int32_t ra, int32_t kb, int32_t rb) {
-  return ka > kb || (ka == kb && ra < rb);
+// A candidate's rank: its key, then its row reversed, in one integer (higher: better);
+// an empty slot's (key kLowest, row kEmptyRow) is the lowest of all.
+inline int64_t Rank(int32_t key, int32_t row) {
+  return static_cast<int64_t>(static_cast<uint64_t>(static_cast<int64_t>(key)) << 32 |
+                              static_cast<uint32_t>(kEmptyRow - row));
 }
+inline int32_t RowOf(int64_t rank) { return kEmptyRow - static_cast<int32_t>(rank & 0xFFFFFFFF); }
 
-// One batch element: the state transposed to (T, K) in k/r/v, the block folded in.
+// One batch element: the state transposed to (T, K), each item's K slots unsorted
+// (sorted when stored), its worst slot and that slot's value (the bar) kept.
 struct Item {
   int64_t k, t;
-  std::vector<int32_t> key, row;
+  std::vector<int64_t> rank;
   std::vector<float> val;
-  std::vector<int32_t> last_key, last_row;  // each item's k-th slot
+  std::vector<int64_t> worst;  // each item's worst slot's rank
+  std::vector<int32_t> at;     // and where it is
   std::vector<float> bar;  // a value must not be below it (above, for smallest) to enter
-  float none;              // the bar of an empty k-th slot: -inf (+inf for smallest)
+  float none;              // the bar of an empty slot: -inf (+inf for smallest)
 
   Item(int64_t k_, int64_t t_, bool smallest)
-      : k(k_), t(t_), key(k_ * t_), row(k_ * t_), val(k_ * t_), last_key(t_), last_row(t_),
-        bar(t_), none(smallest ? std::numeric_limits<float>::infinity()
-                               : -std::numeric_limits<float>::infinity()) {}
+      : k(k_), t(t_), rank(k_ * t_), val(k_ * t_), worst(t_), at(t_), bar(t_),
+        none(smallest ? std::numeric_limits<float>::infinity()
+                      : -std::numeric_limits<float>::infinity()) {}
 
-  void Last(int64_t i) {
-    last_key[i] = key[i * k + k - 1];
-    last_row[i] = row[i * k + k - 1];
-    bar[i] = last_row[i] == kEmptyRow ? none : val[i * k + k - 1];
+  void Worst(int64_t i) {
+    const int64_t* rs = &rank[i * k];
+    int64_t w = rs[0];
+    int32_t p = 0;
+    for (int32_t s = 1; s < k; ++s) {
+      const bool lower = rs[s] < w;
+      w = lower ? rs[s] : w;
+      p = lower ? s : p;
+    }
+    worst[i] = w;
+    at[i] = p;
+    bar[i] = RowOf(w) == kEmptyRow ? none : val[i * k + p];
   }
 
   void Load(const float* vals, const int32_t* rows, int32_t flip) {
     for (int64_t s = 0; s < k; ++s) {
       for (int64_t i = 0; i < t; ++i) {
         const int32_t r = rows[s * t + i];
-        key[i * k + s] = r == kEmptyRow ? kLowest : Key(vals[s * t + i], flip);
-        row[i * k + s] = r;
+        rank[i * k + s] = Rank(r == kEmptyRow ? kLowest : Key(vals[s * t + i], flip), r);
         val[i * k + s] = vals[s * t + i];
       }
     }
-    for (int64_t i = 0; i < t; ++i) Last(i);
+    for (int64_t i = 0; i < t; ++i) Worst(i);
   }
 
-  void Store(float* vals, int32_t* rows) const {
-    for (int64_t s = 0; s < k; ++s) {
-      for (int64_t i = 0; i < t; ++i) {
-        vals[s * t + i] = val[i * k + s];
-        rows[s * t + i] = row[i * k + s];
+  void Store(float* vals, int32_t* rows) {
+    for (int64_t i = 0; i < t; ++i) {  // each item's slots sorted, best first
+      int64_t* rs = &rank[i * k];
+      float* vs = &val[i * k];
+      for (int64_t s = 1; s < k; ++s) {
+        const int64_t r = rs[s];
+        const float v = vs[s];
+        int64_t p = s;
+        for (; p > 0 && rs[p - 1] < r; --p) {
+          rs[p] = rs[p - 1];
+          vs[p] = vs[p - 1];
+        }
+        rs[p] = r;
+        vs[p] = v;
+      }
+      for (int64_t s = 0; s < k; ++s) {
+        vals[s * t + i] = vs[s];
+        rows[s * t + i] = RowOf(rs[s]);
       }
     }
   }
 
-  void Insert(int64_t i, int32_t kk, int32_t r, float v) {
-    int32_t* ks = &key[i * k];
-    int32_t* rs = &row[i * k];
-    float* vs = &val[i * k];
-    int64_t p = k - 1;
-    for (; p > 0 && Better(kk, r, ks[p - 1], rs[p - 1]); --p) {
-      ks[p] = ks[p - 1];
-      rs[p] = rs[p - 1];
-      vs[p] = vs[p - 1];
-    }
-    ks[p] = kk;
-    rs[p] = r;
-    vs[p] = v;
-    Last(i);
+  void Insert(int64_t i, int64_t r, float v) {
+    rank[i * k + at[i]] = r;
+    val[i * k + at[i]] = v;
+    Worst(i);
   }
 };
 
-// Whether any of kLanes items may beat its k-th slot with the row's values: not below
-// its bar (largest; not above it, smallest), a NaN or a NaN bar always: a superset of
-// those that do (a tie, -0.0 against +0.0), which the keys then decide. One float
+// Which of kLanes items may beat their worst slots with a row's values: not below
+// their bars (largest; not above them, smallest), a NaN or a NaN bar always: a superset
+// of those that do (a tie, -0.0 against +0.0), which the keys then decide. One float
 // comparison per value, branch-free, so that the compiler vectorizes it.
 typedef float VecF __attribute__((vector_size(4 * kLanes)));  // GCC vector extensions
 typedef int32_t VecI __attribute__((vector_size(4 * kLanes)));
+constexpr int kWords = sizeof(VecI) / 8;
+constexpr int kRows = 4;  // rows tested at once: one branch for kRows x kLanes values
 
 template <bool kSmallest>
-inline __attribute__((always_inline)) bool MayEnter(const float* v, const float* bar) {
+inline __attribute__((always_inline)) VecI Hits(const float* v, const float* bar) {
   VecF a, b;
   std::memcpy(&a, v, sizeof a);
   std::memcpy(&b, bar, sizeof b);
-  const VecI hit = kSmallest ? ~(a > b) : ~(a < b);  // unordered (NaN): a hit
-  uint64_t w[sizeof hit / 8];
+  return kSmallest ? ~(a > b) : ~(a < b);  // unordered (NaN): a hit
+}
+
+inline __attribute__((always_inline)) bool Any(VecI hit) {
+  uint64_t w[kWords];
   std::memcpy(w, &hit, sizeof hit);
   uint64_t any = 0;
   for (uint64_t x : w) any |= x;
   return any != 0;
 }
 
-// The block's rows folded into the state, one row at a time, kLanes items at a time
-// (compiled per instruction set: the comparisons as AVX-512 or AVX2 vectors).
+// The block's rows folded into the state, kRows rows by kLanes items at a time
+// (compiled per instruction set: the comparisons as AVX-512 or AVX2 vectors). Past the
+// first rows of a long reduction almost no value enters: a test of kRows x kLanes
+// values then costs about what a min of them does.
 template <bool kSmallest>
 ADV_CLONES void Fold(Item& it, const float* values, const int32_t* idx, const int32_t* alive,
                      int64_t rows) {
   const int32_t flip = kSmallest ? -1 : 0;
   const int64_t t = it.t;
-  for (int64_t j = 0; j < rows; ++j) {
-    if (!alive[j]) continue;
-    const int32_t r = idx[j];
-    const float* v = values + j * t;
-    for (int64_t i0 = 0; i0 < t; i0 += kLanes) {
-      const int64_t end = i0 + kLanes <= t ? i0 + kLanes : t;
-      if (end - i0 == kLanes && !MayEnter<kSmallest>(v + i0, &it.bar[i0])) continue;
-      for (int64_t i = i0; i < end; ++i) {
-        const int32_t kk = Key(v[i], flip);
-        if (Better(kk, r, it.last_key[i], it.last_row[i])) it.Insert(i, kk, r, v[i]);
+  auto enter = [&](int64_t i, int32_t r, float v) __attribute__((always_inline)) {
+    const int64_t rk = Rank(Key(v, flip), r);
+    if (rk > it.worst[i]) it.Insert(i, rk, v);
+  };
+  // one row's kLanes items from i0 on: only the lanes that hit are keyed and compared
+  auto lanes = [&](const float* v, int32_t r, int64_t i0) __attribute__((always_inline)) {
+    const VecI hit = Hits<kSmallest>(v + i0, &it.bar[i0]);
+    uint64_t w[kWords];
+    std::memcpy(w, &hit, sizeof hit);
+    for (int q = 0; q < kWords; ++q) {
+      for (uint64_t bits = w[q]; bits;) {
+        const int lane = __builtin_ctzll(bits) / 32;  // a hit lane is all ones
+        bits &= ~(0xFFFFFFFFull << (32 * lane));
+        enter(i0 + 2 * q + lane, r, v[i0 + 2 * q + lane]);
       }
     }
+  };
+  const int64_t whole = t - t % kLanes;  // the items in whole groups of kLanes
+  auto row = [&](int64_t j) __attribute__((always_inline)) {
+    if (!alive[j]) return;
+    const float* v = values + j * t;
+    for (int64_t i0 = 0; i0 < whole; i0 += kLanes) lanes(v, idx[j], i0);
+    for (int64_t i = whole; i < t; ++i) enter(i, idx[j], v[i]);
+  };
+  int64_t j = 0;
+  for (; j + kRows <= rows; j += kRows) {
+    bool all = true;
+    for (int q = 0; q < kRows; ++q) all = all && alive[j + q];
+    if (!all) {
+      for (int q = 0; q < kRows; ++q) row(j + q);
+      continue;
+    }
+    const float* v = values + j * t;
+    for (int64_t i0 = 0; i0 < whole; i0 += kLanes) {
+      const float* bar = &it.bar[i0];
+      VecI hit = Hits<kSmallest>(v + i0, bar);
+      for (int q = 1; q < kRows; ++q) hit |= Hits<kSmallest>(v + q * t + i0, bar);
+      if (!Any(hit)) continue;
+      for (int q = 0; q < kRows; ++q) lanes(v + q * t, idx[j + q], i0);
+    }
+    for (int q = 0; q < kRows; ++q) {
+      for (int64_t i = whole; i < t; ++i) enter(i, idx[j + q], v[q * t + i]);
+    }
   }
+  for (; j < rows; ++j) row(j);
 }
 
 std::string ShapeStr(ffi::Span<const int64_t> dims) {

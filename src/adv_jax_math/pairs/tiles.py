@@ -31,7 +31,7 @@ __all__ = [
 
 TILE_ELEMENTS = 1 << 18  # bi * bj of an "auto" tile: 1 MiB per float32 output leaf
 MAX_Y_TILE = 2048  # bj of an "auto" tile
-SORT_TILE_ELEMENTS, SORT_MAX_Y_TILE = 1 << 20, 8192  # the same for top-k on the CPU tiles
+SORT_TILE_ELEMENTS, SORT_MAX_Y_TILE = 1 << 21, 16384  # the same for top-k on the CPU tiles
 # (bi, bj) of an "auto" tile kernel ("gpu": Pallas Triton's)
 DEVICE_TILES = {"gpu": (64, 64), "mosaic_gpu": (64, 64), "tpu": (512, 256)}
 # of an "auto" matmul tile kernel. TPU v5e, attention N = M = 16384, d = 64, bf16:
@@ -77,12 +77,14 @@ def _sorts(red: MonoidReduction) -> bool:
 
 def xla(tiles: Any, n: int, m: int, red: MonoidReduction) -> tuple[int, int]:
     """The CPU tiles' and the matmul tiles': :func:`rows`', but for a top-k's "auto"
-    the y rows split evenly into tiles of at most 8192 (a multiple of 8: no last tile
-    mostly padding), ``bi``
-    the power of two that makes a tile of at most 2^20 pairs. Each tile is one
-    ``lax.top_k`` and each merge another: at N = M = 1e4 and 3e4, D = 3 and 16,
-    1.5-1.7x faster than the tiles of :func:`rows` (min of 5). Other monoids gained
-    nothing consistent from larger tiles (0.6-1.4x, depending on the sizes' alignment)."""
+    the y rows split evenly into tiles of at most 16384 (a multiple of 8: no last tile
+    mostly padding), ``bi`` the power of two that makes a tile of at most 2^21 pairs:
+    each tile is one call of the native top-k fold (or one ``lax.top_k`` and a merge),
+    and each y tile more a loop step. Against tiles of at most 8192 y rows and 2^20
+    pairs (min of 7, native fold, ``top_k(10)``): 1.12x faster at 8192 x 10000, D = 128;
+    1.11x at 1e4 x 3e4, D = 16; 1.23x at 3e4 x 3e4, D = 3; 1.00-1.04x at 1e4 x 1e4 and
+    1e4 x 5e3, D = 3 and 128. Other monoids gained nothing consistent from larger tiles
+    (0.6-1.4x, depending on the sizes' alignment)."""
     if tiles != "auto" or not _sorts(red):
         return rows(tiles, n, m)
     bj = -(-m // -(-m // SORT_MAX_Y_TILE))
