@@ -104,6 +104,30 @@ def test_fold_matches_lax_top_k_and_batches_under_vmap():
     np.testing.assert_array_equal(np.asarray(vals), np.moveaxis(np.asarray(want_v), -1, 1))
 
 
+@pytest.mark.parametrize("smallest", [False, True])
+def test_fold_over_threads_matches_one_thread_and_lax_top_k(monkeypatch, smallest):
+    # 2 x 400 rows x 203 items: past the kernel's 2^16 elements, in chunks of 64
+    # items (the last one ragged) spread over XLA's CPU threads
+    rng = np.random.default_rng(7)
+    b, rows, items, k = 2, 400, 203, 10
+    values = rng.standard_normal((b, rows, items)).astype(np.float32)
+    values[:, ::7] = np.round(values[:, ::7])  # ties
+    empty = np.zeros((b, k, items), np.float32), np.full((b, k, items), EMPTY, np.int32)
+    idx = np.broadcast_to(np.arange(rows, dtype=np.int32), (b, rows))
+    alive = np.ones((b, rows), np.int32)
+    fold = jax.jit(jax.vmap(lambda *a: _native.topk_fold(*a, smallest=smallest)))
+    got = fold(values, idx, alive, *empty)
+    monkeypatch.setenv("ADV_JAX_MATH_NATIVE_THREADS", "1")  # read by the kernel per call
+    one = fold(values, idx, alive, *empty)
+    sign = -1 if smallest else 1
+    want_v, want_r = jax.lax.top_k(sign * np.moveaxis(values, 1, -1), k)
+    for a in (got, one):
+        np.testing.assert_array_equal(np.asarray(a[1]), np.moveaxis(np.asarray(want_r), -1, 1))
+        np.testing.assert_array_equal(
+            np.asarray(a[0]), sign * np.moveaxis(np.asarray(want_v), -1, 1)
+        )
+
+
 def test_fold_rejects_mismatched_shapes():
     v = np.zeros((4, 3), np.float32)
     i = np.zeros(4, np.int32)

@@ -31,9 +31,11 @@
 #include <type_traits>
 #include <vector>
 
+#include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
+using adv_jax_math_native::ForEach;
 
 #if defined(ADV_JAX_MATH_TARGET_CLONES)
 #define ADV_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
@@ -412,56 +414,6 @@ void RunItem(const Plan& p, const T* x, T* pmx, T* ps, int64_t item) {
   }
 }
 
-// Runs body(0..total-1) on the caller and up to `helpers` pool tasks. Items are
-// claimed from a shared counter; the caller waits only for items actually claimed,
-// so tasks that the pool starts late (or never in parallel) cannot deadlock, and
-// they touch only the shared counter, which they keep alive.
-struct Shared {
-  explicit Shared(int64_t total_) : total(total_) {}
-  const int64_t total;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-  std::mutex mu;
-  std::condition_variable cv;
-  std::function<void(int64_t)> body;  // valid until the caller returns
-};
-
-void Drain(Shared& sh) {
-  int64_t ran = 0;
-  for (int64_t i = sh.next.fetch_add(1); i < sh.total; i = sh.next.fetch_add(1)) {
-    sh.body(i);
-    ++ran;
-  }
-  if (ran > 0 && sh.done.fetch_add(ran) + ran == sh.total) {
-    std::lock_guard<std::mutex> lock(sh.mu);
-    sh.cv.notify_all();
-  }
-}
-
-void ParallelFor(ffi::ThreadPool& pool, int64_t total, int64_t helpers,
-                 std::function<void(int64_t)> body) {
-  auto sh = std::make_shared<Shared>(total);
-  sh->body = std::move(body);
-  try {
-    for (int64_t h = 0; h < helpers; ++h) pool.Schedule([sh] { Drain(*sh); });
-  } catch (...) {
-    // Could not schedule more helpers: the caller does the rest.
-  }
-  Drain(*sh);
-  std::unique_lock<std::mutex> lock(sh->mu);
-  sh->cv.wait(lock, [&] { return sh->done.load() == sh->total; });
-}
-
-// ADV_JAX_MATH_NATIVE_THREADS=k (k >= 1) caps the threads a call uses; results never
-// depend on it.
-int64_t ThreadCap() {
-  const char* env = std::getenv("ADV_JAX_MATH_NATIVE_THREADS");
-  if (env == nullptr || *env == '\0') return std::numeric_limits<int64_t>::max();
-  char* end = nullptr;
-  const long long k = std::strtoll(env, &end, 10);
-  return (*end == '\0' && k >= 1) ? k : std::numeric_limits<int64_t>::max();
-}
-
 template <typename T>
 void Logsumexp(ffi::ThreadPool& pool, const T* x, T* y, int64_t batch, int64_t n, int64_t m) {
   const Plan p = MakePlan<T>(batch, n, m);
@@ -469,13 +421,8 @@ void Logsumexp(ffi::ThreadPool& pool, const T* x, T* y, int64_t batch, int64_t n
   std::vector<T> pmx(static_cast<size_t>(batch * p.nseg * m));
   std::vector<T> ps(pmx.size());
   if (items > 0) {
-    auto body = [&](int64_t i) { RunItem(p, x, pmx.data(), ps.data(), i); };
-    const int64_t threads = std::min(pool.num_threads(), ThreadCap());
-    if (items == 1 || threads <= 1 || batch * n * m < kParallelMinElems) {
-      for (int64_t i = 0; i < items; ++i) body(i);
-    } else {
-      ParallelFor(pool, items, std::min(threads, items) - 1, body);
-    }
+    ForEach(pool, items, batch * n * m >= kParallelMinElems,
+            [&](int64_t i) { RunItem(p, x, pmx.data(), ps.data(), i); });
   }
   // Combine the row segments of each column in order.
   for (int64_t b = 0; b < batch; ++b) {
