@@ -20,8 +20,8 @@
 // replaces the worst slot, and the next worst is found by a scan of the K slots (no
 // shifting); the slots are sorted once, when stored.
 //
-// Items are independent: a block's items are folded in chunks of 64 over XLA's CPU
-// thread pool (parallel.h), with the same result on any number of threads.
+// Items are independent: a block's items are folded in chunks, one per thread of XLA's
+// CPU thread pool (parallel.h), with the same result on any number of threads.
 //
 // Measured (the fold alone on k-NN's distances: 32 blocks of 10000 rows by 256 items,
 // k = 10, ~20,000 entries per block; 2 cores): 39 ms with a sorted state, one row and
@@ -43,6 +43,7 @@
 
 namespace ffi = xla::ffi;
 using adv_jax_math_native::ForEach;
+using adv_jax_math_native::ThreadCap;
 
 #if defined(ADV_JAX_MATH_TARGET_CLONES)
 #define ADV_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
@@ -54,7 +55,7 @@ namespace {
 
 constexpr int32_t kEmptyRow = std::numeric_limits<int32_t>::max();
 constexpr int32_t kLowest = std::numeric_limits<int32_t>::min();
-constexpr int64_t kChunk = 64;  // items per work item (a multiple of kLanes)
+constexpr int64_t kMinChunk = 16;  // items per work item at least (a multiple of kLanes)
 constexpr int64_t kParallelMinElems = int64_t{1} << 16;  // below: on the caller only
 constexpr int kLanes = 8;  // items compared at once: one AVX register (GCC lowers wider
                             // vectors to scalars in target_clones functions)
@@ -258,16 +259,19 @@ ffi::Error TopkFoldImpl(ffi::Buffer<ffi::F32> values, ffi::Buffer<ffi::S32> idx,
   int64_t batch = 1;
   for (size_t d = 0; d + 2 < rank; ++d) batch *= dv[d];
   const int64_t r = dv[rank - 2], t = dv[rank - 1], k = ds[rank - 2];
-  // Work items: a batch element's items in chunks of kChunk (independent: the same
-  // result on any number of threads), over XLA's thread pool for large blocks.
-  const int64_t chunks = (t + kChunk - 1) / kChunk;
+  // Work items: a batch element's items in chunks (independent: the same result on any
+  // number of threads), one per thread (whole groups of kLanes, at least kMinChunk),
+  // over XLA's thread pool for large blocks.
+  const int64_t threads = std::max<int64_t>(1, std::min(pool.num_threads(), ThreadCap()));
+  const int64_t per = ((t + threads - 1) / threads + kLanes - 1) / kLanes * kLanes;
+  const int64_t chunk = std::max(kMinChunk, per), chunks = (t + chunk - 1) / chunk;
   std::string error;  // the first failure's
   std::mutex mu;
   ForEach(pool, batch * chunks, r * t * batch >= kParallelMinElems, [&](int64_t w) {
-    const int64_t b = w / chunks, t0 = (w % chunks) * kChunk;
+    const int64_t b = w / chunks, t0 = (w % chunks) * chunk;
     const int64_t state = b * k * t + t0;
     try {
-      Item it(k, std::min(kChunk, t - t0), smallest != 0);
+      Item it(k, std::min(chunk, t - t0), smallest != 0);
       it.Load(vals.typed_data() + state, rows.typed_data() + state, t, smallest ? -1 : 0);
       (smallest ? Fold<true> : Fold<false>)(it, values.typed_data() + b * r * t + t0, t,
                                             idx.typed_data() + b * r,
