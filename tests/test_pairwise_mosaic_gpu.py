@@ -7,6 +7,8 @@ abstract H100 and A100 devices (Mosaic GPU, then Triton); on an Auto mesh."""
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -151,6 +153,21 @@ def test_hopper_falls_back_to_triton_with_the_reason_and_ampere_keeps_triton():
     plan, text = lowered_on(A100, f, reduction, X, Y)
     assert plan.engine == "pairwise kernel (gpu)" and "compute capability 9.0" in str(plan)
     assert "triton" in text
+
+
+@needs_abstract_devices
+@pytest.mark.parametrize("d", [64, 128])
+def test_wide_squared_distances_take_triton_matmul_tiles_on_hopper(d):
+    # k-NN at D = 128 took Mosaic GPU's tile kernel, its features unrolled, and its
+    # value_and_grad failed to compile for H100 (396 KB of shared memory); the matmul
+    # tiles (Triton's) take squared distances over 64 features and more, as on A100
+    sqdist = lambda a, b: jnp.sum((a - b) ** 2)
+    x, y = (jax.ShapeDtypeStruct((n, d), jnp.float32) for n in (8191, 16411))
+    plan, text = lowered_on(H100, sqdist, ajm.top_k(8, smallest=True), x, y)
+    assert plan.engine == "pairwise kernel (matmul, gpu)", plan
+    why = f"Pallas Mosaic GPU not used: f's squared distances over {d} features: a matmul"
+    assert why in str(plan), plan
+    assert set(re.findall(r"custom_call @([\w$.]+)", text)) == {"__gpu$xla.gpu.triton"}
 
 
 @needs_abstract_devices

@@ -119,8 +119,20 @@ def _mosaic_gpu(
     if isinstance(chosen, str):
         return None, f"the tile kernel: {chosen}"
     layout = Layout("mosaic_gpu", chosen, target is None)
+    wide = _wide_distances(f, x, y, red)
+    if wide:
+        return None, f"{wide}, and the matmul tiles are Triton's"
     problem = layout_problem(f, x, y, red, layout, target)
     return (None, f"the tile kernel: {problem}") if problem else (layout, "")
+
+
+def _wide_distances(f: Callable, x: Any, y: Any, red: MonoidReduction) -> str | None:
+    """Why ``f``'s squared distances are a matmul, not unrolled (over
+    :data:`MATMUL_DISTANCES` features or more), or None."""
+    if not isinstance(blocks(f, x, y, red), tuple):
+        return None
+    wide = sorted({n for n, _ in distances(f, x, y, red) if n >= MATMUL_DISTANCES})
+    return f"f's squared distances over {wide[-1]} features: a matmul, not unrolled" if wide else None
 
 
 def kernel_for(
@@ -137,11 +149,7 @@ def kernel_for(
     at ``matmul_tiles`` (default: the same), each compiled (or lowered) for ``target``
     (None: traced only); and why the tile kernel (and the matmul one) did not.
     ``no_matmul``: why the matmul tile kernel is not tried."""
-    problem = layout_problem(f, x, y, red, layout, target)
-    if problem is None and isinstance(blocks(f, x, y, red), tuple):
-        wide = sorted({n for n, _ in distances(f, x, y, red) if n >= MATMUL_DISTANCES})
-        if wide:
-            problem = f"f's squared distances over {wide[-1]} features: a matmul, not unrolled"
+    problem = layout_problem(f, x, y, red, layout, target) or _wide_distances(f, x, y, red)
     if problem is None:
         return layout, ""
     if no_matmul:
