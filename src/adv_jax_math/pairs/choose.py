@@ -131,8 +131,10 @@ def _wide_distances(f: Callable, x: Any, y: Any, red: MonoidReduction) -> str | 
     :data:`MATMUL_DISTANCES` features or more), or None."""
     if not isinstance(blocks(f, x, y, red), tuple):
         return None
-    wide = sorted({n for n, _ in distances(f, x, y, red) if n >= MATMUL_DISTANCES})
-    return f"f's squared distances over {wide[-1]} features: a matmul, not unrolled" if wide else None
+    wide = [n for n, _ in distances(f, x, y, red) if n >= MATMUL_DISTANCES]
+    if not wide:
+        return None
+    return f"f's squared distances over {max(wide)} features: a matmul, not unrolled"
 
 
 def kernel_for(
