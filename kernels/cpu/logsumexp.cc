@@ -16,17 +16,12 @@
 // combined in a fixed order: the result does not depend on the number of threads.
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
-#include <condition_variable>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <exception>
-#include <functional>
 #include <limits>
-#include <memory>
-#include <mutex>
 #include <string>
 #include <type_traits>
 #include <vector>

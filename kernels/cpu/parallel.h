@@ -47,7 +47,7 @@ inline void Drain(Shared& sh) {
 }
 
 inline void ParallelFor(ffi::ThreadPool& pool, int64_t total, int64_t helpers,
-                 std::function<void(int64_t)> body) {
+                        std::function<void(int64_t)> body) {
   auto sh = std::make_shared<Shared>(total);
   sh->body = std::move(body);
   try {
