@@ -86,7 +86,7 @@ def _device_kernel(
     width = pair_width(f, x, y, red) if tiles == "auto" or kind == "tpu" else 1
     wide = TPU_WIDE_PAIRS.format(width) if kind == "tpu" and width > 1 else None
     if tiles == "auto" and kind == "gpu":
-        matmul = _within(*matmul, width, 16)
+        matmul = _tiles.triton_top_k(_within(*matmul, width, 16), red)
     return kernel_for(f, x, y, red, Layout(kind, chosen, params=params), target, matmul, wide)
 
 
@@ -151,7 +151,8 @@ def kernel_for(
     at ``matmul_tiles`` (default: the same), each compiled (or lowered) for ``target``
     (None: traced only); and why the tile kernel (and the matmul one) did not.
     ``no_matmul``: why the matmul tile kernel is not tried."""
-    problem = layout_problem(f, x, y, red, layout, target) or _wide_distances(f, x, y, red)
+    # (the structural check first: it spares compiling the unrolled probe)
+    problem = _wide_distances(f, x, y, red) or layout_problem(f, x, y, red, layout, target)
     if problem is None:
         return layout, ""
     if no_matmul:

@@ -26,6 +26,7 @@ __all__ = [
     "rows",
     "shard_y",
     "swapped",
+    "triton_top_k",
     "xla",
 ]
 
@@ -161,6 +162,24 @@ def device(
         return f"tiles={tiles!r}: Triton needs powers of two (default {DEVICE_TILES['gpu']})"
     if kind == "tpu" and (bi % 128 or bj % 128):
         return f"tiles={tiles!r}: on TPU bi and bj are multiples of 128 (x and y rows on lanes)"
+    return bi, bj
+
+
+# Pairs per Triton matmul tile of a top-k (its "auto" tiles). k-NN at D = 128, forward,
+# spill stores per thread on H100 (distances in f32, no tensor cores): top-8 4732 bytes
+# at 64 x 64, 200 at 64 x 32, 136 at 32 x 64; top-4 252 at 64 x 32; none at 32 x 32
+# (top-2, 8 and 16; A100 alike) or 16 x 64. The reverse kernels spill 0.7-3.9 KB
+# at either size.
+TRITON_TOPK_PAIRS = 1024
+
+
+def triton_top_k(tiles: tuple[int, int], red: MonoidReduction) -> tuple[int, int]:
+    """Triton's "auto" matmul ``tiles`` for a reduction with a top-k: halved, the
+    larger side first, until they hold at most :data:`TRITON_TOPK_PAIRS` pairs;
+    unchanged without one."""
+    bi, bj = tiles
+    while _sorts(red) and bi * bj > TRITON_TOPK_PAIRS:
+        bi, bj = (bi, bj // 2) if bj >= bi else (bi // 2, bj)
     return bi, bj
 
 
