@@ -7,11 +7,12 @@ cubin, no PTX) shows what a kernel's code does, and XLA writes no ``.ptx`` under
 ``--xla_gpu_experimental_dump_gpu_executable`` all wrote none). What works: make XLA
 compile PTX with a ``ptxas`` subprocess instead of nvJitLink
 (``--xla_gpu_enable_libnvjitlink=false --xla_gpu_enable_libnvptxcompiler=false``) and
-point ``--xla_gpu_cuda_data_dir`` at a folder whose ``bin/ptxas`` is a wrapper: it
-keeps a copy of every PTX file it is handed and of ``ptxas -v``'s report, then runs
-the real ``ptxas`` (``nvvm/`` links to the CUDA install's libdevice). Needs a
-``ptxas`` binary (``$PTXAS``, else ``PATH``, else ``/usr/local/cuda/bin``) and
-libdevice; :func:`install` says why not where they are missing.
+point ``--xla_gpu_cuda_data_dir`` and ``$CUDA_ROOT`` (which jax prefers) at a folder
+whose ``bin/ptxas`` is a wrapper: it keeps a copy of every PTX file it is handed and
+of ``ptxas -v``'s report, then runs the real ``ptxas`` (``nvvm/`` links to the CUDA
+install's libdevice). Needs a ``ptxas`` binary (``$PTXAS``, else the nvidia-cuda-nvcc
+package's, else ``PATH``, else ``/usr/local/cuda/bin``) and libdevice;
+:func:`install` says why not where they are missing.
 
 Each PTX ``.entry`` is one kernel: XLA's fusions keep their HLO names
 (``gemm_fusion_dot``: XLA's own Triton matmul), a Pallas kernel its ``pallas_call``
@@ -44,8 +45,24 @@ exit $rc
 """
 
 
+def _pip_ptxas() -> str | None:
+    """The ``ptxas`` of the venv's nvidia-cuda-nvcc package (the one jax hands XLA), if
+    installed; found without importing it."""
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec("nvidia.cuda_nvcc")
+    except ModuleNotFoundError:
+        return None
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        if (pathlib.Path(folder) / "bin" / "ptxas").exists():
+            return str(pathlib.Path(folder) / "bin" / "ptxas")
+    return None
+
+
 def _find_ptxas() -> str | None:
-    for candidate in (os.environ.get("PTXAS"), shutil.which("ptxas"), "/usr/local/cuda/bin/ptxas"):
+    candidates = (os.environ.get("PTXAS"), _pip_ptxas(), shutil.which("ptxas"))
+    for candidate in (*candidates, "/usr/local/cuda/bin/ptxas"):
         if candidate and os.access(candidate, os.X_OK):
             return candidate
     return None
@@ -75,6 +92,10 @@ def install(root: pathlib.Path) -> tuple[str, pathlib.Path] | str:
         "--xla_gpu_enable_libnvjitlink=false --xla_gpu_enable_libnvptxcompiler=false "
         f"--xla_gpu_cuda_data_dir={root}"
     )
+    # jax sets each compile's CUDA data dir itself, over XLA_FLAGS: $CUDA_ROOT if set,
+    # else the nvidia-cuda-nvcc package's folder, whose ptxas then ran unwrapped
+    # (jax 0.12.0.1 with that package installed: no PTX captured)
+    os.environ["CUDA_ROOT"] = str(root)
     return flags, dump
 
 

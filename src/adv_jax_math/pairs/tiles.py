@@ -165,21 +165,22 @@ def device(
     return bi, bj
 
 
-# Pairs per Triton matmul tile of a top-k (its "auto" tiles). k-NN at D = 128, forward,
-# spill stores per thread on H100 (distances in f32, no tensor cores): top-8 4732 bytes
-# at 64 x 64, 200 at 64 x 32, 136 at 32 x 64; top-4 252 at 64 x 32; none at 32 x 32
-# (top-2, 8 and 16; A100 alike) or 16 x 64. The reverse kernels spill 0.7-3.9 KB
-# at either size.
-TRITON_TOPK_PAIRS = 1024
+# Pairs per Triton matmul tile of a top-k (its "auto" tiles), x rows halved first (each
+# holds k slots across the loop). k-NN at D = 128, forward, H100, ptxas -v (distances
+# in f32, no tensor cores), spill stores per thread: top-8 24 KB at 64 x 64 and 17.6 KB
+# at 64 x 32 (both at 32 registers), 980 bytes at 32 x 32, none at 16 x 64 or 16 x 32;
+# top-4 852 bytes and top-2 804 at 16 x 64; at 16 x 32 none for top-2, 4, 8 and 16
+# (A100: top-8 none at 32 x 32 and 16 x 64).
+TRITON_TOPK_PAIRS = 512
 
 
-def triton_top_k(tiles: tuple[int, int], red: MonoidReduction) -> tuple[int, int]:
-    """Triton's "auto" matmul ``tiles`` for a reduction with a top-k: halved, the
-    larger side first, until they hold at most :data:`TRITON_TOPK_PAIRS` pairs;
-    unchanged without one."""
+def triton_top_k(tiles: tuple[int, int], red: MonoidReduction, least: int = 16) -> tuple[int, int]:
+    """Triton's "auto" matmul ``tiles`` for a reduction with a top-k: halved, x rows
+    first (down to ``least``), until they hold at most :data:`TRITON_TOPK_PAIRS`
+    pairs; unchanged without one."""
     bi, bj = tiles
-    while _sorts(red) and bi * bj > TRITON_TOPK_PAIRS:
-        bi, bj = (bi, bj // 2) if bj >= bi else (bi // 2, bj)
+    while _sorts(red) and bi * bj > TRITON_TOPK_PAIRS and max(bi, bj) > least:
+        bi, bj = (bi // 2, bj) if bi > least else (bi, bj // 2)
     return bi, bj
 
 
