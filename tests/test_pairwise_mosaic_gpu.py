@@ -168,8 +168,12 @@ def test_wide_squared_distances_take_triton_matmul_tiles_on_hopper(d):
     why = f"Pallas Mosaic GPU not used: f's squared distances over {d} features: a matmul"
     assert why in str(plan), plan
     assert set(re.findall(r"custom_call @([\w$.]+)", text)) == {"__gpu$xla.gpu.triton"}
-    # a top-k's Triton matmul tiles: 16 x 32 (64 x 64 spilled 24 KB on H100 at D = 128)
+    # a top-k's Triton matmul tiles: 16 x 32 (64 x 64 spilled 24 KB on H100 at D = 128);
+    # wide squared distances without one: 16 x 64 (Sinkhorn's reverse kernels spilled)
     assert plan.tiles == (16, 32), plan
+    with jax.sharding.use_abstract_mesh(abstract_mesh("cuda", H100)):
+        lse = ajm.explain_pairwise(sqdist, x, y, ajm.LOGSUMEXP)
+    assert lse.engine == "pairwise kernel (matmul, gpu)" and lse.tiles == (16, 64), lse
     attention = lambda q, kv: (jnp.dot(q, kv[0]), kv[1])  # no top-k: 64 x 64
     with jax.sharding.use_abstract_mesh(abstract_mesh("cuda", H100)):
         plan = ajm.explain_pairwise(attention, x, (y, y), ajm.SOFTMAX_WEIGHTED)

@@ -86,7 +86,8 @@ def _device_kernel(
     width = pair_width(f, x, y, red) if tiles == "auto" or kind == "tpu" else 1
     wide = TPU_WIDE_PAIRS.format(width) if kind == "tpu" and width > 1 else None
     if tiles == "auto" and kind == "gpu":
-        matmul = _tiles.triton_top_k(_within(*matmul, width, 16), red)
+        far = _wide_distances(f, x, y, red) is not None
+        matmul = _tiles.triton_matmul(_within(*matmul, width, 16), red, far)
     return kernel_for(f, x, y, red, Layout(kind, chosen, params=params), target, matmul, wide)
 
 

@@ -26,7 +26,7 @@ __all__ = [
     "rows",
     "shard_y",
     "swapped",
-    "triton_top_k",
+    "triton_matmul",
     "xla",
 ]
 
@@ -165,21 +165,29 @@ def device(
     return bi, bj
 
 
-# Pairs per Triton matmul tile of a top-k (its "auto" tiles), x rows halved first (each
-# holds k slots across the loop). k-NN at D = 128, forward, H100, ptxas -v (distances
-# in f32, no tensor cores), spill stores per thread: top-8 24 KB at 64 x 64 and 17.6 KB
-# at 64 x 32 (both at 32 registers), 980 bytes at 32 x 32, none at 16 x 64 or 16 x 32;
-# top-4 852 bytes and top-2 804 at 16 x 64; at 16 x 32 none for top-2, 4, 8 and 16
-# (A100: top-8 none at 32 x 32 and 16 x 64).
+# Pairs per Triton matmul tile ("auto"), x rows halved first (each holds its states
+# across the loop): of a top-k, and of f with squared distances over 64+ features
+# (expanded: f32 dot products at full precision, no tensor cores). ptxas -v on H100,
+# spill stores per thread: k-NN top-8 at D = 128 forward 24 KB at 64 x 64 and 17.6 KB
+# at 64 x 32 (both at 32 registers), 980 bytes at 32 x 32, none at 16 x 64 or 16 x 32
+# (top-2, 4, 8 and 16 none at 16 x 32; top-2 804 and top-4 852 bytes at 16 x 64);
+# Sinkhorn at D = 64, value_and_grad: the reverse kernels 31 and 28 KB at 64 x 64 (32
+# registers), 0 and 708 bytes at 32 x 32, 0 and 720 at 16 x 64, 0 and 4 at 16 x 32
+# (forward 380 bytes at 64 x 64, none at 32 x 32 and 16 x 64).
 TRITON_TOPK_PAIRS = 512
+TRITON_DISTANCE_PAIRS = 1024
 
 
-def triton_top_k(tiles: tuple[int, int], red: MonoidReduction, least: int = 16) -> tuple[int, int]:
-    """Triton's "auto" matmul ``tiles`` for a reduction with a top-k: halved, x rows
-    first (down to ``least``), until they hold at most :data:`TRITON_TOPK_PAIRS`
-    pairs; unchanged without one."""
+def triton_matmul(
+    tiles: tuple[int, int], red: MonoidReduction, distances: bool, least: int = 16
+) -> tuple[int, int]:
+    """Triton's "auto" matmul ``tiles``: halved, x rows first (down to ``least``),
+    until they hold at most :data:`TRITON_TOPK_PAIRS` pairs for a reduction with a
+    top-k, :data:`TRITON_DISTANCE_PAIRS` where ``f`` has wide squared
+    ``distances``; unchanged otherwise."""
+    most = TRITON_TOPK_PAIRS if _sorts(red) else TRITON_DISTANCE_PAIRS if distances else None
     bi, bj = tiles
-    while _sorts(red) and bi * bj > TRITON_TOPK_PAIRS and max(bi, bj) > least:
+    while most and bi * bj > most and max(bi, bj) > least:
         bi, bj = (bi // 2, bj) if bi > least else (bi, bj // 2)
     return bi, bj
 
