@@ -106,8 +106,8 @@ def test_fold_matches_lax_top_k_and_batches_under_vmap():
 
 @pytest.mark.parametrize("smallest", [False, True])
 def test_fold_over_threads_matches_one_thread_and_lax_top_k(monkeypatch, smallest):
-    # 2 x 400 rows x 203 items: past the kernel's 2^16 elements, in chunks of 64
-    # items (the last one ragged) spread over XLA's CPU threads
+    # 2 x 400 rows x 203 items: past the kernel's 2^16 elements, each batch element's
+    # items in one chunk per XLA CPU thread (the last one ragged)
     rng = np.random.default_rng(7)
     b, rows, items, k = 2, 400, 203, 10
     values = rng.standard_normal((b, rows, items)).astype(np.float32)

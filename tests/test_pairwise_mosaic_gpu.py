@@ -174,7 +174,7 @@ def test_wide_squared_distances_take_triton_matmul_tiles_on_hopper(d):
     with jax.sharding.use_abstract_mesh(abstract_mesh("cuda", H100)):
         lse = ajm.explain_pairwise(sqdist, x, y, ajm.LOGSUMEXP)
     assert lse.engine == "pairwise kernel (matmul, gpu)" and lse.tiles == (16, 64), lse
-    attention = lambda q, kv: (jnp.dot(q, kv[0]), kv[1])  # no top-k: 64 x 64
+    attention = lambda q, kv: (jnp.dot(q, kv[0]), kv[1])  # neither: 64 x 64
     with jax.sharding.use_abstract_mesh(abstract_mesh("cuda", H100)):
         plan = ajm.explain_pairwise(attention, x, (y, y), ajm.SOFTMAX_WEIGHTED)
     assert plan.engine == "pairwise kernel (matmul, gpu)" and plan.tiles == (64, 64), plan
