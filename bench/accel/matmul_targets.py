@@ -255,10 +255,11 @@ device ran them. **status**: `K` = the compiled program holds a Pallas kernel's 
 call and no HLO while loop; `K + n loops` = a kernel and loops; `XLA loops (n)` = no
 kernel, the engine's loops as XLA while loops. **loops**: HLO while loops in the
 compiled program. **GPU**: the program's PTX, captured through a `ptxas` wrapper
-(`bench/accel/ptx.py`; the system's ptxas, not nvJitLink): per Pallas kernel, ptxas'
-registers per thread, spill bytes and shared memory and its tensor-core instructions
-(`mma.sync`: Ampere-style warp MMA; `wgmma.mma_async`: Hopper's warpgroup MMA), and
-apart from the kernels XLA's own matmuls: Triton `gemm_fusion` entries (their
+(`bench/accel/ptx.py`; the nvidia-cuda-nvcc package's ptxas where installed, else the
+system's; not nvJitLink): per Pallas kernel, ptxas' registers per thread, spill bytes
+and shared memory and its tensor-core instructions (`mma.sync`: Ampere-style warp
+MMA; `wgmma.mma_async`: Hopper's warpgroup MMA), and apart from the kernels XLA's own
+matmuls: Triton `gemm_fusion` entries (their
 tensor-core instructions, summed) and cuBLAS custom calls (tensor cores too, but their
 code is a library's: not in the PTX). **TPU**: the kernel's VMEM where the compiler
 reports it (`n/r`: not reported), and XLA's dots and convolutions in the compiled HLO
