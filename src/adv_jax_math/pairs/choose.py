@@ -50,9 +50,10 @@ def device_kernel(
     those declined come first."""
     declined: list[str] = []
     chain = kernel_targets(platform) if platform != "tpu" else [(device_target("tpu"), None)]
+    far = _wide_distances(f, x, y, red)  # (traced once for every backend)
     for target, why in chain:
         kind = "tpu" if platform == "tpu" else "mosaic_gpu" if target.mosaic_gpu else "gpu"
-        found, why = (None, why) if why else _device_kernel(f, x, y, red, tiles, kind, target)
+        found, why = (None, why) if why else _device_kernel(f, x, y, red, tiles, kind, target, far)
         if found is not None or len(chain) == 1:
             return found, "; ".join([*declined, why] if why else declined)
         declined.append(f"{target.label} not used: {why}")
@@ -60,12 +61,19 @@ def device_kernel(
 
 
 def _device_kernel(
-    f: Callable, x: Any, y: Any, red: MonoidReduction, tiles: Any, kind: str, target: Any
+    f: Callable,
+    x: Any,
+    y: Any,
+    red: MonoidReduction,
+    tiles: Any,
+    kind: str,
+    target: Any,
+    far: str | None,
 ) -> tuple[Layout | None, str]:
     """:func:`device_kernel` on one backend (``kind``: ``"gpu"``, Pallas Triton;
-    ``"mosaic_gpu"``; ``"tpu"``)."""
+    ``"mosaic_gpu"``; ``"tpu"``); ``far``: :func:`_wide_distances`' reason."""
     if kind == "mosaic_gpu":
-        return _mosaic_gpu(f, x, y, red, tiles, target)
+        return _mosaic_gpu(f, x, y, red, tiles, target, far)
     vmem = tpu_vmem_limit(target.device_kind)
     rows = (rows_of(x, "x"), rows_of(y, "y"))
     chosen = _tiles.device(kind, tiles, vmem, rows=rows)
@@ -86,9 +94,9 @@ def _device_kernel(
     width = pair_width(f, x, y, red) if tiles == "auto" or kind == "tpu" else 1
     wide = TPU_WIDE_PAIRS.format(width) if kind == "tpu" and width > 1 else None
     if tiles == "auto" and kind == "gpu":
-        far = _wide_distances(f, x, y, red) is not None
-        matmul = _tiles.triton_matmul(_within(*matmul, width, 16), red, far)
-    return kernel_for(f, x, y, red, Layout(kind, chosen, params=params), target, matmul, wide)
+        matmul = _tiles.triton_matmul(matmul, red, width, far is not None)
+    layout = Layout(kind, chosen, params=params)
+    return kernel_for(f, x, y, red, layout, target, far, matmul, wide)
 
 
 def interpreted(
@@ -104,13 +112,14 @@ def interpreted(
     tiles ``rows_tiles``, or with ``config(gpu_backend="mosaic_gpu")`` Mosaic GPU's in
     its interpreter at its own tiles; the layout (None: neither tile kernel), why not,
     and which kind was tried."""
+    far = _wide_distances(f, x, y, red)
     if _config.current().gpu_backend != "mosaic_gpu":
-        return (*kernel_for(f, x, y, red, Layout(kind, rows_tiles, True), None), kind)
-    return (*_mosaic_gpu(f, x, y, red, tiles, None), "mosaic_gpu")
+        return (*kernel_for(f, x, y, red, Layout(kind, rows_tiles, True), None, far), kind)
+    return (*_mosaic_gpu(f, x, y, red, tiles, None, far), "mosaic_gpu")
 
 
 def _mosaic_gpu(
-    f: Callable, x: Any, y: Any, red: MonoidReduction, tiles: Any, target: Any
+    f: Callable, x: Any, y: Any, red: MonoidReduction, tiles: Any, target: Any, far: str | None
 ) -> tuple[Layout | None, str]:
     """The Mosaic GPU tile kernel at its tiles, compiled (or lowered) for ``target``
     (None: interpreted, traced only), or why not (the matmul tiles are Triton's and
@@ -120,9 +129,8 @@ def _mosaic_gpu(
     if isinstance(chosen, str):
         return None, f"the tile kernel: {chosen}"
     layout = Layout("mosaic_gpu", chosen, target is None)
-    wide = _wide_distances(f, x, y, red)
-    if wide:
-        return None, f"{wide}, and the matmul tiles are Triton's"
+    if far:
+        return None, f"{far}, and the matmul tiles are Triton's"
     problem = layout_problem(f, x, y, red, layout, target)
     return (None, f"the tile kernel: {problem}") if problem else (layout, "")
 
@@ -145,15 +153,17 @@ def kernel_for(
     red: MonoidReduction,
     layout: Layout,
     target: Any,
+    far: str | None,
     matmul_tiles: tuple[int, int] | None = None,
     no_matmul: str | None = None,
 ) -> tuple[Layout | None, str]:
     """The tile kernel at ``layout`` where it takes ``f``, else the matmul tile kernel
     at ``matmul_tiles`` (default: the same), each compiled (or lowered) for ``target``
     (None: traced only); and why the tile kernel (and the matmul one) did not.
-    ``no_matmul``: why the matmul tile kernel is not tried."""
+    ``far``: :func:`_wide_distances`' reason; ``no_matmul``: why the matmul tile
+    kernel is not tried."""
     # (the structural check first: it spares compiling the unrolled probe)
-    problem = _wide_distances(f, x, y, red) or layout_problem(f, x, y, red, layout, target)
+    problem = far or layout_problem(f, x, y, red, layout, target)
     if problem is None:
         return layout, ""
     if no_matmul:
@@ -176,15 +186,3 @@ def _held(f: Callable, x: Any, y: Any, red: MonoidReduction) -> int:
     """The values per x row the tile kernel holds across its loop over y tiles: x's
     features (every leaf's, flat) and the states (``kernel.state_width``)."""
     return sum(math.prod(a.shape[1:]) for a in jax.tree.leaves(x)) + state_width(f, x, y, red)
-
-
-def _within(bi: int, bj: int, width: int, least: int) -> tuple[int, int]:
-    """The "auto" matmul kernel tiles halved (the larger side first, down to
-    ``least``) until a value of ``width`` elements per pair holds no more elements
-    than a score of the tiles given (on a TPU v5e, before such values went to XLA's
-    loops there: 4096 x 4096 pairs with an L1 distance over 64 features beside a
-    squared one, probing 512 x 1024, then its halves, took 341 s; at 128 x 128, 10 s)."""
-    pairs = bi * bj
-    while bi * bj * width > pairs and max(bi, bj) > least:
-        bi, bj = (bi, max(least, bj // 2)) if bj >= bi else (max(least, bi // 2), bj)
-    return bi, bj

@@ -178,15 +178,28 @@ TRITON_TOPK_PAIRS = 512
 TRITON_DISTANCE_PAIRS = 1024
 
 
+def _within(bi: int, bj: int, width: int, least: int) -> tuple[int, int]:
+    """The "auto" matmul kernel tiles halved (the larger side first, down to
+    ``least``) until a value of ``width`` elements per pair holds no more elements
+    than a score of the tiles given (on a TPU v5e, before such values went to XLA's
+    loops there: 4096 x 4096 pairs with an L1 distance over 64 features beside a
+    squared one, probing 512 x 1024, then its halves, took 341 s; at 128 x 128, 10 s)."""
+    pairs = bi * bj
+    while bi * bj * width > pairs and max(bi, bj) > least:
+        bi, bj = (bi, max(least, bj // 2)) if bj >= bi else (max(least, bi // 2), bj)
+    return bi, bj
+
+
 def triton_matmul(
-    tiles: tuple[int, int], red: MonoidReduction, distances: bool, least: int = 16
+    tiles: tuple[int, int], red: MonoidReduction, width: int, distances: bool, least: int = 16
 ) -> tuple[int, int]:
-    """Triton's "auto" matmul ``tiles``: halved, x rows first (down to ``least``),
-    until they hold at most :data:`TRITON_TOPK_PAIRS` pairs for a reduction with a
-    top-k, :data:`TRITON_DISTANCE_PAIRS` where ``f`` has wide squared
-    ``distances``; unchanged otherwise."""
+    """Triton's "auto" matmul ``tiles``: no more elements of ``f``'s widest value per
+    pair (``width``) than scores of the tiles given (:func:`_within`), then halved,
+    x rows first (down to ``least``), until they hold at most
+    :data:`TRITON_TOPK_PAIRS` pairs for a reduction with a top-k,
+    :data:`TRITON_DISTANCE_PAIRS` where ``f`` has wide squared ``distances``."""
     most = TRITON_TOPK_PAIRS if _sorts(red) else TRITON_DISTANCE_PAIRS if distances else None
-    bi, bj = tiles
+    bi, bj = _within(*tiles, width, least)
     while most and bi * bj > most and max(bi, bj) > least:
         bi, bj = (bi // 2, bj) if bi > least else (bi, bj // 2)
     return bi, bj
