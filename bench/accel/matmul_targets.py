@@ -259,11 +259,10 @@ compiled program. **GPU**: the program's PTX, captured through a `ptxas` wrapper
 system's; not nvJitLink): per Pallas kernel, ptxas' registers per thread, spill bytes
 and shared memory and its tensor-core instructions (`mma.sync`: Ampere-style warp
 MMA; `wgmma.mma_async`: Hopper's warpgroup MMA), and apart from the kernels XLA's own
-matmuls: Triton `gemm_fusion` entries (their
-tensor-core instructions, summed) and cuBLAS custom calls (tensor cores too, but their
-code is a library's: not in the PTX). **TPU**: the kernel's VMEM where the compiler
-reports it (`n/r`: not reported), and XLA's dots and convolutions in the compiled HLO
-(XLA:TPU runs them on the MXU).
+matmuls: Triton `gemm_fusion` entries (their tensor-core instructions, summed) and
+cuBLAS custom calls (tensor cores too, but their code is a library's: not in the PTX).
+**TPU**: the kernel's VMEM where the compiler reports it (`n/r`: not reported), and
+XLA's dots and convolutions in the compiled HLO (XLA:TPU runs them on the MXU).
 """
 
 

@@ -24,6 +24,7 @@ their shapes and types. Standard library only.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import pathlib
 import re
@@ -48,8 +49,6 @@ exit $rc
 def _pip_ptxas() -> str | None:
     """The ``ptxas`` of the venv's nvidia-cuda-nvcc package (the one jax hands XLA), if
     installed; found without importing it."""
-    import importlib.util
-
     try:
         spec = importlib.util.find_spec("nvidia.cuda_nvcc")
     except ModuleNotFoundError:
