@@ -80,6 +80,43 @@ def test_kernel_interpreted_matches_dense_oracle(name, on, monkeypatch):
         assert_tree_close(got_fwd, want_fwd, rtol=2e-4)
 
 
+def _kernels(jaxpr) -> list[str]:
+    """The names of the Pallas calls in ``jaxpr``, into sub-jaxprs."""
+    out = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            info = eqn.params.get("name_and_src_info") or eqn.params.get("name")
+            out.append(getattr(info, "name", str(info)))
+        for p in eqn.params.values():
+            for sub in p if isinstance(p, (tuple, list)) else [p]:
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    out += _kernels(inner)
+    return out
+
+
+@pytest.mark.parametrize("name", ["softmax_weighted", "max", "logsumexp"])
+@pytest.mark.parametrize("sizes", [(37, 53), (53, 37)])
+def test_tpu_reverse_pass_is_one_kernel(name, sizes, monkeypatch):
+    # the TPU's reverse pass, interpreted: one kernel over the tiles of the side with
+    # the more cotangents (y here at 37 x 53, x at 53 x 37), the other side's
+    # cotangents and a max's counts summed into whole arrays; ragged tiles, a tie
+    monkeypatch.setattr(pairs_api, "INTERPRET_LAYOUT", "tpu")
+    case, (n, m) = CASES[name], sizes
+    x, y = 0.2 * normal(0, (n, D)), 0.2 * normal(1, (m, D))
+    x = x.at[-1].set(x[0])
+    loss = loss_of(case.f)
+    ours = lambda *a: loss(lambda g, x, y: ajm.pairwise(g, x, y, case.reduction, tiles=TILES), *a)
+    plain = lambda *a: loss(lambda g, x, y: case.oracle(dense(g, x, y)), *a)
+    with ajm.config(backend="interpret"):
+        grad = jax.grad(ours, argnums=(0, 1, 2))
+        names = _kernels(jax.make_jaxpr(grad)(0.7, x, y).jaxpr)
+        got = jax.jit(grad)(0.7, x, y)
+    assert names.count("adv_jax_math_matmul_tiles_reverse") == 1, names
+    want = jax.jit(jax.grad(plain, argnums=(0, 1, 2)))(0.7, x, y)
+    assert_tree_close(got, want, rtol=2e-4, atol=2e-4)
+
+
 def loss_of(f):
     """``loss(run, s, x, y)``: the sum of the sines of ``run(f scaled by s, x, y)``'s
     float leaves."""

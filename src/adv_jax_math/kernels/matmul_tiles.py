@@ -13,8 +13,9 @@ sum's ``P @ V`` and, in the reverse pass, its ``P^T @ dO`` and ``dO @ V^T``.
 * :func:`tile_cotangents`: the reverse pass: per tile, each term's
   ``Monoid.cotangent`` of the values from the final states (flash attention's
   recipe for every monoid), then one VJP of ``sources`` for the tile's x rows, y rows
-  and constants: nothing ``N x M`` stored (XLA's loops, or two kernels: ``dx`` over
-  the x tiles, ``dy`` over the y tiles, as flash attention's backward).
+  and constants: nothing ``N x M`` stored (XLA's loops; or on a GPU two kernels,
+  ``dx`` over the x tiles, ``dy`` over the y tiles, as flash attention's backward; on
+  a TPU one, one side's cotangents whole in VMEM).
 
 x and y are padded to whole tiles with copies of their last row; padded y rows are
 filled and weighted out (``Monoid.without``), padded x rows' results dropped by the
@@ -218,10 +219,8 @@ def _tile_cotangents(
     counts."""
     pc, px, py = pos
     (n, m), (bi, bj) = sizes, (x[0].shape[0], y[0].shape[0])
-    keep = None
-    if n % bi or m % bj:  # the real rows, which the values' guards keep
-        real = lambda start, b, size: start + lax.broadcasted_iota(jnp.int32, (b,), 0) < size
-        keep = real(starts[0], bi, n), real(starts[1], bj, m)
+    # the real rows, which the values' guards keep (``pairs.dots.guarded``)
+    keep = ((starts[0], n), (starts[1], m)) if n % bi or m % bj else None
     put = lambda leaves, ks, vs: [
         dict(zip(ks, vs, strict=True)).get(k, a) for k, a in enumerate(leaves)
     ]
@@ -261,59 +260,107 @@ def _reverse_kernel(
     counts: tuple[int, int],
     layout: Layout,
 ) -> tuple:
-    """:func:`tile_cotangents` as two Pallas kernels (flash attention's backward):
-    ``dx``, ``dc`` and the counts over the x tiles (each looping over the y tiles),
-    ``dy`` over the y tiles (each looping over the x tiles); sums in float32."""
+    """:func:`tile_cotangents` as Pallas kernels: ``dx``, ``dc`` and the counts over the
+    x tiles (each looping over the y tiles), ``dy`` over the y tiles (each looping over
+    the x tiles): two kernels, as flash attention's backward; on a TPU one
+    (:func:`_one_pass`). Sums in float32."""
     (bi, bj), (nxt, nyt) = layout.tiles, counts
     pc, px, py = pos
     xs = [a.reshape(nxt * bi, *a.shape[2:]) for a in xt]
     leaves, tree = jax.tree.flatten(rows, is_leaf=lambda a: a is None)
-    held = [a for a in leaves if a is not None]
-    per_x = [Tiled(a, None) for a in held]
-
-    def unrow(vals: list) -> tuple:
-        it = iter(vals)
-        return jax.tree.unflatten(tree, [None if a is None else next(it) for a in leaves])
-
-    wide = lambda vs: [v.astype(jnp.float32) if _inexact(v) else v for v in vs]
-    run = lambda body, outer, inner, n: tile_kernel(
-        body, _sum, consts, outer, inner, n, layout, REVERSE_KERNEL_NAME
-    )
     nx = len(xs)
+
+    def tile(c: list, x_side: list, y: list, at: tuple, want: tuple) -> tuple:
+        """``(dc, dx, dy, counts)`` of a tile (``x_side``: its x rows, then their
+        per-row states and cotangents), float sums in float32."""
+        it = iter(x_side[nx:])
+        row = jax.tree.unflatten(tree, [None if a is None else next(it) for a in leaves])
+        args = (sources, red, items, sizes, want, c, x_side[:nx], row, y, at, False)
+        return tuple(_wide(part) for part in _tile_cotangents(*args))
+
+    run = lambda body, outer, inner, n, across=0: tile_kernel(
+        body, _sum, consts, outer, inner, n, layout, REVERSE_KERNEL_NAME, across
+    )
+    x_side = [Tiled(a, bi) for a in xs] + [Tiled(a, None) for a in leaves if a is not None]
+    y_side = [Tiled(a, bj) for a in ys]
+    tallied = sum(t is not None for t in rows[2])
+    if layout.on == "tpu" and py and (px or pc or tallied):
+        both = (xs, ys, x_side, y_side, tallied)
+        return _one_pass(tile, run, pos, consts, both, counts, layout.tiles)
     dc: list = []
     dx: list = []
     found: list = []
-    if px or pc or any(t is not None for t in rows[2]):
+    if px or pc or tallied:
 
-        def over_y(c: list, outer: list, y: list, i: Any, t: Any) -> list:
-            x, row = outer[:nx], unrow(outer[nx:])
-            dcj, dxj, _, cj = _tile_cotangents(
-                sources, red, items, sizes, (pc, px, ()), c, x, row, y, (i * bi, t * bj), False
-            )
-            return wide([*dxj, *dcj, *cj])
+        def over_y(c: list, x: list, y: list, i: Any, t: Any) -> list:
+            dcj, dxj, _, cj = tile(c, x, y, (i * bi, t * bj), (pc, px, ()))
+            return [*dxj, *dcj, *cj]
 
-        outer = [Tiled(a, bi) for a in xs] + per_x
-        out = run(over_y, outer, [Tiled(a, bj) for a in ys], (nxt, nyt))
+        out = run(over_y, x_side, y_side, (nxt, nyt))
         dx = [d.astype(xs[k].dtype) for d, k in zip(out, px, strict=False)]
-        dc = [
-            jnp.sum(d, 0).astype(jnp.result_type(consts[k]))
-            for d, k in zip(out[len(px) :], pc, strict=False)
-        ]
+        dc = _const_sums(out[len(px) : len(px) + len(pc)], pc, consts)
         found = out[len(px) + len(pc) :]
     dy: list = []
     if py:
-
-        def over_x(c: list, y: list, inner: list, i: Any, t: Any) -> list:
-            x, row = inner[:nx], unrow(inner[nx:])
-            _, _, dyj, _ = _tile_cotangents(
-                sources, red, items, sizes, ((), (), py), c, x, row, y, (t * bi, i * bj), False
-            )
-            return wide(dyj)
-
-        inner = [Tiled(a, bi) for a in xs] + per_x
-        out = run(over_x, [Tiled(a, bj) for a in ys], inner, (nyt, nxt))
+        over_x = lambda c, y, x, i, t: list(tile(c, x, y, (t * bi, i * bj), ((), (), py))[2])
+        out = run(over_x, y_side, x_side, (nyt, nxt))
         dy = [d.reshape(-1, *d.shape[2:]).astype(ys[k].dtype) for d, k in zip(out, py, strict=True)]
     return dc, dx, dy, found
+
+
+def _one_pass(
+    tile: Callable,
+    run: Callable,
+    pos: tuple,
+    consts: list,
+    both: tuple,
+    counts: tuple[int, int],
+    tiles: tuple[int, int],
+) -> tuple:
+    """:func:`_reverse_kernel` on a TPU as one kernel: each tile's values and their
+    cotangents made once, not once per kernel. Its outer tiles are those of the side
+    with the more float32 cotangents; the other side's (and the counts, of the x rows)
+    are whole arrays in VMEM across the grid (``tile_kernel``'s ``across``), on one
+    TensorCore (both grid axes in order). On a TPU v5e, attention's
+    ``value_and_grad`` (``bench/results/tpu_reverse.md``): at N = M = 16384, d = 64,
+    4.6 ms in bfloat16 against 5.6 for two kernels and 4.4 for XLA's loops (float32:
+    4.5, 4.7 for the loops); at 32768, d = 128, 15.7 against 22.2 for the loops."""
+    xs, ys, x_side, y_side, tallied = both
+    (bi, bj), (nxt, nyt), (pc, px, py) = tiles, counts, pos
+    size = lambda arrays, ks: sum(arrays[k].size for k in ks)
+    if size(ys, py) <= size(xs, px):  # x tiles outer, dy across them
+
+        def x_outer(c: list, x: list, y: list, i: Any, t: Any) -> list:
+            dcj, dxj, dyj, cj = tile(c, x, y, (i * bi, t * bj), pos)
+            return [*dxj, *dcj, *cj, *dyj]
+
+        out = run(x_outer, x_side, y_side, (nxt, nyt), len(py))
+        dx, dc = out[: len(px)], out[len(px) : len(px) + len(pc)]
+        found, dy = out[len(px) + len(pc) : len(out) - len(py)], out[len(out) - len(py) :]
+    else:  # y tiles outer, dx and the counts across them
+
+        def y_outer(c: list, y: list, x: list, i: Any, t: Any) -> list:
+            dcj, dxj, dyj, cj = tile(c, x, y, (t * bi, i * bj), pos)
+            return [*dyj, *dcj, *dxj, *cj]
+
+        out = run(y_outer, y_side, x_side, (nyt, nxt), len(px) + tallied)
+        dy = [d.reshape(-1, *d.shape[2:]) for d in out[: len(py)]]
+        dc = out[len(py) : len(py) + len(pc)]
+        per_x = [d.reshape(nxt, bi, *d.shape[1:]) for d in out[len(py) + len(pc) :]]
+        dx, found = per_x[: len(px)], per_x[len(px) :]
+    dx = [d.astype(xs[k].dtype) for d, k in zip(dx, px, strict=True)]
+    dy = [d.astype(ys[k].dtype) for d, k in zip(dy, py, strict=True)]
+    return _const_sums(dc, pc, consts), dx, dy, found
+
+
+def _const_sums(parts: list, pc: Sequence[int], consts: list) -> list:
+    """The constants' cotangents from one part per outer tile."""
+    dtype = lambda k: jnp.result_type(consts[k])
+    return [jnp.sum(d, 0).astype(dtype(k)) for d, k in zip(parts, pc, strict=True)]
+
+
+def _wide(values: Sequence[Any]) -> list:
+    return [v.astype(jnp.float32) if _inexact(v) else v for v in values]
 
 
 def _reverse_loops(

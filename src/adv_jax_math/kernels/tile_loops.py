@@ -6,7 +6,10 @@ tiles' forward pass and both halves of their reverse pass, ``kernels/matmul_tile
   operands read from global memory), the outputs in registers;
 * ``"tpu"``: a grid ``(outer tiles "parallel", inner tiles "arbitrary")``, the
   outputs in their output blocks, which stay in VMEM across the inner tiles (set at
-  the first, combined into at the others).
+  the first, combined into at the others); and where asked (``across``), outputs of
+  the inner tiles: each a whole array in VMEM across the grid (both axes then
+  "arbitrary"), a tile's rows summed into at every outer tile (the reverse pass's
+  ``dx`` and ``dy`` in one pass).
 
 Every operand is at least 2-D there (Mosaic's blocks): a whole operand of fewer
 dimensions as ``(1, n)``, a tiled one of one value per row as ``(rows, 1)``, one per
@@ -52,12 +55,15 @@ def tile_kernel(
     tiles: tuple[int, int],
     layout: Any,
     name: str,
+    across: int = 0,
 ) -> list:
     """``combine``-d over the inner tiles ``t`` of ``body(whole, outer, inner, i, t)``
     (flat lists of the operands' blocks in their own shapes, the outer tile ``i``),
     for each outer tile: one array per output, its leading axis the outer tiles
     (``tiles``: how many outer and inner tiles; ``layout``: a
-    ``pairwise_device.Layout``, its ``on``, ``interpret`` and ``params``)."""
+    ``pairwise_device.Layout``, its ``on``, ``interpret`` and ``params``). On TPU the
+    last ``across`` outputs are the inner tile's (leading axis: its rows), summed over
+    the outer tiles: each one array, the inner tiles' rows in order."""
     n_outer, n_inner = tiles
     block = lambda op: (op.rows, *op.array.shape[1:]) if op.rows else op.array.shape[1:]
     w_shapes = [jnp.shape(a) for a in whole]
@@ -81,7 +87,11 @@ def tile_kernel(
         structs(i_shapes, dtype(is_)),
     )
     outs = jax.eval_shape(lambda w, o, i: body(w, o, i, 0, 0), *args)
-    out_shape = [jax.ShapeDtypeStruct((n_outer, *_two_d(s.shape)), s.dtype) for s in outs]
+    own = len(outs) - across
+    assert not across or layout.on == "tpu", "outputs across the outer tiles: TPU only"
+    out_shape = [jax.ShapeDtypeStruct((n_outer, *_two_d(s.shape)), s.dtype) for s in outs[:own]]
+    rows = lambda s: (n_inner * s.shape[0], *(s.shape[1:] or (1,)))  # at least 2-D
+    summed = [jax.ShapeDtypeStruct(rows(s), s.dtype) for s in outs[own:]]
     nw, no, ni = len(ws), len(os_), len(is_)
     split = lambda refs: (
         refs[:nw],
@@ -132,15 +142,19 @@ def tile_kernel(
             i, t = pl.program_id(0), pl.program_id(1)
             w, o, n = read(w_refs, w_shapes), read(o_refs, o_shapes), read(i_refs, i_shapes)
             new = body(w, o, n, i, t)
+            mine, theirs = out_refs[:own], out_refs[own:]
 
             @pl.when(t == 0)
             def _first() -> None:
-                write(out_refs, new)
+                write(mine, new[:own])
 
             @pl.when(t > 0)
             def _next() -> None:
-                old = [r[...].reshape(s.shape) for r, s in zip(out_refs, outs, strict=True)]
-                write(out_refs, combine(old, new))
+                old = [r[...].reshape(s.shape) for r, s in zip(mine, outs[:own], strict=True)]
+                write(mine, combine(old, new[:own]))
+
+            for r, v in zip(theirs, new[own:], strict=True):
+                _add_rows(r, v, t, i == 0)
 
         grid = (n_outer, n_inner)
         inner_specs = [spec(op, a, 1) for op, a in zip(inner, is_, strict=True)]
@@ -150,16 +164,35 @@ def tile_kernel(
     out_specs = [
         pl.BlockSpec((None, *s.shape[1:]), lambda *ij, s=s: (ij[0],) + (0,) * (len(s.shape) - 1))
         for s in out_shape
-    ]
+    ] + [whole_spec(s) for s in summed]
+    params = layout.params
+    if summed and params is not None:  # every outer tile adds to them: in order, one core
+        params = dataclasses.replace(params, dimension_semantics=("arbitrary", "arbitrary"))
     call = pl.pallas_call(
         kernel,
-        out_shape=out_shape,
+        out_shape=[*out_shape, *summed],
         grid=grid,
         in_specs=in_specs,
         out_specs=out_specs,
         interpret=layout.interpret,
-        compiler_params=layout.params,
+        compiler_params=params,
         name=name,
     )
     out = named_jit(call, name)(*ws, *os_, *is_)
-    return [r.reshape(n_outer, *s.shape) for r, s in zip(out, outs, strict=True)]
+    tiled = [r.reshape(n_outer, *s.shape) for r, s in zip(out[:own], outs[:own], strict=True)]
+    return tiled + [r.reshape(-1, *s.shape[1:]) for r, s in zip(out[own:], outs[own:], strict=True)]
+
+
+def _add_rows(ref: Any, v: jax.Array, t: Any, first: Any) -> None:
+    """``v``, the rows of inner tile ``t``, set into ``ref`` (``first``) or added."""
+    b = v.shape[0]
+    at = pl.ds(pl.multiple_of(t * b, b), b)
+    v = v.reshape(b, *ref.shape[1:]).astype(ref.dtype)
+
+    @pl.when(first)
+    def _set() -> None:
+        ref[at] = v
+
+    @pl.when(jnp.logical_not(first))
+    def _add() -> None:
+        ref[at] = ref[at] + v

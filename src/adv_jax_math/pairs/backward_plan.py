@@ -12,7 +12,7 @@ plan (:func:`described`), as ``explain()``'s ``gradient`` line says it for
   TPU the tiles live in registers or VMEM, in XLA's loops (the CPU) in memory;
 * the matmul tiles: per tile, each term's cotangents from the final states, then one
   VJP for the tile's rows (``kernels/matmul_tiles.py``): XLA's loops, or on a GPU two
-  kernels;
+  kernels, on a TPU one;
 * forward mode: the scan engine's tangent (the kernel engines), or JAX's ``jvp`` of
   the scan's loops.
 
@@ -228,22 +228,26 @@ def _matmul(
         f"per tile of {bi} x {bj} pairs, each term's cotangents of f's values from the final "
         "states, then one VJP for the tile's x rows, y rows and closed-over values"
     )
-    if layout.on == "gpu" and layout.target is not None:
+    probed = (
+        f"at the largest of {bi} x {bj} down to a quarter that compiles (probed when the "
+        "gradient is traced), else XLA's loops"
+    )
+    kernels = layout.on in ("gpu", "tpu") and layout.target is not None
+    if kernels and layout.on == "gpu":
+        where = f"two kernels (dx over the x tiles, dy over the y tiles) {probed}"
+    elif kernels:
         where = (
-            f"two kernels (dx over the x tiles, dy over the y tiles) at the largest of "
-            f"{bi} x {bj} down to a quarter that compiles (probed when the gradient is "
-            "traced), else XLA's loops"
+            "one kernel (over the tiles of the side with the more cotangents, each over "
+            f"the other side's tiles, whose cotangents stay whole in VMEM) {probed}"
         )
-    elif layout.on != "xla" and layout.target is None:
+    elif layout.on != "xla":
         where = f"the {layout.on} matmul tile kernels, interpreted, at {bi} x {bj}"
     else:
         where = "XLA's loops, over the x tiles, each over the y tiles"
-        if layout.on == "tpu":
-            where += " (faster than its kernels on a TPU v5e)"
     back = f"reverse mode{on_each}: {per_tile}: {where}{tangent}"
-    kernels = layout.on == "gpu" and layout.target is not None
     tile, rows, w, read = estimate(f, x, y, red, (bi, bj), n, width=width)
-    memory = _memory(0 if kernels else tile, rows, w, read, (bi, bj), "registers or shared memory")
+    held = "registers or shared memory" if layout.on == "gpu" else "VMEM"
+    memory = _memory(0 if kernels else tile, rows, w, read, (bi, bj), held)
     if kernels:
         memory += f"; where XLA's loops run it instead, {fmt_bytes(tile)} more: a tile's values"
     return dataclasses.replace(p, backward=back, memory=memory)

@@ -88,16 +88,21 @@ def _kind(ins: list[_Value]) -> str:
     return kinds.pop() if len(kinds) == 1 else "p" if kinds else "c"
 
 
-def _lift(eqn: Any, ins: list[_Value], kind: str, tpu: bool) -> list:
-    """``eqn`` on the tile: bound under a vmap over the x rows, one over the y rows, or
-    both (the y rows outer) as ``kind`` says. A dot product of half floats accumulates
-    in float32 (as the matrix units do; Mosaic takes no other), then is rounded; one of
-    float32 on a TPU (``tpu``) above the default precision keeps its infinities
+def _lift(eqn: Any, ins: list[_Value], kind: str, on: str) -> list:
+    """``eqn`` on the tile (run ``on`` ``"xla"``, ``"gpu"`` or ``"tpu"``): bound under a
+    vmap over the x rows, one over the y rows, or both (the y rows outer) as ``kind``
+    says; a dot product of an x-only and a y-only vector as one matmul
+    (:func:`_pair_dot`), but in Triton's kernels. A dot product of half floats
+    accumulates in float32 (as the matrix units do; Mosaic takes no other), then is
+    rounded; one of float32 on a TPU above the default precision keeps its infinities
     (:func:`_keeping_inf`)."""
+    tpu = on == "tpu"
+    if eqn.primitive.name == "dot_general" and on != "gpu" and _pair_dot_of(eqn, ins):
+        return [_pair_dot(eqn, ins, tpu)]
     fn: Callable[..., list] = lambda *a: bind(eqn, a)
     kinds = [v.kind for v in ins]
     if eqn.primitive.name == "dot_general" and jnp.dtype(eqn.outvars[0].aval.dtype).itemsize < 4:
-        fn = functools.partial(_half_dot, eqn)
+        fn = functools.partial(_half_dot, eqn, None)
     elif eqn.primitive.name == "dot_general" and tpu and _split(eqn.params["precision"]):
         fn = lambda a, b: [_keeping_inf(lambda p: bind(eqn, [a, b], {**eqn.params, **p})[0])]
     if kind in "xp":
@@ -107,26 +112,52 @@ def _lift(eqn: Any, ins: list[_Value], kind: str, tpu: bool) -> list:
     return fn(*(v.get() for v in ins))
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
-def _half_dot(eqn: Any, a: Any, b: Any) -> list:
-    """``eqn``, a dot product of half floats, accumulated in float32 and rounded. Its
-    tangent (and so its cotangents) are dot products of float32 operands: JAX's
-    transpose of the half one mixes a float32 cotangent with a half operand, which
-    Triton's dot refuses."""
-    return [_wide_dot(eqn, a, b).astype(eqn.outvars[0].aval.dtype)]
+_ROWS_DOT = (((1,), (1,)), ((), ()))  # rows by rows: (bj, D) . (bi, D) -> (bj, bi)
 
 
-def _wide_dot(eqn: Any, a: Any, b: Any) -> Any:
+def _pair_dot_of(eqn: Any, ins: list[_Value]) -> bool:
+    """Whether ``eqn`` (a ``dot_general``) is a dot product of an x-only and a y-only
+    vector."""
+    vectors = all(v.aval.ndim == 1 for v in eqn.invars)
+    plain = eqn.params["dimension_numbers"] == (((0,), (0,)), ((), ()))
+    return vectors and plain and sorted(v.kind for v in ins) == ["x", "y"]
+
+
+def _pair_dot(eqn: Any, ins: list[_Value], tpu: bool) -> jax.Array:
+    """``eqn``, a dot product of an x-only and a y-only vector, on the tile: one matmul
+    of the y rows by the x rows, ``(bj, bi)`` as the tile's values are (its vmaps made
+    ``(bi, bj)``, then a transpose: on a TPU a pass over the tile, and again for its
+    cotangent, in every kernel of the reverse pass; with one exponential per pair the
+    reverse kernels of attention took 2.5x less time on a TPU v5e). Half floats and
+    precision as :func:`_lift`. Triton's kernels keep the vmaps: made this way their
+    attention kernels spilled more (A100 forward, float32: 872 bytes against 32)."""
+    y, x = (v.get() for v in (ins if ins[0].kind == "y" else ins[::-1]))
+    if jnp.dtype(eqn.outvars[0].aval.dtype).itemsize < 4:
+        return _half_dot(eqn, _ROWS_DOT, y, x)[0]
+    dot = lambda p: bind(eqn, [y, x], {**eqn.params, "dimension_numbers": _ROWS_DOT, **p})[0]
+    return _keeping_inf(dot) if tpu and _split(eqn.params["precision"]) else dot({})
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
+def _half_dot(eqn: Any, dims: Any, a: Any, b: Any) -> list:
+    """``eqn``, a dot product of half floats (at ``dims``, None: its own dimension
+    numbers), accumulated in float32 and rounded. Its tangent (and so its cotangents)
+    are dot products of float32 operands: JAX's transpose of the half one mixes a
+    float32 cotangent with a half operand, which Triton's dot refuses."""
+    return [_wide_dot(eqn, dims, a, b).astype(eqn.outvars[0].aval.dtype)]
+
+
+def _wide_dot(eqn: Any, dims: Any, a: Any, b: Any) -> Any:
     wide = {**eqn.params, "preferred_element_type": np.dtype(np.float32)}
-    return bind(eqn, [a, b], wide)[0]
+    return bind(eqn, [a, b], wide if dims is None else {**wide, "dimension_numbers": dims})[0]
 
 
 @_half_dot.defjvp
-def _half_dot_jvp(eqn: Any, primals: tuple, tangents: tuple) -> tuple:
+def _half_dot_jvp(eqn: Any, dims: Any, primals: tuple, tangents: tuple) -> tuple:
     (a, b), (da, db) = primals, tangents
     f32 = lambda v: v.astype(jnp.float32)
-    t = _wide_dot(eqn, f32(da), f32(b)) + _wide_dot(eqn, f32(a), f32(db))
-    return _half_dot(eqn, a, b), [t.astype(eqn.outvars[0].aval.dtype)]
+    t = _wide_dot(eqn, dims, f32(da), f32(b)) + _wide_dot(eqn, dims, f32(a), f32(db))
+    return _half_dot(eqn, dims, a, b), [t.astype(eqn.outvars[0].aval.dtype)]
 
 
 def _split(precision: Any) -> bool:
@@ -226,7 +257,7 @@ def _product(eqn: Any, ins: list[_Value]) -> tuple[_Value, _Value] | None:
 
 
 def _guard(v: jax.Array, keep: jax.Array) -> jax.Array:
-    """``v`` with 0 where ``keep`` (broadcast against it) is False, and so its
+    """``v`` with 0 where ``keep`` (its shape) is False, and so its
     cotangent (a select's transpose). On the values of padded rows (the reverse pass of
     a ragged tile): a transpose that sums over the rows (an x-only value broadcast over
     the y rows, a dot product) then adds 0, never ``0 * inf`` (NaN) of a padded row's
@@ -234,17 +265,26 @@ def _guard(v: jax.Array, keep: jax.Array) -> jax.Array:
     return jnp.where(keep, v, jnp.zeros_like(v))
 
 
-def guarded(keep: tuple[jax.Array, jax.Array] | None) -> Callable[[str, Any], Any]:
+def guarded(keep: tuple[tuple[Any, int], tuple[Any, int]] | None) -> Callable[[str, Any], Any]:
     """``guard(kind, a)``: ``a``, a value of that kind on the tile, with its padded rows
-    guarded (:func:`_guard`); ``keep``: whether each x row and each y row of the tile
-    is real (None: all are)."""
+    guarded (:func:`_guard`); ``keep``: the tile's first x row and how many x rows
+    there are, the same for y (rows from there on are padding; None: none are). The
+    masks are made in each value's own shape (Mosaic TPU reshapes no vector of
+    booleans into a column)."""
 
     def guard(kind: str, a: Any) -> Any:
         if keep is None or kind == "c" or not jnp.issubdtype(a.dtype, jnp.inexact):
             return a
-        kx, ky = keep
-        mask = {"x": kx, "y": ky, "p": ky[:, None] & kx[None]}[kind]
-        return _guard(a, mask.reshape(mask.shape + (1,) * (a.ndim - mask.ndim)))
+        (x0, n), (y0, m) = keep
+        real = lambda axis, start, size: (
+            start + lax.broadcasted_iota(jnp.int32, a.shape, axis) < size
+        )
+        mask = {
+            "x": lambda: real(0, x0, n),
+            "y": lambda: real(0, y0, m),
+            "p": lambda: real(0, y0, m) & real(1, x0, n),
+        }[kind]()
+        return _guard(a, mask)
 
     return guard
 
@@ -273,8 +313,8 @@ def tile(
     xs: list,
     ys: list,
     found: list | None = None,
-    keep: tuple[jax.Array, jax.Array] | None = None,
-    tpu: bool = False,
+    keep: tuple[tuple[Any, int], tuple[Any, int]] | None = None,
+    on: str = "xla",
     given: dict[int, Any] | None = None,
     made: list | None = None,
     own: list | None = None,
@@ -284,14 +324,14 @@ def tile(
     each bound on the rows it depends on, and each squared distance between an x-only
     and a y-only vector over :data:`MIN_FEATURES` or more features made by
     :func:`_expanded` (each one's features and whether it was expanded noted in
-    ``found``). ``keep`` (whether each x row and each y row is real) guards every
-    value's padded rows (:func:`_guard`); ``tpu``: the tile is a TPU kernel's.
+    ``found``). ``keep`` (:func:`guarded`'s: which x and y rows are real) guards every
+    value's padded rows (:func:`_guard`); ``on``: where the tile runs (a ``Layout.on``).
 
     Every value is appended to ``made`` as it is walked (its number there the same in
     every walk of ``closed``); ``given`` numbers values to take as they are (guarded)
     instead of making them, and what only they read is never made (``pairs.sides``).
     ``own``: the values of ``closed``'s constants (default: its own)."""
-    guard = guarded(keep)
+    guard, tpu = guarded(keep), on == "tpu"
     made = [] if made is None else made
     given = given or {}
 
@@ -321,7 +361,7 @@ def tile(
             lambda: [
                 guard(kind, o)
                 for o in (
-                    _lift(eqn, ins, kind, tpu) if kind != "c" else bind(eqn, [v.get() for v in ins])
+                    _lift(eqn, ins, kind, on) if kind != "c" else bind(eqn, [v.get() for v in ins])
                 )
             ]
         )
@@ -358,12 +398,12 @@ def sources(
     :func:`tile`'s; and the constants to put before ``consts`` in ``c``: the
     jaxpr's own, which a kernel takes as inputs (under ``shard_map`` Pallas refuses
     a captured one)."""
-    per_y, tpu = layout.per_y, layout.on == "tpu"
+    per_y, on = layout.per_y, layout.on
     closed = prologue_jaxpr(conv, consts, x, y, red)
     k = len(closed.consts)
 
     def values(c: list, xs: list, ys: list, keep: tuple | None = None) -> list:
-        vals = tile(closed, c[k:], xs, ys, keep=keep, tpu=tpu, own=c[:k])
+        vals = tile(closed, c[k:], xs, ys, keep=keep, on=on, own=c[:k])
         return outputs(vals, per_y, xs[0].shape[0], ys[0].shape[0], guarded(keep))
 
     return values, list(closed.consts)

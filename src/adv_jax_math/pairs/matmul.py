@@ -265,19 +265,16 @@ def _reverse_layout(
     conv: Callable, red: MonoidReduction, layout: Layout, res: tuple, cts: list, pos: list
 ) -> Layout:
     """The reverse pass's kernels at the largest tiles, from the forward kernel's down
-    to halves of them (on GPU at least 16 rows, on TPU multiples of 128), at which
-    they compile (or lower) for the layout's target (probed when the reverse pass is
-    traced: a forward pass alone compiles none); else XLA's loops. On TPU, XLA's
-    loops: on a v5e (attention, N = M = 16384, d = 64) the kernels took 14.0 ms in
-    bfloat16 and 10.0 in float32 (at 512 x 1024), the loops 8.4 and 8.5 (d = 128 at
-    32768: 53.0 against 44.7)."""
+    to halves of them (on GPU at least 16 rows, on TPU 128), at which they compile (or
+    lower) for the layout's target (probed when the reverse pass is traced: a forward
+    pass alone compiles none); else XLA's loops. On a TPU the kernel is one pass
+    (``kernels.matmul_tiles._one_pass``), one side's cotangents held in VMEM whole:
+    where they do not fit, XLA's loops."""
     if layout.target is None:  # interpreted: at the forward kernel's tiles
         return layout
-    if layout.on == "tpu":
-        return dataclasses.replace(layout, on="xla")
     c, x, y, _ = res
     bi, bj = layout.tiles
-    least = 16
+    least = 128 if layout.on == "tpu" else 16
     text = probe_text(prologue_jaxpr(conv, list(c), x, y, red), red)
     args = jax.tree.map(struct, (res, cts))
     tried = [(bi, bj), (bi, bj // 2), (bi // 2, bj // 2), (bi // 2, bj // 4)]
