@@ -16,11 +16,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from cases.pairwise import REDUCTIONS, attention
-from helpers import assert_tree_close, normal
+from helpers import assert_tree_close, needs_abstract_devices, normal, on_abstract_device
 from jax.sharding import AxisType
 
 import adv_jax_math as ajm
+from adv_jax_math.kernels.fused_reduce.probe import Probed
 from adv_jax_math.pairs import api as pairs_api
+from adv_jax_math.pairs import kernel as pairs_kernel
+from adv_jax_math.pairs import matmul as pairs_matmul
 
 N, M, D, TILES = 37, 53, 64, (8, 16)
 MATMUL = "pairwise tiles (matmul)"
@@ -115,6 +118,32 @@ def test_tpu_reverse_pass_is_one_kernel(name, sizes, monkeypatch):
     assert names.count("adv_jax_math_matmul_tiles_reverse") == 1, names
     want = jax.jit(jax.grad(plain, argnums=(0, 1, 2)))(0.7, x, y)
     assert_tree_close(got, want, rtol=2e-4, atol=2e-4)
+
+
+@needs_abstract_devices
+def test_gpu_reverse_tiles_are_probed_without_spills_first(monkeypatch):
+    # every tile compiled with ptxas spilling no register first (here each such
+    # compile fails, as where every tile spills), then as it compiles: the largest
+    seen = []
+
+    def probe(k):
+        if " reverse " in k.text:
+            seen.append((k.layout.tiles, k.options))
+        return Probed("spills" if k.options else None, True)
+
+    monkeypatch.setattr(pairs_kernel, "probe", probe)
+    f = attention(64).f
+    q, kv = _attention_inputs(64)
+    loss = lambda q, kv: jnp.sum(ajm.pairwise(f, q, kv, ajm.SOFTMAX_WEIGHTED))
+    with on_abstract_device("cuda"):
+        plan = ajm.explain_pairwise(f, q, kv, ajm.SOFTMAX_WEIGHTED)
+        jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(q, kv)
+    bi, bj = plan.tiles
+    tiles = list(dict.fromkeys([(bi, bj), (bi, bj // 2), (bi // 2, bj // 2), (bi // 2, bj // 4)]))
+    tiles = [t for t in tiles if min(t) >= 16]
+    strict = [(t, (pairs_matmul.NO_SPILLS,)) for t in tiles]
+    assert seen == [*strict, ((bi, bj), ())], (plan.tiles, seen)
+    assert "first with no register spilled" in plan.backward, plan.backward
 
 
 def loss_of(f):

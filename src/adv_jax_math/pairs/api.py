@@ -324,10 +324,15 @@ def _plan(
                 if (width := pair_width(f, x, y, red)) > 1:
                     why += f"; f makes {width} values per pair: a tile holds {bi * bj * width}"
                 why += "; the reverse pass: " + (
-                    "XLA's loops (faster than its kernels on a TPU v5e)"
+                    "one kernel (over the tiles of the side with the more cotangents, the "
+                    "other side's whole in VMEM)"
                     if on == "tpu"
-                    else "two kernels (dx over the x tiles, dy over the y tiles) at the "
-                    "largest of these tiles down to a quarter that compiles, else XLA's loops"
+                    else "two kernels (dx over the x tiles, dy over the y tiles)"
+                )
+                why += (
+                    " at the largest of these tiles down to a quarter that compiles"
+                    + (", first with no register spilled" if on == "gpu" else "")
+                    + ", else XLA's loops"
                 )
             return PairwisePlan(n, m, found.tiles, what, engine, why, lost), red, found
     else:

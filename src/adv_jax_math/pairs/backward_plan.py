@@ -234,6 +234,7 @@ def _matmul(
     )
     kernels = layout.on in ("gpu", "tpu") and layout.target is not None
     if kernels and layout.on == "gpu":
+        probed = probed.replace(" that compiles", " that compiles, first with no register spilled")
         where = f"two kernels (dx over the x tiles, dy over the y tiles) {probed}"
     elif kernels:
         where = (

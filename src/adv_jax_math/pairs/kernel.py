@@ -277,6 +277,7 @@ class Probe:
     run: Callable
     arguments: tuple
     text: str  # the pair jaxpr and the terms (probe_text)
+    options: tuple = ()  # XLA debug options of the compile, as (name, value) pairs
 
     @property
     def rows(self) -> str:
@@ -284,7 +285,8 @@ class Probe:
 
     def key(self) -> tuple:
         shapes = jax.tree.map(lambda a: (a.shape, str(a.dtype)), self.arguments)
-        return (self.text, str(shapes), self.layout.tiles, self.layout.kind, self.layout.on)
+        layout = self.layout
+        return (self.text, str(shapes), layout.tiles, layout.kind, layout.on, self.options)
 
     def args(self) -> tuple:
         return self.arguments

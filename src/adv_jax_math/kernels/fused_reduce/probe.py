@@ -2,6 +2,8 @@
 device it will run on, where a compiler for it is present (a real device, or a
 compile-only topology device set with ``jax.set_mesh``); otherwise lower it for an
 abstract device of that kind. Probes are cached by jaxpr, shapes, block and target.
+A kernel may name XLA debug options for its compile (``options``: pairs, e.g.
+``xla_gpu_fail_ptx_compilation_on_register_spilling``).
 
 Lowering checks only the Python side; compiling runs Mosaic's layout passes and
 VMEM allocation, and Triton to PTX to cubin, which report what lowering cannot
@@ -49,6 +51,7 @@ def _build(k: Any, context: jax.sharding.Mesh | None, tracing: bool) -> bool:
     and ``tracing`` as :func:`concrete_context_mesh` returns them."""
     args, call = k.args(), k.call()
     platform = k.target.platform
+    options = dict(getattr(k, "options", ())) or None  # XLA's debug options, if any
     if platform == "cpu":
         jax.jit(call).trace(*args).lower(lowering_platforms=("cpu",))
         return False
@@ -58,14 +61,14 @@ def _build(k: Any, context: jax.sharding.Mesh | None, tracing: bool) -> bool:
             # for the context mesh's own devices (jit refuses others there, even ones of
             # the same kind from another topology).
             with _architecture(k, context):
-                jax.jit(call).lower(*args).compile()
+                jax.jit(call).lower(*args).compile(compiler_options=options)
             return True
         current = jax.sharding.get_abstract_mesh()
         in_context = _of(current, platform) and current.size > 1  # cannot be swapped in jit
         mesh = None if tracing and in_context else compile_mesh(platform)
         if mesh is not None:
             with _architecture(k, mesh):
-                _compile(call, args, mesh)
+                _compile(call, args, mesh, options)
             return True
         if in_context:
             jax.jit(call).trace(*args).lower(lowering_platforms=(platform,))
@@ -88,13 +91,13 @@ def _of(mesh: Any, platform: str) -> bool:
     return on_platform(mesh_device(mesh), platform)
 
 
-def _compile(call: Any, args: list, mesh: jax.sharding.Mesh) -> None:
+def _compile(call: Any, args: list, mesh: jax.sharding.Mesh, options: dict | None) -> None:
     """Compile ``call`` on ``mesh``'s device (no concrete mesh is set): under
     ``jax.set_mesh`` outside ``jit``; inside, where ``set_mesh`` is refused, under
     the mesh's abstract mesh."""
     with mesh_context(mesh):
         sharding = NamedSharding(mesh, PartitionSpec())
-        jax.jit(call, in_shardings=sharding).lower(*args).compile()
+        jax.jit(call, in_shardings=sharding).lower(*args).compile(compiler_options=options)
 
 
 def probe(k: Kernel | Any) -> Probed:
