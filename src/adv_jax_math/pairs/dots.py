@@ -89,21 +89,20 @@ def _kind(ins: list[_Value]) -> str:
 
 
 def _lift(eqn: Any, ins: list[_Value], kind: str, on: str) -> list:
-    """``eqn`` on the tile (run ``on`` ``"xla"``, ``"gpu"`` or ``"tpu"``): bound under a
-    vmap over the x rows, one over the y rows, or both (the y rows outer) as ``kind``
-    says; a dot product of an x-only and a y-only vector as one matmul
-    (:func:`_pair_dot`), but in Triton's kernels. A dot product of half floats
-    accumulates in float32 (as the matrix units do; Mosaic takes no other), then is
-    rounded; one of float32 on a TPU above the default precision keeps its infinities
-    (:func:`_keeping_inf`)."""
-    tpu = on == "tpu"
-    if eqn.primitive.name == "dot_general" and on != "gpu" and _pair_dot_of(eqn, ins):
-        return [_pair_dot(eqn, ins, tpu)]
+    """``eqn`` on the tile (run ``on``, a ``Layout.on``): under a vmap over the x rows,
+    one over the y rows, or both (the y rows outer) as ``kind`` says; a dot product of
+    an x-only and a y-only vector one matmul (:func:`_pair_dot`) but in Triton's. A dot
+    product of half floats accumulates in float32 (as the matrix units do; Mosaic takes
+    no other), then is rounded; one of float32 on a TPU above the default precision
+    keeps its infinities (:func:`_keeping_inf`)."""
+    tpu, dot_general = on == "tpu", eqn.primitive.name == "dot_general"
+    if dot_general and on != "gpu" and (pair := _pair_dot(eqn, ins, tpu)) is not None:
+        return [pair]
     fn: Callable[..., list] = lambda *a: bind(eqn, a)
     kinds = [v.kind for v in ins]
-    if eqn.primitive.name == "dot_general" and jnp.dtype(eqn.outvars[0].aval.dtype).itemsize < 4:
+    if dot_general and jnp.dtype(eqn.outvars[0].aval.dtype).itemsize < 4:
         fn = functools.partial(_half_dot, eqn, None)
-    elif eqn.primitive.name == "dot_general" and tpu and _split(eqn.params["precision"]):
+    elif dot_general and tpu and _split(eqn.params["precision"]):
         fn = lambda a, b: [_keeping_inf(lambda p: bind(eqn, [a, b], {**eqn.params, **p})[0])]
     if kind in "xp":
         fn = jax.vmap(fn, tuple(0 if k in "xp" else None for k in kinds))
@@ -115,22 +114,17 @@ def _lift(eqn: Any, ins: list[_Value], kind: str, on: str) -> list:
 _ROWS_DOT = (((1,), (1,)), ((), ()))  # rows by rows: (bj, D) . (bi, D) -> (bj, bi)
 
 
-def _pair_dot_of(eqn: Any, ins: list[_Value]) -> bool:
-    """Whether ``eqn`` (a ``dot_general``) is a dot product of an x-only and a y-only
-    vector."""
-    vectors = all(v.aval.ndim == 1 for v in eqn.invars)
+def _pair_dot(eqn: Any, ins: list[_Value], tpu: bool) -> jax.Array | None:
+    """``eqn`` (a ``dot_general``) on the tile as one matmul of its y rows by its x rows,
+    ``(bj, bi)`` as the tile's values are, where it is a dot product of an x-only and a
+    y-only vector (else None). Its vmaps made ``(bi, bj)`` and a transpose (on a TPU a
+    pass over the tile, again for its cotangent: attention's reverse kernels took 2.5x
+    longer on a TPU v5e); Triton's kernels keep them (they spilled less: A100 forward,
+    float32, 32 bytes against 872). Half floats and precision as :func:`_lift`."""
     plain = eqn.params["dimension_numbers"] == (((0,), (0,)), ((), ()))
-    return vectors and plain and sorted(v.kind for v in ins) == ["x", "y"]
-
-
-def _pair_dot(eqn: Any, ins: list[_Value], tpu: bool) -> jax.Array:
-    """``eqn``, a dot product of an x-only and a y-only vector, on the tile: one matmul
-    of the y rows by the x rows, ``(bj, bi)`` as the tile's values are (its vmaps made
-    ``(bi, bj)``, then a transpose: on a TPU a pass over the tile, and again for its
-    cotangent, in every kernel of the reverse pass; with one exponential per pair the
-    reverse kernels of attention took 2.5x less time on a TPU v5e). Half floats and
-    precision as :func:`_lift`. Triton's kernels keep the vmaps: made this way their
-    attention kernels spilled more (A100 forward, float32: 872 bytes against 32)."""
+    vectors = all(v.aval.ndim == 1 for v in eqn.invars)
+    if not (plain and vectors and sorted(v.kind for v in ins) == ["x", "y"]):
+        return None
     y, x = (v.get() for v in (ins if ins[0].kind == "y" else ins[::-1]))
     if jnp.dtype(eqn.outvars[0].aval.dtype).itemsize < 4:
         return _half_dot(eqn, _ROWS_DOT, y, x)[0]
@@ -279,11 +273,8 @@ def guarded(keep: tuple[tuple[Any, int], tuple[Any, int]] | None) -> Callable[[s
         real = lambda axis, start, size: (
             start + lax.broadcasted_iota(jnp.int32, a.shape, axis) < size
         )
-        mask = {
-            "x": lambda: real(0, x0, n),
-            "y": lambda: real(0, y0, m),
-            "p": lambda: real(0, y0, m) & real(1, x0, n),
-        }[kind]()
+        on_y = lambda: real(0, y0, m)
+        mask = real(0, x0, n) if kind == "x" else on_y() if kind == "y" else on_y() & real(1, x0, n)
         return _guard(a, mask)
 
     return guard

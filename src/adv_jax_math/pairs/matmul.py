@@ -33,7 +33,8 @@ from ..analysis.jaxpr_graph import deps, graph
 from ..core.linear import cotangent_for
 from ..core.sharding import whole
 from ..kernels import native
-from ..kernels.matmul_tiles import tile_cotangents, tile_states
+from ..kernels.matmul_reverse import tile_cotangents
+from ..kernels.matmul_tiles import tile_states
 from ..kernels.pairwise import _pad_rows
 from ..kernels.pairwise_device import Layout
 from ..monoids.reduction import LeafReduction, MonoidReduction
@@ -273,7 +274,7 @@ def _reverse_layout(
     pass alone compiles none); else XLA's loops. On a GPU the tiles are tried first
     with ptxas spilling no register (the compile fails where it does), then as they
     compile: the kernels at 64 x 64 spilled 43 KB per thread on an A100 (attention,
-    float32). On a TPU the kernel is one pass (``kernels.matmul_tiles._one_pass``),
+    float32). On a TPU the kernel is one pass (``kernels.matmul_reverse._one_pass``),
     one side's cotangents held in VMEM whole: where they do not fit, XLA's loops."""
     if layout.target is None:  # interpreted: at the forward kernel's tiles
         return layout
