@@ -146,6 +146,23 @@ def test_gpu_reverse_tiles_are_probed_without_spills_first(monkeypatch):
     assert "first with no register spilled" in plan.backward, plan.backward
 
 
+@needs_abstract_devices
+@pytest.mark.parametrize("precision", [None, "highest"])
+def test_tpu_reverse_kernel_declines_split_precision_dots(precision):
+    # on a TPU a float32 dot at HIGH/HIGHEST runs in bfloat16 passes; in a Mosaic
+    # kernel its transposes made gradients NaN where XLA's are infinite (a TPU v5e):
+    # the reverse pass then stays in XLA's loops, at the default precision it is one kernel
+    f = lambda q, kv: (jnp.dot(q, kv[0], precision=precision) / 8.0, kv[1])
+    q, kv = _attention_inputs(64)
+    loss = lambda q, kv: jnp.sum(ajm.pairwise(f, q, kv, ajm.SOFTMAX_WEIGHTED))
+    with on_abstract_device("tpu"):
+        plan = ajm.explain_pairwise(f, q, kv, ajm.SOFTMAX_WEIGHTED)
+        names = _kernels(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(q, kv).jaxpr)
+    assert plan.engine == "pairwise kernel (matmul, tpu)", str(plan)
+    assert "split bfloat16 passes" in plan.backward, plan.backward
+    assert names.count("adv_jax_math_matmul_tiles_reverse") == (0 if precision else 1), names
+
+
 def loss_of(f):
     """``loss(run, s, x, y)``: the sum of the sines of ``run(f scaled by s, x, y)``'s
     float leaves."""

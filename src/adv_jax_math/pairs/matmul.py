@@ -28,6 +28,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from ..analysis.jaxpr_graph import deps, graph
 from ..core.linear import cotangent_for
@@ -271,7 +272,11 @@ def _reverse_layout(
     """The reverse pass's kernels at the largest tiles, from the forward kernel's down
     to halves of them (on GPU at least 16 rows, on TPU 128), at which they compile (or
     lower) for the layout's target (probed when the reverse pass is traced: a forward
-    pass alone compiles none); else XLA's loops. On a GPU the tiles are tried first
+    pass alone compiles none); else XLA's loops. On a TPU XLA's loops too where a float32
+    dot product runs in split bfloat16 passes (``Precision.HIGH`` and ``HIGHEST``, k-NN's
+    and Sinkhorn's expanded distances): in a Mosaic kernel the transposes of those made
+    a gradient NaN where XLA's is infinite (TPU v5e, the special values of
+    ``tests/test_accelerator_pairwise.py``). On a GPU the tiles are tried first
     with ptxas spilling no register (the compile fails where it does), then as they
     compile: the kernels at 64 x 64 spilled 43 KB per thread on an A100 (attention,
     float32). On a TPU the kernel is one pass (``kernels.matmul_reverse._one_pass``),
@@ -283,6 +288,9 @@ def _reverse_layout(
     least = 128 if layout.on == "tpu" else 16
     text = probe_text(prologue_jaxpr(conv, list(c), x, y, red), red)
     args = jax.tree.map(struct, (res, cts))
+    at = lambda res, cts: _reverse(conv, red, layout, res, cts, pos)
+    if layout.on == "tpu" and _split_dots(jax.make_jaxpr(at)(*args).jaxpr):
+        return dataclasses.replace(layout, on="xla")
     tried = [(bi, bj), (bi, bj // 2), (bi // 2, bj // 2), (bi // 2, bj // 4)]
     tiles = list(dict.fromkeys(t for t in tried if min(t) >= least))
     # on a GPU first the tiles whose kernels spill no register (XLA's autotuner drops
@@ -296,6 +304,21 @@ def _reverse_layout(
             if found.problem() is None:
                 return lay
     return dataclasses.replace(layout, on="xla")
+
+
+def _split_dots(jaxpr: Any) -> bool:
+    """Whether ``jaxpr`` (into sub-jaxprs and kernels) takes a float32 dot product at a
+    precision a TPU splits into bfloat16 passes."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general" and eqn.invars[0].aval.dtype == jnp.float32:
+            p = eqn.params["precision"]
+            if any(q not in (None, lax.Precision.DEFAULT) for q in jax.tree.leaves(p)):
+                return True
+        for sub in jax.tree.leaves(list(eqn.params.values())):
+            inner = getattr(sub, "jaxpr", sub)
+            if hasattr(inner, "eqns") and _split_dots(inner):
+                return True
+    return False
 
 
 def _reverse(
