@@ -272,15 +272,17 @@ def _reverse_layout(
     """The reverse pass's kernels at the largest tiles, from the forward kernel's down
     to halves of them (on GPU at least 16 rows, on TPU 128), at which they compile (or
     lower) for the layout's target (probed when the reverse pass is traced: a forward
-    pass alone compiles none); else XLA's loops. On a TPU XLA's loops too where a float32
-    dot product runs in split bfloat16 passes (``Precision.HIGH`` and ``HIGHEST``, k-NN's
-    and Sinkhorn's expanded distances): in a Mosaic kernel the transposes of those made
-    a gradient NaN where XLA's is infinite (TPU v5e, the special values of
-    ``tests/test_accelerator_pairwise.py``). On a GPU the tiles are tried first
-    with ptxas spilling no register (the compile fails where it does), then as they
-    compile: the kernels at 64 x 64 spilled 43 KB per thread on an A100 (attention,
-    float32). On a TPU the kernel is one pass (``kernels.matmul_reverse._one_pass``),
-    one side's cotangents held in VMEM whole: where they do not fit, XLA's loops."""
+    pass alone compiles none); else XLA's loops.
+
+    * GPU: two kernels, their tiles tried first with ptxas spilling no register (the
+      compile fails where it does), then as they compile: at 64 x 64 they spilled
+      43 KB per thread on an A100 (attention, float32).
+    * TPU: one kernel (``kernels.matmul_reverse._one_pass``), one side's cotangents
+      whole in VMEM; XLA's loops where they do not fit, and where a float32 dot
+      product runs in split bfloat16 passes (``Precision.HIGH``/``HIGHEST``, k-NN's
+      and Sinkhorn's expanded distances): in a Mosaic kernel its transposes made
+      gradients NaN where XLA's are infinite (a TPU v5e, the special values of
+      ``tests/test_accelerator_pairwise.py``)."""
     if layout.target is None:  # interpreted: at the forward kernel's tiles
         return layout
     c, x, y, _ = res
