@@ -28,11 +28,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from ..analysis.jaxpr_graph import deps, graph
 from ..core.linear import cotangent_for
 from ..core.sharding import whole
+from ..core.trace import sub_jaxprs
 from ..kernels import native
 from ..kernels.matmul_reverse import tile_cotangents
 from ..kernels.matmul_tiles import tile_states
@@ -40,7 +40,7 @@ from ..kernels.pairwise import _pad_rows
 from ..kernels.pairwise_device import Layout
 from ..monoids.reduction import LeafReduction, MonoidReduction
 from ..monoids.softmax import SoftmaxWeighted
-from .dots import MIN_FEATURES, pair_jaxpr, prologue_jaxpr, sources, tile
+from .dots import MIN_FEATURES, _split, pair_jaxpr, prologue_jaxpr, sources, tile
 from .kernel import Probe, first_row, probe_text, struct
 from .sides import sides
 
@@ -310,17 +310,13 @@ def _reverse_layout(
 
 def _split_dots(jaxpr: Any) -> bool:
     """Whether ``jaxpr`` (into sub-jaxprs and kernels) takes a float32 dot product at a
-    precision a TPU splits into bfloat16 passes."""
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "dot_general" and eqn.invars[0].aval.dtype == jnp.float32:
-            p = eqn.params["precision"]
-            if any(q not in (None, lax.Precision.DEFAULT) for q in jax.tree.leaves(p)):
-                return True
-        for sub in jax.tree.leaves(list(eqn.params.values())):
-            inner = getattr(sub, "jaxpr", sub)
-            if hasattr(inner, "eqns") and _split_dots(inner):
-                return True
-    return False
+    precision a TPU splits into bfloat16 passes (``pairs.dots._split``)."""
+    f32_dot = lambda e: e.primitive.name == "dot_general" and e.invars[0].aval.dtype == jnp.float32
+    return any(
+        (f32_dot(eqn) and _split(eqn.params["precision"]))
+        or any(_split_dots(sub) for sub in sub_jaxprs(eqn.params))
+        for eqn in jaxpr.eqns
+    )
 
 
 def _reverse(
