@@ -30,6 +30,7 @@ __all__ = [
     "normal",
     "on_abstract_device",
     "oracle",
+    "primitives",
     "reduction_kwargs",
 ]
 
@@ -215,3 +216,21 @@ def engine(name: str) -> Iterator[dict[str, Any]]:
         pytest.skip("needs the 4 virtual CPU devices")
     with ajm.config(backend="interpret") if name == "interpret" else contextlib.nullcontext():
         yield dict(shard=True) if name == "shard" else {}
+
+
+def primitives(jaxpr):
+    """Every primitive's name, into sub-jaxprs but not into kernels; kernels by name."""
+    out = []
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        if name == "pallas_call":
+            info = eqn.params.get("name_and_src_info") or eqn.params.get("name")
+            out.append(f"pallas_call:{getattr(info, 'name', info)}")
+            continue
+        out.append(name)
+        for p in eqn.params.values():
+            for sub in p if isinstance(p, (tuple, list)) else [p]:
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    out += primitives(inner)
+    return out

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_tree_close, needs_kernel
+from helpers import assert_tree_close, needs_kernel, primitives
 from jax import lax
 
 import adv_jax_math as ajm
@@ -67,24 +67,6 @@ def ours(reduction, fun, x, batch=B):
     kw = reduction if isinstance(reduction, dict) else dict(reduction=reduction)
     with ajm.config(backend="interpret"):
         return ajm.batch_map(fun, x, batch, **kw)
-
-
-def primitives(jaxpr):
-    """Every primitive's name, into sub-jaxprs but not into kernels; kernels by name."""
-    out = []
-    for eqn in jaxpr.eqns:
-        name = eqn.primitive.name
-        if name == "pallas_call":
-            info = eqn.params.get("name_and_src_info") or eqn.params.get("name")
-            out.append(f"pallas_call:{getattr(info, 'name', info)}")
-            continue
-        out.append(name)
-        for p in eqn.params.values():
-            for sub in p if isinstance(p, (tuple, list)) else [p]:
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    out += primitives(inner)
-    return out
 
 
 def grad_program(loss, *args):

@@ -16,7 +16,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from cases.pairwise import REDUCTIONS, attention
-from helpers import assert_tree_close, needs_abstract_devices, normal, on_abstract_device
+from helpers import (
+    assert_tree_close,
+    needs_abstract_devices,
+    normal,
+    on_abstract_device,
+    primitives,
+)
 from jax.sharding import AxisType
 
 import adv_jax_math as ajm
@@ -83,21 +89,6 @@ def test_kernel_interpreted_matches_dense_oracle(name, on, monkeypatch):
         assert_tree_close(got_fwd, want_fwd, rtol=2e-4)
 
 
-def _kernels(jaxpr) -> list[str]:
-    """The names of the Pallas calls in ``jaxpr``, into sub-jaxprs."""
-    out = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "pallas_call":
-            info = eqn.params.get("name_and_src_info") or eqn.params.get("name")
-            out.append(getattr(info, "name", str(info)))
-        for p in eqn.params.values():
-            for sub in p if isinstance(p, (tuple, list)) else [p]:
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    out += _kernels(inner)
-    return out
-
-
 @pytest.mark.parametrize("name", ["softmax_weighted", "max", "logsumexp"])
 @pytest.mark.parametrize("sizes", [(37, 53), (53, 37)])
 def test_tpu_reverse_pass_is_one_kernel(name, sizes, monkeypatch):
@@ -113,9 +104,9 @@ def test_tpu_reverse_pass_is_one_kernel(name, sizes, monkeypatch):
     plain = lambda *a: loss(lambda g, x, y: case.oracle(dense(g, x, y)), *a)
     with ajm.config(backend="interpret"):
         grad = jax.grad(ours, argnums=(0, 1, 2))
-        names = _kernels(jax.make_jaxpr(grad)(0.7, x, y).jaxpr)
+        names = primitives(jax.make_jaxpr(grad)(0.7, x, y).jaxpr)
         got = jax.jit(grad)(0.7, x, y)
-    assert names.count("adv_jax_math_matmul_tiles_reverse") == 1, names
+    assert names.count("pallas_call:adv_jax_math_matmul_tiles_reverse") == 1, names
     want = jax.jit(jax.grad(plain, argnums=(0, 1, 2)))(0.7, x, y)
     assert_tree_close(got, want, rtol=2e-4, atol=2e-4)
 
@@ -157,10 +148,11 @@ def test_tpu_reverse_kernel_declines_split_precision_dots(precision):
     loss = lambda q, kv: jnp.sum(ajm.pairwise(f, q, kv, ajm.SOFTMAX_WEIGHTED))
     with on_abstract_device("tpu"):
         plan = ajm.explain_pairwise(f, q, kv, ajm.SOFTMAX_WEIGHTED)
-        names = _kernels(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(q, kv).jaxpr)
+        names = primitives(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(q, kv).jaxpr)
     assert plan.engine == "pairwise kernel (matmul, tpu)", str(plan)
     assert "split bfloat16 passes" in plan.backward, plan.backward
-    assert names.count("adv_jax_math_matmul_tiles_reverse") == (0 if precision else 1), names
+    reverse = names.count("pallas_call:adv_jax_math_matmul_tiles_reverse")
+    assert reverse == (0 if precision else 1), names
 
 
 def loss_of(f):
