@@ -202,7 +202,10 @@ def _dense(case, x, y):
         out = jax.nn.dot_product_attention(one(x), one(k), one(v), scale=x.shape[1] ** -0.5)
         return out[0, :, 0, :]
     points = y[0] if case.name == "sinkhorn" else y
-    d2 = (x * x).sum(1)[:, None] + (points * points).sum(1)[None, :] - 2 * x @ points.T
+    # at full precision, as ajm.pairwise's expanded distances (a TPU's default is one
+    # bfloat16 pass: Sinkhorn's exponents then err by ~10 at D = 64)
+    xy = jnp.matmul(x, points.T, precision=jax.lax.Precision.HIGHEST)
+    d2 = (x * x).sum(1)[:, None] + (points * points).sum(1)[None, :] - 2 * xy
     if case.name == "sinkhorn":
         return jax.nn.logsumexp((y[1][None, :] - d2) / pairwise.EPS, axis=1)
     return -jax.lax.top_k(-d2, 8)[0]  # the 8 smallest distances, ascending

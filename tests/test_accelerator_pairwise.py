@@ -132,7 +132,7 @@ def test_matmul_kernel_at_special_values(name, precision):
     # +-inf, +-1e30 and NaN inside the dot products (tests/test_pairwise_special_values.py),
     # ragged tiles: values, jvp and grad against the dense oracle, NaN and inf exactly.
     # On a TPU v5e (jax 0.10.2) a Pallas dot at HIGHEST made [1, inf] . [1, 1] NaN
-    # (XLA's: inf): every score of an infinite feature was NaN (dots._keeping_inf)
+    # (XLA's: inf): every score of an infinite feature was NaN (precision.keeping_inf)
     reduction, f = SPECIAL_DOT_CASES[name]
     x, y = special_dot_inputs(not name.endswith("expanded"), 1e30)
     plan = ajm.explain_pairwise(f, x, y, reduction)  # (TPU tiles: multiples of 128)

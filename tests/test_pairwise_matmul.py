@@ -11,6 +11,8 @@ layouts, interpreted), values and reverse mode.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -30,6 +32,7 @@ from adv_jax_math.kernels.fused_reduce.probe import Probed
 from adv_jax_math.pairs import api as pairs_api
 from adv_jax_math.pairs import kernel as pairs_kernel
 from adv_jax_math.pairs import matmul as pairs_matmul
+from adv_jax_math.pairs.precision import keeping_inf
 
 N, M, D, TILES = 37, 53, 64, (8, 16)
 MATMUL = "pairwise tiles (matmul)"
@@ -139,10 +142,10 @@ def test_gpu_reverse_tiles_are_probed_without_spills_first(monkeypatch):
 
 @needs_abstract_devices
 @pytest.mark.parametrize("precision", [None, "highest"])
-def test_tpu_reverse_kernel_declines_split_precision_dots(precision):
-    # on a TPU a float32 dot at HIGH/HIGHEST runs in bfloat16 passes; in a Mosaic
-    # kernel its transposes made gradients NaN where XLA's are infinite (a TPU v5e):
-    # the reverse pass then stays in XLA's loops, at the default precision it is one kernel
+def test_tpu_reverse_kernel_takes_split_precision_dots(precision):
+    # on a TPU a float32 dot at HIGH/HIGHEST runs in bfloat16 passes, whose transposes
+    # in a Mosaic kernel lost infinities (a TPU v5e): they keep them as the forward
+    # dot does (pairs.precision.keeping_inf), and the reverse pass is one kernel
     f = lambda q, kv: (jnp.dot(q, kv[0], precision=precision) / 8.0, kv[1])
     q, kv = _attention_inputs(64)
     loss = lambda q, kv: jnp.sum(ajm.pairwise(f, q, kv, ajm.SOFTMAX_WEIGHTED))
@@ -150,9 +153,8 @@ def test_tpu_reverse_kernel_declines_split_precision_dots(precision):
         plan = ajm.explain_pairwise(f, q, kv, ajm.SOFTMAX_WEIGHTED)
         names = primitives(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(q, kv).jaxpr)
     assert plan.engine == "pairwise kernel (matmul, tpu)", str(plan)
-    assert "split bfloat16 passes" in plan.backward, plan.backward
-    reverse = names.count("pallas_call:adv_jax_math_matmul_tiles_reverse")
-    assert reverse == (0 if precision else 1), names
+    assert "one kernel" in plan.backward, plan.backward
+    assert names.count("pallas_call:adv_jax_math_matmul_tiles_reverse") == 1, names
 
 
 def loss_of(f):
@@ -392,3 +394,24 @@ def test_squared_distances_far_from_the_origin(d):
     exact = np.sum((x64[:, None] - y64[None]) ** 2, -1)
     np.testing.assert_allclose(np.float64(got), np.sort(exact, 1)[:, :5], rtol=1e-5)
     np.testing.assert_array_equal(idx, np.argsort(exact, 1)[:, :5])
+
+
+def test_keeping_inf_keeps_infinities_in_its_cotangents():
+    # a TPU's float32 dot in bfloat16 passes (whose low parts, inf - inf, are NaN),
+    # as Mosaic's was on a v5e, emulated on the CPU: the product and its cotangents
+    # are NaN where the plain dot's are infinite, and keeping_inf gives the plain ones
+    def split_dot(params, a, b):
+        one = jnp.dot(a, b)  # one pass (the default precision)
+        return one if params else one + jnp.dot(a - a, b - b)
+
+    a = normal(0, (5, 8)).at[1, 3].set(jnp.inf)
+    b = normal(1, (8, 6)).at[2, 4].set(-jnp.inf)
+    ct = normal(2, (5, 6))
+    plain_out, plain_vjp = jax.vjp(jnp.dot, a, b)
+    split_out, split_vjp = jax.vjp(functools.partial(split_dot, {}), a, b)
+    kept_out, kept_vjp = jax.vjp(functools.partial(keeping_inf, split_dot), a, b)
+    assert jnp.isnan(split_out).any() and not jnp.isnan(plain_out).any()
+    assert any(jnp.isnan(d).any() for d in split_vjp(ct))
+    assert not any(jnp.isnan(d).any() for d in plain_vjp(ct))
+    assert_tree_close(kept_out, plain_out, rtol=1e-6, atol=0)
+    assert_tree_close(kept_vjp(ct), plain_vjp(ct), rtol=1e-6, atol=0)

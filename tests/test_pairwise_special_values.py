@@ -405,7 +405,7 @@ def test_an_infinite_one_sided_derivative_across_tiles(backend, side):
 @pytest.mark.parametrize("name", ["LOGSUMEXP", "top_k(3) expanded"])
 def test_special_values_in_the_tpu_matmul_kernel_interpreted(name, monkeypatch):
     # the TPU kernel's float32 dots above the default precision keep their infinities
-    # (Mosaic's in bfloat16 passes made [1, inf] . [1, 1] NaN: dots._keeping_inf);
+    # (Mosaic's in bfloat16 passes made [1, inf] . [1, 1] NaN: precision.keeping_inf);
     # interpreted on the CPU, where the values must stay as they are
     monkeypatch.setattr(pairs_api, "INTERPRET_LAYOUT", "tpu")
     expanded = name.endswith("expanded")

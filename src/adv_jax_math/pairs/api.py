@@ -325,8 +325,7 @@ def _plan(
                     why += f"; f makes {width} values per pair: a tile holds {bi * bj * width}"
                 why += "; the reverse pass: " + (
                     "one kernel (over the tiles of the side with the more cotangents, the "
-                    "other side's whole in VMEM; XLA's loops for float32 dot products in "
-                    "split bfloat16 passes)"
+                    "other side's whole in VMEM)"
                     if on == "tpu"
                     else "two kernels (dx over the x tiles, dy over the y tiles)"
                 )

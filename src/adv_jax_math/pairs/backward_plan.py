@@ -239,9 +239,7 @@ def _matmul(
     elif kernels:
         where = (
             "one kernel (over the tiles of the side with the more cotangents, each over "
-            f"the other side's tiles, whose cotangents stay whole in VMEM) {probed}; XLA's "
-            "loops where f's float32 dot products run in split bfloat16 passes (HIGHEST, "
-            "expanded distances: Mosaic's transposes of them lose infinities)"
+            f"the other side's tiles, whose cotangents stay whole in VMEM) {probed}"
         )
     elif layout.on != "xla":
         where = f"the {layout.on} matmul tile kernels, interpreted, at {bi} x {bj}"

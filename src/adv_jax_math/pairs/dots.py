@@ -55,6 +55,7 @@ from ..kernels.pairwise_device import Layout
 from ..kernels.unrolled import is_product
 from ..monoids.reduction import MonoidReduction
 from .kernel import first_row, struct
+from .precision import half_dot, keeping_inf, split
 
 __all__ = ["MIN_FEATURES", "guarded", "outputs", "pair_jaxpr", "prologue_jaxpr", "sources", "tile"]
 
@@ -94,16 +95,17 @@ def _lift(eqn: Any, ins: list[_Value], kind: str, on: str) -> list:
     an x-only and a y-only vector one matmul (:func:`_pair_dot`) but in Triton's. A dot
     product of half floats accumulates in float32 (as the matrix units do; Mosaic takes
     no other), then is rounded; one of float32 on a TPU above the default precision
-    keeps its infinities (:func:`_keeping_inf`)."""
+    keeps its infinities (``pairs.precision``)."""
     tpu, dot_general = on == "tpu", eqn.primitive.name == "dot_general"
     if dot_general and on != "gpu" and (pair := _pair_dot(eqn, ins, tpu)) is not None:
         return [pair]
     fn: Callable[..., list] = lambda *a: bind(eqn, a)
     kinds = [v.kind for v in ins]
     if dot_general and jnp.dtype(eqn.outvars[0].aval.dtype).itemsize < 4:
-        fn = functools.partial(_half_dot, eqn, None)
-    elif dot_general and tpu and _split(eqn.params["precision"]):
-        fn = lambda a, b: [_keeping_inf(lambda p: bind(eqn, [a, b], {**eqn.params, **p})[0])]
+        fn = functools.partial(half_dot, eqn, None)
+    elif dot_general and tpu and split(eqn.params["precision"]):
+        dot = lambda p, a, b: bind(eqn, [a, b], {**eqn.params, **p})[0]
+        fn = lambda a, b: [keeping_inf(dot, a, b)]
     if kind in "xp":
         fn = jax.vmap(fn, tuple(0 if k in "xp" else None for k in kinds))
     if kind in "yp":
@@ -127,52 +129,9 @@ def _pair_dot(eqn: Any, ins: list[_Value], tpu: bool) -> jax.Array | None:
         return None
     y, x = (v.get() for v in (ins if ins[0].kind == "y" else ins[::-1]))
     if jnp.dtype(eqn.outvars[0].aval.dtype).itemsize < 4:
-        return _half_dot(eqn, _ROWS_DOT, y, x)[0]
-    dot = lambda p: bind(eqn, [y, x], {**eqn.params, "dimension_numbers": _ROWS_DOT, **p})[0]
-    return _keeping_inf(dot) if tpu and _split(eqn.params["precision"]) else dot({})
-
-
-@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
-def _half_dot(eqn: Any, dims: Any, a: Any, b: Any) -> list:
-    """``eqn``, a dot product of half floats (at ``dims``, None: its own dimension
-    numbers), accumulated in float32 and rounded. Its tangent (and so its cotangents)
-    are dot products of float32 operands: JAX's transpose of the half one mixes a
-    float32 cotangent with a half operand, which Triton's dot refuses."""
-    return [_wide_dot(eqn, dims, a, b).astype(eqn.outvars[0].aval.dtype)]
-
-
-def _wide_dot(eqn: Any, dims: Any, a: Any, b: Any) -> Any:
-    wide = {**eqn.params, "preferred_element_type": np.dtype(np.float32)}
-    return bind(eqn, [a, b], wide if dims is None else {**wide, "dimension_numbers": dims})[0]
-
-
-@_half_dot.defjvp
-def _half_dot_jvp(eqn: Any, dims: Any, primals: tuple, tangents: tuple) -> tuple:
-    (a, b), (da, db) = primals, tangents
-    f32 = lambda v: v.astype(jnp.float32)
-    t = _wide_dot(eqn, dims, f32(da), f32(b)) + _wide_dot(eqn, dims, f32(a), f32(db))
-    return _half_dot(eqn, dims, a, b), [t.astype(eqn.outvars[0].aval.dtype)]
-
-
-def _split(precision: Any) -> bool:
-    """Whether a dot product of float32 at ``precision`` (a ``dot_general``'s, None:
-    ``jax_default_matmul_precision``'s) runs as several bfloat16 passes on a TPU."""
-    given = precision if isinstance(precision, tuple) else (precision, precision)
-    if all(p is None for p in given):
-        config = getattr(jax.config, "jax_default_matmul_precision", None)
-        return str(config).lower() not in ("none", "default", "bfloat16", "fastest")
-    return any(p not in (None, lax.Precision.DEFAULT) for p in given)
-
-
-def _keeping_inf(dot: Callable[[dict], jax.Array]) -> jax.Array:
-    """``dot({})``, or where it is NaN ``dot`` at the default precision (one bfloat16
-    pass). Mosaic's float32 dot product in bfloat16 passes (Precision.HIGHEST) is NaN
-    for ``[1, inf] . [1, 1]``, XLA's is inf (measured on a TPU v5e, jax 0.10.2): a
-    split ``inf - bf16(inf)``. One pass keeps the infinities; a finite result has no
-    NaN to replace. It costs a pass more than the dot (six at HIGHEST)."""
-    full = dot({})
-    one = dot({"precision": (lax.Precision.DEFAULT, lax.Precision.DEFAULT)})
-    return jnp.where(jnp.isnan(full), one, full)
+        return half_dot(eqn, _ROWS_DOT, y, x)[0]
+    dot = lambda p, y, x: bind(eqn, [y, x], {**eqn.params, "dimension_numbers": _ROWS_DOT, **p})[0]
+    return keeping_inf(dot, y, x) if tpu and split(eqn.params["precision"]) else dot({}, y, x)
 
 
 def _name(v: _Value) -> str | None:
@@ -217,7 +176,7 @@ def _expanded(a: jax.Array, b: jax.Array, axes: Sequence[int], dtype: Any, tpu: 
     (``(bj, *s)``) as ``|a_i|^2 + |b_j|^2 - 2 a_i . b_j``, ``(bj, bi, *kept)``: both
     centred on the y rows' mean first (the offset they share cancels exactly, not in
     rounding), the dot products one matmul at full precision (on a TPU keeping their
-    infinities: :func:`_keeping_inf`), never below 0."""
+    infinities: ``pairs.precision.keeping_inf``), never below 0."""
     a, b = a.astype(dtype), b.astype(dtype)
     centre = lax.stop_gradient(jnp.mean(b, axis=0))  # any centre: the sum does not move
     a, b = a - centre, b - centre
@@ -231,13 +190,13 @@ def _dots(a: jax.Array, b: jax.Array, axes: Sequence[int], tpu: bool) -> jax.Arr
     """``sum(a_i * b_j)`` over the feature ``axes`` of ``a`` (``(bi, *s)``) and ``b``
     (``(bj, *s)``), ``(bj, bi, *kept)``: one matmul at full precision (as the sum of
     products in float32 it stands for; on a TPU keeping its infinities:
-    :func:`_keeping_inf`)."""
+    ``pairs.precision.keeping_inf``)."""
     feat = tuple(1 + k for k in axes)
     kept = tuple(k for k in range(1, a.ndim) if k not in feat)
     dims = ((feat, feat), (kept, kept))
     highest = {"precision": lax.Precision.HIGHEST}
-    dot = lambda p: lax.dot_general(b, a, dims, **{**highest, **p})  # (*kept, bj, bi)
-    return jnp.moveaxis(_keeping_inf(dot) if tpu else dot({}), (-2, -1), (0, 1))
+    dot = lambda p, b, a: lax.dot_general(b, a, dims, **{**highest, **p})  # (*kept, bj, bi)
+    return jnp.moveaxis(keeping_inf(dot, b, a) if tpu else dot({}, b, a), (-2, -1), (0, 1))
 
 
 def _product(eqn: Any, ins: list[_Value]) -> tuple[_Value, _Value] | None:

@@ -32,7 +32,6 @@ import numpy as np
 from ..analysis.jaxpr_graph import deps, graph
 from ..core.linear import cotangent_for
 from ..core.sharding import whole
-from ..core.trace import sub_jaxprs
 from ..kernels import native
 from ..kernels.matmul_reverse import tile_cotangents
 from ..kernels.matmul_tiles import tile_states
@@ -40,7 +39,7 @@ from ..kernels.pairwise import _pad_rows
 from ..kernels.pairwise_device import Layout
 from ..monoids.reduction import LeafReduction, MonoidReduction
 from ..monoids.softmax import SoftmaxWeighted
-from .dots import MIN_FEATURES, _split, pair_jaxpr, prologue_jaxpr, sources, tile
+from .dots import MIN_FEATURES, pair_jaxpr, prologue_jaxpr, sources, tile
 from .kernel import Probe, first_row, probe_text, struct
 from .sides import sides
 
@@ -278,11 +277,10 @@ def _reverse_layout(
       compile fails where it does), then as they compile: at 64 x 64 they spilled
       43 KB per thread on an A100 (attention, float32).
     * TPU: one kernel (``kernels.matmul_reverse._one_pass``), one side's cotangents
-      whole in VMEM; XLA's loops where they do not fit, and where a float32 dot
-      product runs in split bfloat16 passes (``Precision.HIGH``/``HIGHEST``, k-NN's
-      and Sinkhorn's expanded distances): in a Mosaic kernel its transposes made
-      gradients NaN where XLA's are infinite (a TPU v5e, the special values of
-      ``tests/test_accelerator_pairwise.py``)."""
+      whole in VMEM; XLA's loops where they do not fit. A float32 dot product in
+      split bfloat16 passes (``Precision.HIGH``/``HIGHEST``, k-NN's and Sinkhorn's
+      expanded distances) keeps its infinities in its transposes too
+      (``pairs.precision.keeping_inf``)."""
     if layout.target is None:  # interpreted: at the forward kernel's tiles
         return layout
     c, x, y, _ = res
@@ -290,9 +288,6 @@ def _reverse_layout(
     least = 128 if layout.on == "tpu" else 16
     text = probe_text(prologue_jaxpr(conv, list(c), x, y, red), red)
     args = jax.tree.map(struct, (res, cts))
-    at = lambda res, cts: _reverse(conv, red, layout, res, cts, pos)
-    if layout.on == "tpu" and _split_dots(jax.make_jaxpr(at)(*args).jaxpr):
-        return dataclasses.replace(layout, on="xla")
     tried = [(bi, bj), (bi, bj // 2), (bi // 2, bj // 2), (bi // 2, bj // 4)]
     tiles = list(dict.fromkeys(t for t in tried if min(t) >= least))
     # on a GPU first the tiles whose kernels spill no register (XLA's autotuner drops
@@ -306,17 +301,6 @@ def _reverse_layout(
             if found.problem() is None:
                 return lay
     return dataclasses.replace(layout, on="xla")
-
-
-def _split_dots(jaxpr: Any) -> bool:
-    """Whether ``jaxpr`` (into sub-jaxprs and kernels) takes a float32 dot product at a
-    precision a TPU splits into bfloat16 passes (``pairs.dots._split``)."""
-    f32_dot = lambda e: e.primitive.name == "dot_general" and e.invars[0].aval.dtype == jnp.float32
-    return any(
-        (f32_dot(eqn) and _split(eqn.params["precision"]))
-        or any(_split_dots(sub) for sub in sub_jaxprs(eqn.params))
-        for eqn in jaxpr.eqns
-    )
 
 
 def _reverse(
