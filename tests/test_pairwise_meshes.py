@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 from test_pairwise import CASES, dense
 
 import adv_jax_math as ajm
+from adv_jax_math.pairs import api as pairs_api
 
 N, M = 16, 24
 
@@ -161,3 +162,49 @@ def test_matmul_tiles_on_meshes_match_dense(axis_type, spec, set_mesh):
     assert plan.engine == "pairwise tiles (matmul)", str(plan)
     expect = jax.value_and_grad(loss(want), (0, 1))(host_x, host_y)
     assert_tree_close(jax.device_get(got), expect, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("on", ["gpu", "tpu"])
+@pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto], ids=lambda t: t.name)
+def test_matmul_kernels_interpreted_on_meshes(axis_type, on, monkeypatch):
+    # the GPU and TPU matmul tile kernels, interpreted, with rows split on a mesh: the
+    # forward kernel and the reverse kernels (on a TPU one, its expanded distances'
+    # dots a custom_vjp: pairs.precision.keeping_inf)
+    monkeypatch.setattr(pairs_api, "INTERPRET_LAYOUT", on)
+    mesh = jax.make_mesh((4,), ("x",), axis_types=(axis_type,))
+    host_x = jnp.sin(jnp.arange(N * 64.0)).reshape(N, 64)
+    host_y = jnp.cos(jnp.arange(M * 64.0)).reshape(M, 64)
+    x, y = (jax.device_put(a, NamedSharding(mesh, P("x"))) for a in (host_x, host_y))
+    f = lambda a, b: -jnp.sum((a - b) ** 2) / 8
+    loss = lambda run: lambda x, y: jnp.sum(jnp.sin(run(x, y)))
+    ours = lambda x, y: ajm.pairwise(f, x, y, ajm.LOGSUMEXP, tiles=(4, 8))
+    want = lambda x, y: jax.nn.logsumexp(dense(f, x, y), axis=1)
+    with ajm.config(backend="interpret"), jax.set_mesh(mesh):
+        plan = ajm.explain_pairwise(f, x, y, ajm.LOGSUMEXP, tiles=(4, 8))
+        got = jax.jit(jax.value_and_grad(loss(ours), (0, 1)))(x, y)
+    assert f"{on} matmul tile kernel, interpreted" in plan.reason, str(plan)
+    expect = jax.value_and_grad(loss(want), (0, 1))(host_x, host_y)
+    assert_tree_close(jax.device_get(got), expect, rtol=2e-5, atol=2e-5)
+
+
+def test_no_kernel_inside_a_vmap_over_rows_on_explicit_axes():
+    # a kernel under an Explicit mesh runs in a shard_map, which jax refuses inside a
+    # vmap over rows typed on its axes (shard=True spreads the x rows so): the fused
+    # engine declines there with its reason (a jax ValueError before: "all mesh axes
+    # are already manual"), and still runs over rows not typed on the mesh
+    mesh = jax.make_mesh((4,), ("x",), axis_types=(AxisType.Explicit,))
+    host = jnp.linspace(-1.0, 1.0, N * 3).reshape(N, 3)
+    rows = jax.device_put(host, NamedSharding(mesh, P("x")))
+    inner = lambda xi: ajm.batch_map(lambda t: jnp.exp(t * xi[0]), host[:, 1], 4, reduction=ajm.ADD)
+    with ajm.config(backend="interpret"), jax.set_mesh(mesh):
+        want = jax.vmap(inner)(host)  # rows on no mesh axis: the kernel runs
+        with pytest.raises(NotImplementedError, match="inside a vmap over rows typed on"):
+            jax.vmap(inner)(rows)
+        y = jax.device_put(host, NamedSharding(mesh, P("x")))
+        run = lambda x, y: ajm.pairwise(lambda a, b: jnp.dot(a, b), x, y, ajm.ADD, shard=True)
+        with pytest.raises(NotImplementedError, match="inside a vmap over rows typed on"):
+            run(rows, y)
+    with jax.set_mesh(mesh):
+        got = jax.vmap(inner)(rows)  # not forced: the scan engine
+    assert_tree_close(jax.device_get(got), want, rtol=1e-5, atol=1e-6)
+    assert_tree_close(want, jnp.sum(jnp.exp(host[None, :, 1] * host[:, :1]), 1), rtol=1e-5)

@@ -25,6 +25,7 @@ __all__ = [
     "context_mesh",
     "explicit",
     "follow_layout",
+    "kernel_blocked",
     "mesh_context",
     "on_context_mesh",
     "on_every_device",
@@ -185,6 +186,27 @@ def whole(a: Any) -> Any:
     if not explicit(sharding) or all(s is None for s in sharding.spec):
         return a
     return jax.sharding.reshard(a, NamedSharding(sharding.mesh, PartitionSpec()))
+
+
+def kernel_blocked() -> str | None:
+    """Why no kernel can run here, or None: under an Explicit context mesh a kernel
+    runs in a ``shard_map`` (mesh axes manual), which jax refuses inside a ``vmap``
+    over rows typed on those axes (``shard=True``'s spread rows, or a user's
+    ``jax.vmap``): "all mesh axes are already manual". Found by tracing an empty
+    ``shard_map`` here."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or AxisType.Explicit not in tuple(mesh.axis_types):
+        return None
+    empty = jax.shard_map(lambda: jnp.zeros(()), mesh=mesh, in_specs=(), out_specs=PartitionSpec())
+    try:
+        jax.eval_shape(empty)
+    except ValueError:
+        axes = ", ".join(map(str, mesh.axis_names))
+        return (
+            f"inside a vmap over rows typed on the Explicit mesh axes ({axes}), which a "
+            "kernel's shard_map cannot take manual"
+        )
+    return None
 
 
 def on_every_device(kernel: Callable, *args: Any) -> Any:

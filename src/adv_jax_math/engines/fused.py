@@ -14,7 +14,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from ..analysis import tangent
 from ..core import config as _config
-from ..core.sharding import Lanes
+from ..core.sharding import Lanes, kernel_blocked
 from ..core.targets import Target, target, triton_problem
 from ..kernels.fused_reduce.backward import float_positions, plan_reverse, run_reverse
 from ..kernels.fused_reduce.fused import check, fused_states, reverse_blocks
@@ -67,6 +67,8 @@ class FusedEngine(Engine):
                 "on CPU the fused kernel only runs in interpret mode (slow); "
                 "backend='interpret' forces it"
             )
+        if (plan.lanes is None or plan.lanes.count == 1) and (why := kernel_blocked()):
+            return Rejection(f"no fused kernel: {why}", forced)
         platform = "cpu" if self.interpret else plan.platform
         reduction, max_rows = _monoid(plan)
         fun = reduction.prepare(call.fun)
