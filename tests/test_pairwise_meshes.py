@@ -187,6 +187,25 @@ def test_matmul_kernels_interpreted_on_meshes(axis_type, on, monkeypatch):
     assert_tree_close(jax.device_get(got), expect, rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("on", ["gpu", "tpu"])
+def test_matmul_kernels_interpreted_spread_with_shard(on, monkeypatch):
+    # shard=True with no mesh set: each device's x rows over all of y (pairs.spread),
+    # the matmul tile kernels interpreted there, forward and reverse
+    monkeypatch.setattr(pairs_api, "INTERPRET_LAYOUT", on)
+    x = jnp.sin(jnp.arange(N * 64.0)).reshape(N, 64)
+    y = jnp.cos(jnp.arange(M * 64.0)).reshape(M, 64)
+    f = lambda a, b: -jnp.sum((a - b) ** 2) / 8
+    loss = lambda run: lambda x, y: jnp.sum(jnp.sin(run(x, y)))
+    ours = lambda x, y: ajm.pairwise(f, x, y, ajm.LOGSUMEXP, tiles=(4, 8), shard=True)
+    want = lambda x, y: jax.nn.logsumexp(dense(f, x, y), axis=1)
+    with ajm.config(backend="interpret"):
+        plan = ajm.explain_pairwise(f, x, y, ajm.LOGSUMEXP, tiles=(4, 8), shard=True)
+        got = jax.jit(jax.value_and_grad(loss(ours), (0, 1)))(x, y)
+    assert f"{on} matmul tile kernel, interpreted" in plan.reason, str(plan)
+    assert "spread over the devices (shard=True), 4 on each" in plan.reason, str(plan)
+    assert_tree_close(got, jax.value_and_grad(loss(want), (0, 1))(x, y), rtol=2e-5, atol=2e-5)
+
+
 def test_no_kernel_inside_a_vmap_over_rows_on_explicit_axes():
     # a kernel under an Explicit mesh runs in a shard_map, which jax refuses inside a
     # vmap over rows typed on its axes (shard=True spreads the x rows so): the fused
