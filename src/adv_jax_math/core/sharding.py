@@ -24,6 +24,7 @@ __all__ = [
     "RowSharding",
     "context_mesh",
     "explicit",
+    "explicit_context",
     "follow_layout",
     "kernel_blocked",
     "mesh_context",
@@ -188,14 +189,23 @@ def whole(a: Any) -> Any:
     return jax.sharding.reshard(a, NamedSharding(sharding.mesh, PartitionSpec()))
 
 
+def explicit_context() -> Any:
+    """The abstract context mesh where it has an Explicit axis (a kernel there runs in
+    a ``shard_map``; values start on it), else None."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if getattr(mesh, "empty", True) or AxisType.Explicit not in tuple(mesh.axis_types):
+        return None
+    return mesh
+
+
 def kernel_blocked() -> str | None:
     """Why no kernel can run here, or None: under an Explicit context mesh a kernel
     runs in a ``shard_map`` (mesh axes manual), which jax refuses inside a ``vmap``
     over rows typed on those axes (``shard=True``'s spread rows, or a user's
     ``jax.vmap``): "all mesh axes are already manual". Found by tracing an empty
     ``shard_map`` here."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or AxisType.Explicit not in tuple(mesh.axis_types):
+    mesh = explicit_context()
+    if mesh is None:
         return None
     empty = jax.shard_map(lambda: jnp.zeros(()), mesh=mesh, in_specs=(), out_specs=PartitionSpec())
     try:
@@ -214,8 +224,8 @@ def on_every_device(kernel: Callable, *args: Any) -> Any:
     types) on every device, its arguments replicated: a kernel runs with manual mesh
     axes only (as the 1-D kernel does)."""
     with typed_mesh(args):
-        mesh = jax.sharding.get_abstract_mesh()
-        if mesh.empty or AxisType.Explicit not in tuple(mesh.axis_types):
+        mesh = explicit_context()
+        if mesh is None:
             return kernel(*args)
         replicated = NamedSharding(mesh, PartitionSpec())
         args = jax.tree.map(lambda a: jax.sharding.reshard(jnp.asarray(a), replicated), args)
@@ -241,8 +251,8 @@ def on_context_mesh(tree: Any) -> Any:
     and is batched later (a ``scan`` under ``vmap`` over rows split on that axis)
     would otherwise be typed on the empty mesh with the rows' axis, which jax refuses
     (``Resource axis ... not found in mesh: ()``)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if getattr(mesh, "empty", True) or AxisType.Explicit not in tuple(mesh.axis_types):
+    mesh = explicit_context()
+    if mesh is None:
         return tree
 
     def put(x: Any) -> Any:

@@ -10,11 +10,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.extend.core import ClosedJaxpr
-from jax.sharding import AxisType, NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
 from ..analysis import tangent
 from ..core import config as _config
-from ..core.sharding import Lanes, kernel_blocked
+from ..core.sharding import Lanes, explicit_context, kernel_blocked
 from ..core.targets import Target, target, triton_problem
 from ..kernels.fused_reduce.backward import float_positions, plan_reverse, run_reverse
 from ..kernels.fused_reduce.fused import check, fused_states, reverse_blocks
@@ -142,8 +142,7 @@ class FusedEngine(Engine):
         constants with a cotangent."""
         if plan.lanes is not None and plan.lanes.count > 1:
             return "the rows are spread over devices (no backward kernel per device yet)", None, 0
-        mesh = jax.sharding.get_abstract_mesh()
-        if not mesh.empty and AxisType.Explicit in tuple(mesh.axis_types):
+        if explicit_context() is not None:
             return "under a mesh with Explicit axes (no backward kernel in shard_map yet)", None, 0
         reduction, _ = _monoid(plan)
         targets = self._reverse_targets(plan)
@@ -285,8 +284,8 @@ class FusedEngine(Engine):
         )
         lanes = plan.lanes
         if lanes is None or lanes.count == 1:
-            mesh = jax.sharding.get_abstract_mesh()
-            if mesh.empty or AxisType.Explicit not in tuple(mesh.axis_types):
+            mesh = explicit_context()
+            if mesh is None:
                 return run(list(closed.consts), xs, offset)
             # A kernel runs with manual mesh axes only: under an Explicit context mesh,
             # on every device, replicated (rows spread over devices use lanes).

@@ -228,13 +228,13 @@ def _matmul(
         f"per tile of {bi} x {bj} pairs, each term's cotangents of f's values from the final "
         "states, then one VJP for the tile's x rows, y rows and closed-over values"
     )
+    spills = ", first with no register spilled" if layout.on == "gpu" else ""
     probed = (
-        f"at the largest of {bi} x {bj} down to a quarter that compiles (probed when the "
-        "gradient is traced), else XLA's loops"
+        f"at the largest of {bi} x {bj} down to a quarter that compiles{spills} (probed "
+        "when the gradient is traced), else XLA's loops"
     )
     kernels = layout.on in ("gpu", "tpu") and layout.target is not None
     if kernels and layout.on == "gpu":
-        probed = probed.replace(" that compiles", " that compiles, first with no register spilled")
         where = f"two kernels (dx over the x tiles, dy over the y tiles) {probed}"
     elif kernels:
         where = (
