@@ -32,7 +32,7 @@ from adv_jax_math.kernels.fused_reduce.probe import Probed
 from adv_jax_math.pairs import api as pairs_api
 from adv_jax_math.pairs import kernel as pairs_kernel
 from adv_jax_math.pairs import matmul as pairs_matmul
-from adv_jax_math.pairs.precision import keeping_inf
+from adv_jax_math.pairs.precision import keeping_inf_reverse
 
 N, M, D, TILES = 37, 53, 64, (8, 16)
 MATMUL = "pairwise tiles (matmul)"
@@ -145,7 +145,7 @@ def test_gpu_reverse_tiles_are_probed_without_spills_first(monkeypatch):
 def test_tpu_reverse_kernel_takes_split_precision_dots(precision):
     # on a TPU a float32 dot at HIGH/HIGHEST runs in bfloat16 passes, whose transposes
     # in a Mosaic kernel lost infinities (a TPU v5e): they keep them as the forward
-    # dot does (pairs.precision.keeping_inf), and the reverse pass is one kernel
+    # dot does (pairs.precision.keeping_inf_reverse), and the reverse pass is one kernel
     f = lambda q, kv: (jnp.dot(q, kv[0], precision=precision) / 8.0, kv[1])
     q, kv = _attention_inputs(64)
     loss = lambda q, kv: jnp.sum(ajm.pairwise(f, q, kv, ajm.SOFTMAX_WEIGHTED))
@@ -396,10 +396,10 @@ def test_squared_distances_far_from_the_origin(d):
     np.testing.assert_array_equal(idx, np.argsort(exact, 1)[:, :5])
 
 
-def test_keeping_inf_keeps_infinities_in_its_cotangents():
+def test_keeping_inf_reverse_keeps_infinities_in_its_cotangents():
     # a TPU's float32 dot in bfloat16 passes (whose low parts, inf - inf, are NaN),
     # as Mosaic's was on a v5e, emulated on the CPU: the product and its cotangents
-    # are NaN where the plain dot's are infinite, and keeping_inf gives the plain ones
+    # are NaN where the plain dot's are infinite, and keeping_inf_reverse gives the plain ones
     def split_dot(params, a, b):
         one = jnp.dot(a, b)  # one pass (the default precision)
         return one if params else one + jnp.dot(a - a, b - b)
@@ -409,9 +409,37 @@ def test_keeping_inf_keeps_infinities_in_its_cotangents():
     ct = normal(2, (5, 6))
     plain_out, plain_vjp = jax.vjp(jnp.dot, a, b)
     split_out, split_vjp = jax.vjp(functools.partial(split_dot, {}), a, b)
-    kept_out, kept_vjp = jax.vjp(functools.partial(keeping_inf, split_dot), a, b)
+    kept_out, kept_vjp = jax.vjp(functools.partial(keeping_inf_reverse, split_dot), a, b)
     assert jnp.isnan(split_out).any() and not jnp.isnan(plain_out).any()
     assert any(jnp.isnan(d).any() for d in split_vjp(ct))
     assert not any(jnp.isnan(d).any() for d in plain_vjp(ct))
     assert_tree_close(kept_out, plain_out, rtol=1e-6, atol=0)
     assert_tree_close(kept_vjp(ct), plain_vjp(ct), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("on", ["gpu", "tpu"])
+def test_matmul_kernels_interpreted_every_order(on, monkeypatch):
+    # jvp, grad of grad and forward over reverse (a Hessian-vector product) through the
+    # matmul tile kernels, interpreted, expanded distances at HIGHEST: under jax.jvp of
+    # a gradient the forward kernel's states are differentiated in forward mode, which
+    # a custom_vjp refuses (the TPU's dots keep infinities by one in the reverse kernel
+    # only: pairs.precision.keeping_inf_reverse)
+    monkeypatch.setattr(pairs_api, "INTERPRET_LAYOUT", on)
+    x, y = 0.2 * normal(0, (13, 64)), 0.2 * normal(1, (21, 64))
+    f = lambda a, b: -jnp.sum((a - b) ** 2) / 8
+    ours = lambda x, y: ajm.pairwise(f, x, y, ajm.LOGSUMEXP, tiles=(4, 8))
+    plain = lambda x, y: jax.nn.logsumexp(dense(f, x, y), axis=1)
+    loss = lambda run: lambda x, y: jnp.sum(jnp.sin(run(x, y)))
+    tx, ty = jnp.cos(3 * x), jnp.sin(2 * y)
+
+    def orders(run):
+        jvp = jax.jvp(run, (x, y), (tx, ty))[1]
+        grad2 = jax.grad(lambda x, y: jnp.sum(jax.grad(loss(run))(x, y) ** 2), (0, 1))(x, y)
+        hvp = jax.jvp(lambda x: jax.grad(loss(run))(x, y), (x,), (tx,))[1]
+        return jvp, grad2, hvp
+
+    with ajm.config(backend="interpret"):
+        plan = ajm.explain_pairwise(f, x, y, ajm.LOGSUMEXP, tiles=(4, 8))
+        got = orders(ours)
+    assert f"{on} matmul tile kernel, interpreted" in plan.reason, str(plan)
+    assert_tree_close(got, orders(plain), rtol=1e-4, atol=1e-4)

@@ -169,7 +169,7 @@ def test_matmul_tiles_on_meshes_match_dense(axis_type, spec, set_mesh):
 def test_matmul_kernels_interpreted_on_meshes(axis_type, on, monkeypatch):
     # the GPU and TPU matmul tile kernels, interpreted, with rows split on a mesh: the
     # forward kernel and the reverse kernels (on a TPU one, its expanded distances'
-    # dots a custom_vjp: pairs.precision.keeping_inf)
+    # dots a custom_vjp there: pairs.precision.keeping_inf_reverse)
     monkeypatch.setattr(pairs_api, "INTERPRET_LAYOUT", on)
     mesh = jax.make_mesh((4,), ("x",), axis_types=(axis_type,))
     host_x = jnp.sin(jnp.arange(N * 64.0)).reshape(N, 64)

@@ -55,7 +55,7 @@ from ..kernels.pairwise_device import Layout
 from ..kernels.unrolled import is_product
 from ..monoids.reduction import MonoidReduction
 from .kernel import first_row, struct
-from .precision import half_dot, keeping_inf, split
+from .precision import Keeping, half_dot, keeping_inf, keeping_inf_reverse, split
 
 __all__ = ["MIN_FEATURES", "guarded", "outputs", "pair_jaxpr", "prologue_jaxpr", "sources", "tile"]
 
@@ -89,23 +89,23 @@ def _kind(ins: list[_Value]) -> str:
     return kinds.pop() if len(kinds) == 1 else "p" if kinds else "c"
 
 
-def _lift(eqn: Any, ins: list[_Value], kind: str, on: str) -> list:
+def _lift(eqn: Any, ins: list[_Value], kind: str, on: str, inf: Keeping | None) -> list:
     """``eqn`` on the tile (run ``on``, a ``Layout.on``): under a vmap over the x rows,
     one over the y rows, or both (the y rows outer) as ``kind`` says; a dot product of
     an x-only and a y-only vector one matmul (:func:`_pair_dot`) but in Triton's. A dot
     product of half floats accumulates in float32 (as the matrix units do; Mosaic takes
     no other), then is rounded; one of float32 on a TPU above the default precision
-    keeps its infinities (``pairs.precision``)."""
-    tpu, dot_general = on == "tpu", eqn.primitive.name == "dot_general"
-    if dot_general and on != "gpu" and (pair := _pair_dot(eqn, ins, tpu)) is not None:
+    keeps its infinities (``inf``: a ``pairs.precision`` function, None off a TPU)."""
+    dot_general = eqn.primitive.name == "dot_general"
+    if dot_general and on != "gpu" and (pair := _pair_dot(eqn, ins, inf)) is not None:
         return [pair]
     fn: Callable[..., list] = lambda *a: bind(eqn, a)
     kinds = [v.kind for v in ins]
     if dot_general and jnp.dtype(eqn.outvars[0].aval.dtype).itemsize < 4:
         fn = functools.partial(half_dot, eqn, None)
-    elif dot_general and tpu and split(eqn.params["precision"]):
+    elif dot_general and inf is not None and split(eqn.params["precision"]):
         dot = lambda p, a, b: bind(eqn, [a, b], {**eqn.params, **p})[0]
-        fn = lambda a, b: [keeping_inf(dot, a, b)]
+        fn = lambda a, b: [inf(dot, a, b)]
     if kind in "xp":
         fn = jax.vmap(fn, tuple(0 if k in "xp" else None for k in kinds))
     if kind in "yp":
@@ -116,7 +116,7 @@ def _lift(eqn: Any, ins: list[_Value], kind: str, on: str) -> list:
 _ROWS_DOT = (((1,), (1,)), ((), ()))  # rows by rows: (bj, D) . (bi, D) -> (bj, bi)
 
 
-def _pair_dot(eqn: Any, ins: list[_Value], tpu: bool) -> jax.Array | None:
+def _pair_dot(eqn: Any, ins: list[_Value], inf: Keeping | None) -> jax.Array | None:
     """``eqn`` (a ``dot_general``) on the tile as one matmul of its y rows by its x rows,
     ``(bj, bi)`` as the tile's values are, where it is a dot product of an x-only and a
     y-only vector (else None). Its vmaps made ``(bi, bj)`` and a transpose (on a TPU a
@@ -131,7 +131,7 @@ def _pair_dot(eqn: Any, ins: list[_Value], tpu: bool) -> jax.Array | None:
     if jnp.dtype(eqn.outvars[0].aval.dtype).itemsize < 4:
         return half_dot(eqn, _ROWS_DOT, y, x)[0]
     dot = lambda p, y, x: bind(eqn, [y, x], {**eqn.params, "dimension_numbers": _ROWS_DOT, **p})[0]
-    return keeping_inf(dot, y, x) if tpu and split(eqn.params["precision"]) else dot({}, y, x)
+    return inf(dot, y, x) if inf and split(eqn.params["precision"]) else dot({}, y, x)
 
 
 def _name(v: _Value) -> str | None:
@@ -171,7 +171,9 @@ def _squared_distance(eqn: Any, ins: list[_Value]) -> tuple[_Value, _Value, int]
     return a, b, features
 
 
-def _expanded(a: jax.Array, b: jax.Array, axes: Sequence[int], dtype: Any, tpu: bool) -> jax.Array:
+def _expanded(
+    a: jax.Array, b: jax.Array, axes: Sequence[int], dtype: Any, inf: Keeping | None
+) -> jax.Array:
     """``sum((a_i - b_j)^2)`` over the feature ``axes`` of ``a`` (``(bi, *s)``) and ``b``
     (``(bj, *s)``) as ``|a_i|^2 + |b_j|^2 - 2 a_i . b_j``, ``(bj, bi, *kept)``: both
     centred on the y rows' mean first (the offset they share cancels exactly, not in
@@ -182,11 +184,11 @@ def _expanded(a: jax.Array, b: jax.Array, axes: Sequence[int], dtype: Any, tpu: 
     a, b = a - centre, b - centre
     feat = tuple(1 + k for k in axes)
     norm_a, norm_b = jnp.sum(a * a, feat), jnp.sum(b * b, feat)
-    ab = _dots(a, b, axes, tpu)
+    ab = _dots(a, b, axes, inf)
     return jnp.maximum(norm_b[:, None] + norm_a[None] - 2 * ab, 0)
 
 
-def _dots(a: jax.Array, b: jax.Array, axes: Sequence[int], tpu: bool) -> jax.Array:
+def _dots(a: jax.Array, b: jax.Array, axes: Sequence[int], inf: Keeping | None) -> jax.Array:
     """``sum(a_i * b_j)`` over the feature ``axes`` of ``a`` (``(bi, *s)``) and ``b``
     (``(bj, *s)``), ``(bj, bi, *kept)``: one matmul at full precision (as the sum of
     products in float32 it stands for; on a TPU keeping its infinities:
@@ -196,7 +198,7 @@ def _dots(a: jax.Array, b: jax.Array, axes: Sequence[int], tpu: bool) -> jax.Arr
     dims = ((feat, feat), (kept, kept))
     highest = {"precision": lax.Precision.HIGHEST}
     dot = lambda p, b, a: lax.dot_general(b, a, dims, **{**highest, **p})  # (*kept, bj, bi)
-    return jnp.moveaxis(keeping_inf(dot, b, a) if tpu else dot({}, b, a), (-2, -1), (0, 1))
+    return jnp.moveaxis(inf(dot, b, a) if inf else dot({}, b, a), (-2, -1), (0, 1))
 
 
 def _product(eqn: Any, ins: list[_Value]) -> tuple[_Value, _Value] | None:
@@ -268,6 +270,7 @@ def tile(
     given: dict[int, Any] | None = None,
     made: list | None = None,
     own: list | None = None,
+    reverse: bool = False,
 ) -> list:
     """The values of ``closed`` (a :func:`pair_jaxpr`) on a tile of x rows ``xs`` and
     y rows ``ys`` (leaves, rows first), each a :class:`_Value`: its equations walked,
@@ -280,8 +283,13 @@ def tile(
     Every value is appended to ``made`` as it is walked (its number there the same in
     every walk of ``closed``); ``given`` numbers values to take as they are (guarded)
     instead of making them, and what only they read is never made (``pairs.sides``).
-    ``own``: the values of ``closed``'s constants (default: its own)."""
-    guard, tpu = guarded(keep), on == "tpu"
+    ``own``: the values of ``closed``'s constants (default: its own). ``reverse``: the
+    reverse kernel's tiles, whose float32 dots above the default precision on a TPU
+    keep their infinities in their cotangents too (reverse mode only:
+    ``pairs.precision.keeping_inf_reverse``)."""
+    guard, inf = guarded(keep), None
+    if on == "tpu":
+        inf = keeping_inf_reverse if reverse else keeping_inf
     made = [] if made is None else made
     given = given or {}
 
@@ -296,7 +304,7 @@ def tile(
         if (product := _product(eqn, ins)) is not None:
             a, b = product
             dtype, axes = eqn.outvars[0].aval.dtype, eqn.params["axes"]
-            dot = lambda: _dots(a.get().astype(dtype), b.get().astype(dtype), axes, tpu)
+            dot = lambda: _dots(a.get().astype(dtype), b.get().astype(dtype), axes, inf)
             return [value("p", lambda: [guard("p", dot())], ins=(a, b))]
         if (match := _squared_distance(eqn, ins)) is not None:
             a, b, features = match
@@ -304,14 +312,16 @@ def tile(
                 found.append((features, features >= MIN_FEATURES))
             if features >= MIN_FEATURES:
                 dtype, axes = eqn.outvars[0].aval.dtype, eqn.params["axes"]
-                d = lambda: _expanded(a.get(), b.get(), axes, dtype, tpu)
+                d = lambda: _expanded(a.get(), b.get(), axes, dtype, inf)
                 return [value("p", lambda: [guard("p", d())], ins=(a, b))]
         kind = _kind(ins)
         make = functools.cache(
             lambda: [
                 guard(kind, o)
                 for o in (
-                    _lift(eqn, ins, kind, on) if kind != "c" else bind(eqn, [v.get() for v in ins])
+                    _lift(eqn, ins, kind, on, inf)
+                    if kind != "c"
+                    else bind(eqn, [v.get() for v in ins])
                 )
             ]
         )

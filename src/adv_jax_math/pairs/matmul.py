@@ -280,7 +280,7 @@ def _reverse_layout(
       whole in VMEM; XLA's loops where they do not fit. A float32 dot product in
       split bfloat16 passes (``Precision.HIGH``/``HIGHEST``, k-NN's and Sinkhorn's
       expanded distances) keeps its infinities in its transposes too
-      (``pairs.precision.keeping_inf``)."""
+      (``pairs.precision.keeping_inf_reverse``)."""
     if layout.target is None:  # interpreted: at the forward kernel's tiles
         return layout
     c, x, y, _ = res

@@ -1,6 +1,7 @@
 """Dot products as the matrix units take them (``pairs.dots``' tiles): half floats
 accumulated in float32 (:func:`half_dot`), and float32 above the default precision
-on a TPU keeping its infinities (:func:`keeping_inf`), forward and reverse."""
+on a TPU keeping its infinities (:func:`keeping_inf`; in the reverse kernel in its
+cotangents too: :func:`keeping_inf_reverse`)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from jax import lax
 
 from ..analysis.jaxpr_graph import bind
 
-__all__ = ["half_dot", "keeping_inf", "split"]
+__all__ = ["Dot", "Keeping", "half_dot", "keeping_inf", "keeping_inf_reverse", "split"]
 
 _ONE_PASS = {"precision": (lax.Precision.DEFAULT, lax.Precision.DEFAULT)}
 
@@ -53,23 +54,32 @@ def split(precision: Any) -> bool:
 
 
 Dot = Callable[[dict, jax.Array, jax.Array], jax.Array]
+Keeping = Callable[..., jax.Array]  # keeping_inf or keeping_inf_reverse: (dot, a, b)
 
 
 def _either(full: jax.Array, one: jax.Array) -> jax.Array:
     return jnp.where(jnp.isnan(full), one, full)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def keeping_inf(dot: Dot, a: jax.Array, b: jax.Array) -> jax.Array:
     """``dot({}, a, b)``, or where it is NaN ``dot`` at the default precision (one
     bfloat16 pass). Mosaic's float32 dot product in bfloat16 passes
     (Precision.HIGHEST) is NaN for ``[1, inf] . [1, 1]``, XLA's is inf (measured on a
     TPU v5e, jax 0.10.2): a split ``inf - bf16(inf)``. One pass keeps the infinities;
     a finite result has no NaN to replace. It costs a pass more than the dot (six at
-    HIGHEST). Its cotangents are made the same way: JAX's transposes of the dot (at
-    its precision, in the reverse kernel on a TPU) lose the infinities as the dot
-    does. Reverse mode only (``pairs.grad`` takes forward mode on the scan engine)."""
+    HIGHEST). Differentiable in every mode, as JAX differentiates its two dots."""
     return _either(dot({}, a, b), dot(_ONE_PASS, a, b))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def keeping_inf_reverse(dot: Dot, a: jax.Array, b: jax.Array) -> jax.Array:
+    """:func:`keeping_inf` whose cotangents are made the same way: JAX's transposes of
+    the dot (at its precision, in the reverse kernel on a TPU) lose the infinities as
+    the dot does (NaN gradients of ``tests/test_accelerator_pairwise.py``'s special
+    values on a TPU v5e). Reverse mode only: for the reverse kernel's tiles
+    (``pairs.sides``), which nothing differentiates in forward mode (the forward
+    kernel's states are, under ``jax.jvp`` of a gradient)."""
+    return keeping_inf(dot, a, b)
 
 
 def _keeping_inf_fwd(dot: Dot, a: jax.Array, b: jax.Array) -> tuple:
@@ -82,4 +92,4 @@ def _keeping_inf_bwd(dot: Dot, res: tuple, ct: jax.Array) -> tuple:
     return tuple(map(_either, full, one))
 
 
-keeping_inf.defvjp(_keeping_inf_fwd, _keeping_inf_bwd)
+keeping_inf_reverse.defvjp(_keeping_inf_fwd, _keeping_inf_bwd)

@@ -58,7 +58,7 @@ def sides(
 
     def find(c: list, xs: list, ys: list) -> None:
         made: list = []
-        outs = tile(closed, c, xs, ys, made=made, on=on)
+        outs = tile(closed, c, xs, ys, made=made, on=on, reverse=True)
         number = {id(v): k for k, v in enumerate(made)}
         ends = {"x": [v for v in outs if v.kind == "x"], "y": [v for v in outs if v.kind == "y"]}
         seen, todo = set(), [v for v in outs if v.kind == "p"]
@@ -85,7 +85,7 @@ def sides(
         def run(c: list, rows: list) -> list:
             made: list = []
             xs, ys = (rows, nones(y)) if kind == "x" else (nones(x), rows)
-            tile(closed, c, xs, ys, made=made, on=on)
+            tile(closed, c, xs, ys, made=made, on=on, reverse=True)
             return [made[k].get() for k in cut[kind]]
 
         return run
@@ -93,7 +93,17 @@ def sides(
     def pairs(c: list, bx: list, by: list, keep: tuple | None = None) -> list:
         given = dict(zip(cut["x"] + cut["y"], bx + by, strict=True))
         k = len(closed.consts)
-        vals = tile(closed, c[k:], nones(x), nones(y), keep=keep, on=on, given=given, own=c[:k])
+        vals = tile(
+            closed,
+            c[k:],
+            nones(x),
+            nones(y),
+            keep=keep,
+            on=on,
+            given=given,
+            own=c[:k],
+            reverse=True,
+        )
         return outputs(vals, per_y, bx[0].shape[0], by[0].shape[0], guarded(keep))
 
     floats = cut["floats"]
