@@ -11,6 +11,8 @@ Compiles for real targets: ``bench/accel/compile_targets.py`` (``make test-accel
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,6 +20,7 @@ import pytest
 import test_special_values as special
 from cases import plain_pair
 from helpers import assert_tree_close, needs_abstract_devices, needs_kernel, normal, oracle
+from jax import lax
 
 import adv_jax_math as ajm
 from adv_jax_math.core import targets
@@ -118,8 +121,82 @@ def test_rows_of_features_go_feature_by_feature(name, fun, x, monoid, axis):
     assert_tree_close(got, oracle(monoid, axis)(fun(xs)), rtol=3e-6, atol=3e-6)
 
 
+W16 = np.linspace(-0.5, 0.5, 16 * 8, dtype=np.float32).reshape(16, 8)
+
+
+@pytest.mark.parametrize(
+    ("name", "fun", "x", "monoid", "axis"),
+    [
+        ("outer", lambda x: x[:, :, None] * x[:, None, :], (700, 16), "max", 0),
+        ("wide tanh", lambda x: jnp.tanh(x) * x, (517, 8, 16), "add", 0),
+        ("wide, every element", lambda x: jnp.cos(x) - x, (300, 4, 32), "logsumexp", None),
+        ("a layer", lambda x: jnp.tanh(x @ W16), (1001, 16), "add", 0),
+        ("a layer's max", lambda x: jnp.sin(x @ W16[:, :3]) * 2.0, (999, 16), "max", 0),
+    ],
+)
+def test_wide_rows_go_in_element_groups(name, fun, x, monoid, axis):
+    """Where one row's values do not fit a thread's registers at once, ``fun``'s output
+    elements are folded in groups, a kernel each, each reading the features its
+    elements need; products by a constant matrix are unrolled into sums of products."""
+    from adv_jax_math.kernels.fused_reduce.groups import REGISTERS
+
+    xs = normal(len(x), x)
+    reduction, chunk = plain_pair(monoid, axis)
+    call = lambda x: ajm.batch_map(fun, x, 256, reduction=reduction, chunk_reduction=chunk)
+    with ajm.config(backend="interpret", gpu_backend="mosaic_gpu"):
+        plan = ajm.explain(fun, xs, 256, reduction=reduction, chunk_reduction=chunk)
+        got = jax.jit(call)(xs)
+    assert plan.engine == "interpret" and "Pallas Mosaic GPU interpreter" in plan.reason, plan
+    if math.prod(x[1:]) * 2 > REGISTERS:
+        assert "kernels, each folding a group of fun's output elements" in plan.reason, plan
+    assert_tree_close(got, oracle(monoid, axis)(fun(xs)), rtol=3e-6, atol=3e-6)
+
+
+@pytest.mark.parametrize("monoid", ["add", "max", "logsumexp"])
+@pytest.mark.parametrize("fun", ["layer", "wide"])
+def test_element_groups_have_gradients(monoid, fun):
+    """The backward kernel goes in element groups too: a layer's outputs each read every
+    feature (each group adds its share of their cotangents to the earlier groups') and
+    a column of ``w`` (its cotangents summed per program and over groups); a wide
+    elementwise ``fun``'s groups read features of their own. Max's tallies per group."""
+    reduction, plain = GRADS[monoid]
+    if fun == "layer":
+        x, w = normal(3, (1001, 16)), normal(4, (16, 24)) * 0.3
+        f = lambda w: lambda v: jnp.tanh(v @ w) + 0.1 * jnp.sum(v, axis=1, keepdims=True)
+    else:
+        x, w = normal(5, (700, 8, 16)), normal(6, (8, 16))
+        f = lambda w: lambda v: jnp.tanh(v * w) * v
+    loss = lambda w, x: jnp.sum(ajm.batch_map(f(w), x, 256, reduction=reduction) ** 2)
+    with ajm.config(backend="interpret", gpu_backend="mosaic_gpu"):
+        plan = ajm.explain(f(w), x, 256, reduction=reduction)
+        got = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(w, x)
+    assert "kernels, each folding a group of fun's output elements" in plan.reason, plan.reason
+    assert "(Pallas Mosaic GPU interpreter)" in plan.backward, plan.backward
+    want = jax.value_and_grad(lambda w, x: jnp.sum(plain(f(w)(x)) ** 2), argnums=(0, 1))(w, x)
+    assert_tree_close(got, want, rtol=2e-5, atol=5e-4)  # (gradients of up to 1500)
+
+
+def test_element_groups_fit_their_budget_and_read_what_they_need():
+    """``groups.grouped``: consecutive elements, each group within the budget (values
+    live at once in the unrolled jaxpr's order, states included), as large as fits;
+    an elementwise ``fun``'s group reads exactly its elements' features; one element
+    past the budget alone is reported by its count."""
+    from adv_jax_math.kernels.fused_reduce.groups import grouped
+
+    n = 24
+    trace = lambda *v: [jnp.tanh(a) * a for a in v]
+    closed = jax.make_jaxpr(trace)(*[jax.ShapeDtypeStruct((128,), jnp.float32)] * n)
+    reads = [(e,) for e in range(n)]
+    groups = grouped(closed.jaxpr, 0, reads, [1] * n, vec=1, budget=16)
+    assert [e for g in groups for e in g.elements] == list(range(n))
+    for g in groups:
+        assert g.peak <= 16 and g.features == g.elements and g.consts == ()
+    assert len(groups) < n / 3  # (each element: its feature, tanh, product, state)
+    assert grouped(closed.jaxpr, 0, reads, [1] * n, vec=2, budget=4) == 7  # 3 vectors of 2, 1
+
+
 def test_values_wider_inside_fun_than_its_rows_have_gradients():
-    """``fun`` may hold more values per row than it reads or returns (up to 64): the
+    """``fun`` may hold more values per row than it reads or returns: the
     backward kernel unrolls them too."""
     x = normal(9, (2001,))
     loss = lambda x: ajm.batch_map(mixture, x, 256, reduction=ajm.LOGSUMEXP)
@@ -202,6 +279,19 @@ def lowered_on(kind, fun, x, **options):
 
 
 X1 = jax.ShapeDtypeStruct((100003,), jnp.float32)
+
+
+@pytest.mark.parametrize("y", [-3, -1, 0, 1])
+def test_small_powers_agree_with_jax_at_edge_values(y):
+    """``integer_pow`` below 2 (Mosaic GPU lowers only -1) from products and a division,
+    as jax computes it, at zeros, infinities and NaN too; differentiated, it gives
+    ``x ** 1`` itself."""
+    from adv_jax_math.kernels.fused_reduce.interpreter import small_power
+
+    x = jnp.array([0.0, -0.0, 1.5, -2.0, 1e-20, 1e30, jnp.inf, -jnp.inf, jnp.nan], jnp.float32)
+    np.testing.assert_array_equal(small_power(x, y), lax.integer_pow(x, y))
+
+
 X2 = jax.ShapeDtypeStruct((100003, 4), jnp.float32)
 SIN = lambda x: jnp.sin(x) ** 2
 
@@ -228,15 +318,18 @@ def test_hopper_takes_rows_of_features_feature_by_feature():
 
 
 @needs_abstract_devices
-def test_hopper_takes_values_wider_inside_fun_and_declines_past_64():
-    """A ``fun`` may widen its rows inside (16 components of one value); past 64
-    values per row Mosaic GPU declines with the shape (Triton takes it)."""
+def test_hopper_takes_values_wider_inside_fun_and_declines_past_a_threads_registers():
+    """A ``fun`` may widen its rows inside (16 components of one value); where one
+    element of its output needs more values of a row at once than a thread may hold
+    (256 constants' elements and the products made of them, all before their sum),
+    Mosaic GPU declines with the count (Triton takes it)."""
     assert explain_on(H100, mixture, X1).block_backend == "mosaic_gpu"
-    scales = np.linspace(0.0, 1.0, 128, dtype=np.float32)
+    scales = np.linspace(0.0, 1.0, 256, dtype=np.float32)
     wide = lambda x: jnp.sum(jnp.sin(x[:, None] * scales), axis=1)
     plan = explain_on(H100, wide, X1)
     assert plan.block_backend == "triton", plan
-    assert "up to 64 values per row, but fun holds float32[" in plan.reason, plan.reason
+    why = "Mosaic GPU holds one row per thread: one element of fun's output needs "
+    assert why in plan.reason and "over the 128 a thread may hold" in plan.reason, plan.reason
 
 
 @needs_abstract_devices
@@ -251,12 +344,6 @@ def test_rows_of_three_fuse_on_hopper_not_on_ampere():
 @needs_abstract_devices
 def test_hopper_falls_back_to_triton_with_mosaic_gpus_reason():
     """What the Mosaic GPU kernel does not take goes to Triton, and explain says why."""
-    outer = lambda x: x[:, :, None] * x[:, None, :]
-    wide = explain_on(H100, outer, jax.ShapeDtypeStruct((4099, 16), jnp.float32))
-    assert "(Pallas Triton" in wide.reason and wide.block_backend == "triton", wide
-    why = "Pallas Mosaic GPU not used: Mosaic GPU lowers one value per row, so fun's blocks go "
-    assert why in wide.reason, wide.reason
-    assert "up to 64 values per row, but fun holds float32[Bk, 16, 16]" in wide.reason
     mixed = explain_on(H100, lambda x: x - jnp.mean(x), X2)  # the block's mean: not row by row
     assert "only when fun works row by row" in mixed.reason and "(Pallas Triton" in mixed.reason
     floor = explain_on(H100, lambda x: jnp.floor(x * 3.0), X1)
@@ -264,6 +351,46 @@ def test_hopper_falls_back_to_triton_with_mosaic_gpus_reason():
     with jax.sharding.use_abstract_mesh(abstract_mesh("cuda", H100)):
         small = ajm.explain(SIN, X1, 64, reduction=jnp.add, chunk_reduction=lambda y: y.sum(0))
     assert "Mosaic GPU blocks need at least 128 rows (a warpgroup's threads)" in small.reason
+
+
+@needs_abstract_devices
+def test_hopper_groups_wide_rows_and_weighs_their_reads():
+    """A layer's 32 outputs go in element groups on Mosaic GPU (lowered: one custom
+    call per group, no Triton); k-NN against 128 query points needs 26 groups, each
+    reading every feature and launching once, which the roofline model finds slower
+    than the scan engine at 10007 rows: Mosaic GPU declines with that verdict, and
+    Triton's kernel (the next step) is weighed and taken."""
+    w = np.linspace(-0.5, 0.5, 16 * 32, dtype=np.float32).reshape(16, 32)
+    layer = lambda x: jnp.tanh(x @ w)
+    x16 = jax.ShapeDtypeStruct((100003, 16), jnp.float32)
+    plan = explain_on(H100, layer, x16)
+    assert plan.block_backend == "mosaic_gpu", plan
+    groups = int(plan.reason.split(", in ")[-1].split(" kernels, each folding a group")[0])
+    assert groups > 1, plan.reason
+    text = lowered_on(H100, layer, x16)
+    assert text.count("mosaic_gpu") >= groups and "triton" not in text
+    q = np.linspace(-1, 1, 128 * 16, dtype=np.float32).reshape(128, 16)
+    knn = lambda p: jnp.sum(p * p, axis=1, keepdims=True) - 2.0 * (p @ q.T)
+    plan = explain_on(H100, knn, jax.ShapeDtypeStruct((10007, 16), jnp.float32))
+    assert plan.block_backend == "triton", plan
+    why = "Pallas Mosaic GPU not used: the roofline model says the scan engine is faster: "
+    assert why in plan.reason and "27 launches" in plan.reason, plan.reason
+
+
+@needs_abstract_devices
+def test_constants_of_the_blocks_size_and_of_it_by_chance():
+    """fun traced on 128 rows: 128 query points are a constant of that size by chance
+    (a trace on 256 rows has them too), a column of the block's row numbers is not."""
+    q = np.linspace(-1, 1, 128 * 16, dtype=np.float32).reshape(128, 16)
+    knn = lambda p: jnp.sum(p * p, axis=1, keepdims=True) - 2.0 * (p @ q.T)
+    sized = lambda x: x * np.arange(x.shape[0], dtype=np.float32)[:, None]
+    x16 = jax.ShapeDtypeStruct((100003, 16), jnp.float32)
+    with jax.sharding.use_abstract_mesh(abstract_mesh("cuda", H100)):
+        top = ajm.explain(knn, x16, 1024, reduction=ajm.top_k(8, smallest=True))
+        plan = ajm.explain(sized, x16, 1024, reduction=jnp.add, chunk_reduction=jnp.sum)
+    assert top.block_backend == "mosaic_gpu", top.reason
+    assert plan.block_backend == "triton", plan.reason
+    assert "a constant of fun has a leading axis of the block's 128 rows" in plan.reason
 
 
 @needs_abstract_devices

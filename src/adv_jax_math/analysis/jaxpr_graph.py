@@ -165,21 +165,32 @@ _ROW_REDUCE = frozenset({"reduce_sum", "reduce_max", "reduce_min"})
 
 def row_local(closed: ClosedJaxpr, rows: int, bounded: bool = True) -> bool:
     """Whether ``closed``, traced on ``rows`` rows (calls inlined, no effects), works row
-    by row: elementwise operations, reshapes and broadcasts, and sums, maxima or minima
-    over other axes than the rows (``norm(r, axis=-1)``); ``bounded``: with no value
-    larger per row than its largest input or output."""
+    by row: elementwise operations, reshapes and broadcasts, sums, maxima or minima
+    over other axes than the rows (``norm(r, axis=-1)``), products of the rows by a
+    matrix made of constants only (``x @ w``), and anything of constants only (what
+    depends on no input); ``bounded``: with no value larger per row than its largest
+    input or output."""
     shape = lambda v: tuple(v.aval.shape)
     per_row = lambda v: int(np.prod(shape(v)[1:] if shape(v)[:1] == (rows,) else shape(v)))
     ends = [v for v in (*closed.jaxpr.invars, *closed.jaxpr.outvars) if not isinstance(v, Literal)]
     bound = max((per_row(v) for v in ends), default=0)
 
     def ok(jaxpr: Jaxpr) -> bool:
+        rowed = set(jaxpr.invars)  # what depends on an input (a call's: all of its own)
         for eqn in jaxpr.eqns:
             name = eqn.primitive.name
+            of_rows = [not isinstance(v, Literal) and v in rowed for v in eqn.invars]
+            if not any(of_rows):
+                continue  # (of constants only: the same for every row)
+            rowed.update(eqn.outvars)
             if (sub := subjaxpr(eqn)) is not None:
                 inner = ok(sub.jaxpr)
             elif name in _ROW_REDUCE:
                 inner = 0 not in eqn.params["axes"]
+            elif name == "dot_general":  # rows (leading, not contracted) times constants
+                (lc, _), (lb, _) = eqn.params["dimension_numbers"]
+                lead = shape(eqn.invars[0])[:1] == (rows,) and 0 not in lc
+                inner = of_rows == [True, False] and not lb and lead
             else:
                 inner = name in ELEMENTWISE | KEEPDIMS
             if not inner or (bounded and any(per_row(v) > bound for v in eqn.outvars)):

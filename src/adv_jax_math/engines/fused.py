@@ -17,7 +17,7 @@ from ..core import config as _config
 from ..core.sharding import Lanes, explicit_context, kernel_blocked
 from ..core.targets import Target, target, triton_problem
 from ..kernels.fused_reduce.backward import float_positions, plan_reverse, run_reverse
-from ..kernels.fused_reduce.fused import check, fused_states, reverse_blocks
+from ..kernels.fused_reduce.fused import Check, check, fused_states, reverse_blocks
 from ..monoids.reduction import MonoidReduction
 from ..plan import roofline
 from ..plan.base import Call, Kind, Plan, Policy, Rejection
@@ -28,7 +28,12 @@ from .registry import Engine
 __all__ = ["FusedEngine"]
 
 
+_SLOWER = "the roofline model says the scan engine is faster: {}"
 _SPLIT = ", the inputs split into one vector of rows per feature in XLA first (another pass)"
+_GROUPS = (
+    ", in {} kernels, each folding a group of fun's output elements (one row per thread: "
+    "a group's values of a row fit a thread's registers)"
+)
 
 
 def _features(xs: Any) -> bool:
@@ -72,6 +77,18 @@ class FusedEngine(Engine):
         platform = "cpu" if self.interpret else plan.platform
         reduction, max_rows = _monoid(plan)
         fun = reduction.prepare(call.fun)
+        judged = not forced and _config.current().roofline
+
+        def costs(v: Check) -> Any:
+            d = None if self.interpret else roofline.device(v.device)
+            return (
+                None if d is None or v.kernel is None else forward_costs(plan, call.xs, v.kernel, d)
+            )
+
+        def judge(v: Check) -> str | None:  # (a GPU backend before the next one is tried)
+            model = costs(v) if judged else None
+            return None if model is None or model.kernel_wins else _SLOWER.format(model)
+
         verdict = check(
             fun,
             call.xs,
@@ -79,17 +96,15 @@ class FusedEngine(Engine):
             platform=platform,
             max_rows=max_rows,
             traced=plan.traced,
+            judge=judge,
         )
         if verdict.problem:
             return Rejection(
                 f"fused kernel not used: {verdict.problem}", forced and not verdict.empty
             )
-        model = None
-        d = None if self.interpret else roofline.device(verdict.device)
-        if d is not None and verdict.kernel is not None:
-            model = forward_costs(plan, call.xs, verdict.kernel, d)
-            if not model.kernel_wins and not forced and _config.current().roofline:
-                return Rejection(f"the roofline model says the scan engine is faster: {model}")
+        model = costs(verdict)
+        if model is not None and not model.kernel_wins and judged:
+            return Rejection(_SLOWER.format(model))
         assert verdict.kernel is not None
         label = verdict.kernel.target.label
         if self.interpret:
@@ -106,6 +121,7 @@ class FusedEngine(Engine):
             reason=f"fused Pallas kernel {where}, blocks of {verdict.rows} rows"
             + (f" (VMEM model: {verdict.vmem / 2**20:.1f} MiB)" if verdict.vmem else "")
             + (_SPLIT if verdict.backend == "mosaic_gpu" and _features(call.xs) else "")
+            + (_GROUPS.format(verdict.groups) if verdict.groups > 1 else "")
             + "".join(f"; {why}" for why in verdict.declined),
             block_rows=verdict.rows,
             block_steps=verdict.steps,

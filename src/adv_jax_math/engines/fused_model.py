@@ -15,6 +15,7 @@ from ..kernels.fused_reduce.backward import ReverseKernels
 from ..kernels.fused_reduce.backward_kernel import _block_vjp
 from ..kernels.fused_reduce.interpreter import evaluate
 from ..kernels.fused_reduce.kernel import Kernel
+from ..kernels.fused_reduce.mosaic_gpu import Features
 from ..plan import roofline as rl
 
 __all__ = ["Verdict", "backward_costs", "forward_costs"]
@@ -62,12 +63,21 @@ def _chunk(plan: Any, xs: Any) -> tuple[list, list, int]:
 
 
 def _states_pass(k: Kernel, d: rl.Device) -> rl.Cost:
-    """A kernel ``k`` giving the monoid states (the forward's, a max/min's tally)."""
+    """A kernel ``k`` giving the monoid states (the forward's, a max/min's tally). On
+    Mosaic GPU, one kernel per element group, each reading the features it needs."""
     flops = k.grid * k.steps * _fun_flops(k.jaxpr, list(k.const_avals), _block(k.in_avals, k.rows))
-    states = k.state_avals()
-    return rl.kernel_pass(
-        d, inputs=k.in_avals, consts=k.const_avals, partials=states, grid=k.grid, flops=flops
+    states, reads, launches = k.state_avals(), list(k.in_avals), 2
+    if k.target.mosaic_gpu:
+        f = Features(k)
+        groups = f.grouped()[-1]
+        if not isinstance(groups, int):
+            every = f.feature_avals()
+            reads = [every[j] for g in groups for j in g.features]
+            launches = 1 + len(groups)
+    cost = rl.kernel_pass(
+        d, inputs=reads, consts=k.const_avals, partials=states, grid=k.grid, flops=flops
     )
+    return dataclasses.replace(cost, launches=launches)
 
 
 def forward_costs(plan: Any, xs: Any, k: Kernel, d: rl.Device) -> Verdict:

@@ -27,10 +27,11 @@ from jax.experimental import pallas as pl
 from ...core.linear import cotangent_for
 from ...monoids.base import index_dtype
 from ..unrolled import objects
+from .groups import REGISTERS, Group, run
 from .interpreter import portable
 from .mosaic_gpu import AXIS, Features, elements_of, features
 
-__all__ = ["mosaic_gpu_backward"]
+__all__ = ["backward_groups", "mosaic_gpu_backward"]
 
 
 def _pick(leaf: Any, cell: tuple, shape: tuple) -> Any:
@@ -40,122 +41,191 @@ def _pick(leaf: Any, cell: tuple, shape: tuple) -> Any:
 
 
 def mosaic_gpu_backward(k: Any, name: str) -> Callable[..., Any]:
-    """The backward kernel of ``k`` (a ``backward_kernel.Backward`` for Mosaic GPU): the
-    arguments and outputs of ``backward_kernel._pallas_call``'s."""
+    """The backward kernels of ``k`` (a ``backward_kernel.Backward`` for Mosaic GPU), one
+    per element group (``groups``, at half the forward's budget: a VJP holds its
+    residuals too): the arguments and outputs of ``backward_kernel._pallas_call``'s."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     f, nc, nw = Features(k), len(k.const_avals), len(k.whole())
-    nx, bounds = sum(f.widths), np.cumsum([0, *f.widths])
-    dx_features = [j for i in k.x_idx for j in range(bounds[i], bounds[i + 1])]
-    out_avals = [v.aval for v in k.jaxpr.outvars]
-    # fun's outputs flat, element by element: where (output, element) sits
-    cells = [(o, cell) for o, a in enumerate(out_avals) for cell in np.ndindex(*a.shape[1:])]
-    at = {c: i for i, c in enumerate(cells)}
+    bounds = np.cumsum([0, *f.widths])
+    dx_features = {j for i in k.x_idx for j in range(bounds[i], bounds[i + 1])}
+    c_bounds = np.cumsum([0, *(math.prod(a.shape) for a in k.const_avals)])
+    dc_elements = {j for i in k.c_idx for j in range(c_bounds[i], c_bounds[i + 1])}
+    elements = f.elements()
     per_term_tree = jax.tree.structure(k.per_term)
-    sum_dtypes = [a.dtype for a in k.sums() for _ in range(math.prod(a.shape))]
+    closed, n_consts, reads, groups = backward_groups(k)
+    assert not isinstance(groups, int), groups  # (backward._problem)
+    tallied = [
+        e for e, (t, _) in enumerate(elements) if k.per_term[k.terms.index(t)][2] is not None
+    ]
 
-    def block(
-        carry: list, xs: list, firsts: list, consts: list, whole: list, start: Any, offset: Any
-    ) -> tuple:
-        local = f.iota(jnp.int32, (k.rows,), 0)
-        inside = start + local < k.n
-        if k.n % k.tile:  # rows past n: the program's first row (finite, never NaN)
-            xs = [jnp.where(inside, x, v) for x, v in zip(xs, firsts, strict=True)]
-        keep = inside.astype(jnp.float32) if k.n % k.tile else None
-        idx = (offset + start + local).astype(index_dtype())
-        shaped = [objects(w, a.shape) for w, a in zip(whole, k.whole(), strict=True)]
-        per_term = jax.tree.unflatten(per_term_tree, shaped)
+    def group_kernel(g: Group, shared: list[int]) -> Any:
+        """The kernel of group ``g``; ``shared``: its features whose cotangents earlier
+        groups' kernels wrote (read and added to)."""
+        dc = [j for j in g.consts if j in dc_elements]
+        dx = [j for j in g.features if j in dx_features]
+        seen_of = [e for e in g.elements if e in tallied]
+        sum_dtypes = [_const_dtype(k, c_bounds, j) for j in dc]
+        sum_dtypes += [k.per_term[k.terms.index(elements[e][0])][2][2].dtype for e in seen_of]
 
-        def fun(c_nz: list, x_nz: list) -> list:
-            cs, vs = list(consts), list(xs)
-            for i, c in zip(k.c_idx, c_nz, strict=True):
-                cs[i] = c
-            for j, v in zip(dx_features, x_nz, strict=True):
-                vs[j] = v
-            outs = f.outputs(cs, vs)
-            return [f.row(outs[o][(0, *cell)], out_avals[o].dtype) for o, cell in cells]
+        def block(carry, xs, firsts, consts, prior, whole, start, offset) -> tuple:
+            local = f.iota(jnp.int32, (k.rows,), 0)
+            inside = start + local < k.n
+            if k.n % k.tile:  # rows past n: the program's first row (finite, never NaN)
+                xs = [jnp.where(inside, x, v) for x, v in zip(xs, firsts, strict=True)]
+            keep = inside.astype(jnp.float32) if k.n % k.tile else None
+            idx = (offset + start + local).astype(index_dtype())
+            shaped = [objects(w, a.shape) for w, a in zip(whole, k.whole(), strict=True)]
+            per_term = jax.tree.unflatten(per_term_tree, shaped)
+            at_c = {j: p for p, j in enumerate(g.consts)}
+            at_x = {j: p for p, j in enumerate(g.features)}
 
-        c_nz = [consts[i] for i in k.c_idx]
-        ys, vjp = jax.vjp(fun, c_nz, [xs[j] for j in dx_features])
-        cts: list = [None] * len(ys)
-        seen = []
-        for t, (ct, state, tally) in zip(k.terms, per_term, strict=True):
-            shape = t.items[0].shape
-            items = [jax.ShapeDtypeStruct((), it.dtype) for it in t.items]
-            for cell in np.ndindex(*shape):
+            def fun(c_nz: list, x_nz: list) -> dict:
+                cs, vs = list(consts), list(xs)
+                for j, c in zip(dc, c_nz, strict=True):
+                    cs[at_c[j]] = c
+                for j, v in zip(dx, x_nz, strict=True):
+                    vs[at_x[j]] = v
+                return run(closed, n_consts, g, cs, vs)
+
+            ys, vjp = jax.vjp(fun, [consts[at_c[j]] for j in dc], [xs[at_x[j]] for j in dx])
+            cts: dict = {}
+            seen = []
+            for e in g.elements:
+                t, cell = elements[e]
+                shape = t.items[0].shape
+                items = [jax.ShapeDtypeStruct((), it.dtype) for it in t.items]
+                ct, state, tally = per_term[k.terms.index(t)]
                 ct_e, state_e, tally_e = jax.tree.map(
                     lambda o, c=cell, s=shape: _pick(o, c, s), (ct, state, tally)
                 )
-                src = [ys[at[(s, cell)]] for s in t.leaf.sources]
+                src = [ys[o] for o in reads[e]]
                 if tally is not None:  # the rows this pass selects, checked against the tally
                     hit = t.leaf.monoid.tally.selected(src[0], idx, tally_e)
                     seen.append(jnp.sum(hit if keep is None else hit * keep))
                 row_cts = t.leaf.monoid.cotangent(ct_e, src, idx, keep, state_e, items, tally_e)
-                for s, c in zip(t.leaf.sources, row_cts, strict=True):
+                for o, c in zip(reads[e], row_cts, strict=True):
                     if c is not None:
-                        i = at[(s, cell)]
-                        cts[i] = c if cts[i] is None else cts[i] + c
-        dc, dx = vjp([cotangent_for(y, c) for y, c in zip(ys, cts, strict=True)])
-        new = [*(e for c in dc for e in c), *seen]
-        return [a + b.astype(a.dtype) for a, b in zip(carry, new, strict=True)], dx
+                        cts[o] = c if o not in cts else cts[o] + c
+            d_c, d_x = vjp({o: f.strided(cotangent_for(y, cts.get(o))) for o, y in ys.items()})
+            d_x = [d + p for d, p in zip(d_x, prior, strict=True)] if prior else d_x
+            new = [*d_c, *seen]
+            return [a + b.astype(a.dtype) for a, b in zip(carry, new, strict=True)], d_x
 
-    def body(offset_ref: Any, *refs: Any) -> None:
-        c_refs, x_refs = refs[:nc], refs[nc : nc + nx]
-        w_refs, o_refs = refs[nc + nx : nc + nx + nw], refs[nc + nx + nw :]
-        nd = len(dx_features)
-        dx_refs, sum_refs, staged = (
-            o_refs[:nd],
-            o_refs[nd : -nd or None],
-            o_refs[len(o_refs) - nd :],
-        )
-        consts = [elements_of(r, a) for r, a in zip(c_refs, k.const_avals, strict=True)]
-        whole = [elements_of(r, a) for r, a in zip(w_refs, k.whole(), strict=True)]
-        offset, program = offset_ref[0, 0], lax.axis_index(AXIS)
-        firsts = [r[program * k.tile] for r in x_refs] if k.n % k.tile else [None] * nx
+        def body(offset_ref: Any, *refs: Any) -> None:
+            nx, ns, nd = len(g.features), len(shared), len(dx)
+            c_refs, x_refs = refs[:nc], refs[nc : nc + nx]
+            p_refs = refs[nc + nx : nc + nx + ns]
+            w_refs, o_refs = refs[nc + nx + ns : nc + nx + ns + nw], refs[nc + nx + ns + nw :]
+            dx_refs, sum_refs, staged = (
+                o_refs[:nd],
+                o_refs[nd : len(o_refs) - nd],
+                o_refs[len(o_refs) - nd :],
+            )
+            consts = f.const_elements(c_refs, g.consts)
+            whole = [elements_of(r, a) for r, a in zip(w_refs, k.whole(), strict=True)]
+            offset, program = offset_ref[0, 0], lax.axis_index(AXIS)
+            firsts = [r[program * k.tile] for r in x_refs] if k.n % k.tile else [None] * nx
 
-        def step(index: tuple, *blocks: Any) -> list:
-            *x_blocks, carry = blocks
-            start = (program * k.steps + index[0]) * k.rows
-            xs = [plgpu.load(b, layout=f.layout) for b in x_blocks]
-            carry, dx = portable(block, carry, xs, firsts, consts, whole, start, offset)
-            # Written through shared memory by hand: the pipeline's own copies out are
-            # predicated, which Mosaic GPU's interpreter does not take (jax 0.12).
-            for o, s, d in zip(dx_refs, staged, dx, strict=True):
-                s[...] = d.astype(s.dtype)
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(s, o.at[pl.ds(start, k.rows)])
-                plgpu.wait_smem_to_gmem(0)
-            return carry
+            def step(index: tuple, *blocks: Any) -> list:
+                *in_blocks, carry = blocks
+                start = (program * k.steps + index[0]) * k.rows
+                loaded = [plgpu.load(b, layout=f.layout) for b in in_blocks]
+                xs, prior = loaded[:nx], loaded[nx:]
+                prior_dx = _prior(dx, shared, prior)
+                carry, d_x = portable(
+                    block, carry, xs, firsts, consts, prior_dx, whole, start, offset
+                )
+                # Written through shared memory by hand: the pipeline's own copies out are
+                # predicated, which Mosaic GPU's interpreter does not take (jax 0.12).
+                for o, s, d in zip(dx_refs, staged, d_x, strict=True):
+                    s[...] = d.astype(s.dtype)
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(s, o.at[pl.ds(start, k.rows)])
+                    plgpu.wait_smem_to_gmem(0)
+                return carry
 
-        spec = plgpu.BlockSpec((k.rows,), lambda j: (program * k.steps + j,))
-        pipeline = plgpu.emit_pipeline(
-            step,
-            grid=(k.steps,),
-            in_specs=[spec] * nx,
-            init_carry=[jnp.zeros((), d) for d in sum_dtypes],
-            max_concurrent_steps=min(2, k.steps),
-        )
-        for part, o_ref in zip(pipeline(*x_refs), sum_refs, strict=True):
-            o_ref[program] = part.reshape(o_ref.shape[1:]).astype(o_ref.dtype)
+            spec = plgpu.BlockSpec((k.rows,), lambda j: (program * k.steps + j,))
+            pipeline = plgpu.emit_pipeline(
+                step,
+                grid=(k.steps,),
+                in_specs=[spec] * (nx + ns),
+                init_carry=[jnp.zeros((), d) for d in sum_dtypes],
+                max_concurrent_steps=min(2, k.steps),
+            )
+            for part, o_ref in zip(pipeline(*x_refs, *p_refs), sum_refs, strict=True):
+                o_ref[program] = part.reshape(o_ref.shape[1:]).astype(o_ref.dtype)
 
-    dx_type = [
-        jax.ShapeDtypeStruct((k.n,), k.in_avals[i].dtype)
-        for i in k.x_idx
-        for _ in range(f.widths[i])
-    ]
-    staging = [plgpu.SMEM((k.rows,), a.dtype) for a in dx_type]
-    kernel = f.kernel(body, sum_dtypes, name, out_type=dx_type, scratch_types=staging)
+        dtypes = [np.dtype(k.in_avals[_input_of(bounds, j)].dtype) for j in dx]
+        dx_type = [jax.ShapeDtypeStruct((k.n,), d) for d in dtypes]
+        staging = [plgpu.SMEM((k.rows,), d) for d in dtypes]
+        return f.kernel(body, sum_dtypes, name, out_type=dx_type, scratch_types=staging), dc, dx
+
+    kernels, written = [], set()
+    for g in groups:
+        shared = [j for j in g.features if j in dx_features and j in written]
+        kernels.append((g, shared, *group_kernel(g, shared)))
+        written.update(j for j in g.features if j in dx_features)
 
     def call(first: Any, *args: Any) -> list:
-        """``kernel``'s inputs split into features; the cotangents of the inputs and
-        the programs' sums stacked back."""
-        split = [v for x in args[nc : nc + len(k.in_avals)] for v in features(x)]
-        outs = iter(kernel(first, *args[:nc], *split, *args[nc + len(k.in_avals) :]))
-        dx = [
-            jnp.stack([next(outs) for _ in range(f.widths[i])], -1).reshape(k.in_avals[i].shape)
+        """Each group's kernel on the features it reads (and the cotangents earlier
+        groups wrote of them); the inputs' cotangents and the programs' sums stacked."""
+        vectors = [v for x in args[nc : nc + len(k.in_avals)] for v in features(x)]
+        whole = args[nc + len(k.in_avals) :]
+        d_x: dict[int, Any] = {}
+        sums: dict[Any, list] = {}
+        for g, shared, kernel, dc, dx in kernels:
+            ins = [*(vectors[j] for j in g.features), *(d_x[j] for j in shared)]
+            outs = iter(kernel(first, *args[:nc], *ins, *whole))
+            d_x.update((j, next(outs)) for j in dx)
+            for j in dc:
+                sums.setdefault(("c", j), []).append(next(outs))
+            for e in (e for e in g.elements if e in tallied):
+                sums[("seen", e)] = [next(outs)]
+        zeros = jnp.zeros((k.grid, 1, 1), jnp.float32)
+        total = lambda key, dt: sum(sums.get(key, [zeros]), start=zeros).astype(dt)
+        out = [
+            jnp.stack(
+                [d_x.get(j, jnp.zeros((k.n,), a.dtype)) for j in range(bounds[i], bounds[i + 1])],
+                -1,
+            ).reshape(a.shape)
             for i in k.x_idx
+            for a in [k.in_avals[i]]
         ]
-        sums = [f.stacked([next(outs) for _ in range(math.prod(a.shape))], a) for a in k.sums()]
-        return [*dx, *sums]
+        for i in k.c_idx:
+            a = k.const_avals[i]
+            parts = [total(("c", j), a.dtype) for j in range(c_bounds[i], c_bounds[i + 1])]
+            out.append(f.stacked(parts, a))
+        seen_avals = k.sums()[len(k.c_idx) :]
+        tallied_terms = [t for t in k.terms if k.per_term[k.terms.index(t)][2] is not None]
+        for t, a in zip(tallied_terms, seen_avals, strict=True):
+            mine = [e for e in tallied if elements[e][0] is t]
+            out.append(f.stacked([total(("seen", e), a.dtype) for e in mine], a))
+        return out
 
     return call
+
+
+def backward_groups(k: Any) -> tuple[Any, int, list, list[Group] | int]:
+    """``Features.grouped`` for the backward kernel of ``k``: at half the forward's
+    budget (a VJP holds its residuals too), each element holding what it reads whole
+    (its cotangent, final state and tally)."""
+    f = Features(k)
+    held = [len(jax.tree.leaves(k.per_term[k.terms.index(t)])) for t, _ in f.elements()]
+    return f.grouped(REGISTERS // 2, held)
+
+
+def _const_dtype(k: Any, c_bounds: np.ndarray, j: int) -> Any:
+    """The dtype of constants' element ``j`` (flat)."""
+    return k.const_avals[int(np.searchsorted(c_bounds, j, side="right")) - 1].dtype
+
+
+def _input_of(bounds: np.ndarray, j: int) -> int:
+    """The input whose features hold feature ``j`` (flat)."""
+    return int(np.searchsorted(bounds, j, side="right")) - 1
+
+
+def _prior(dx: list[int], shared: list[int], prior: list) -> list:
+    """Per feature of ``dx``, the cotangent earlier groups wrote of it (0: none)."""
+    of = dict(zip(shared, prior, strict=True))
+    return [of.get(j, 0) for j in dx] if shared else []

@@ -65,16 +65,16 @@ def choose_block(
             return f"one row of fun needs {row_elems} elements, over Triton's {target.max_elems}"
         return pow2_floor(cap)
     if target.mosaic_gpu:
-        # Powers of two from a warpgroup's 128 threads (fewer rows: layout inference
-        # searched 40 s on H100 before failing at 64) to a TMA copy's 256; a block may
-        # run past n (its rows read as zeros, masked).
-        rows = pow2_floor(min(budget, MOSAIC_GPU_ROWS, max_rows or MOSAIC_GPU_ROWS))
-        if rows < 128:
+        # A warpgroup's 128 threads, a row each (fewer rows: layout inference searched
+        # 40 s on H100 before failing at 64), or a TMA copy's 256 where the budget
+        # allows (wider rows go in element groups, ``groups``); a block may run past n
+        # (its rows read as zeros, masked).
+        if max_rows is not None and max_rows < 128:
             return (
-                f"Mosaic GPU blocks need at least 128 rows (a warpgroup's threads), but only "
-                f"{rows} fit (batch_size={max_rows}, {row_elems} elements per row of fun)"
+                f"Mosaic GPU blocks need at least 128 rows (a warpgroup's threads), but "
+                f"batch_size={max_rows}"
             )
-        return rows
+        return MOSAIC_GPU_ROWS if min(budget, max_rows or n) >= MOSAIC_GPU_ROWS else 128
     if target.mosaic:
         cap = min(budget, limit)
         if cap >= n:

@@ -47,10 +47,13 @@ from .backward import reverse_rows
 from .blocks import choose_block, choose_steps, row_stats, tpu_block, tpu_legal_rows
 from .build import block_terms, build_kernel, fold_jaxpr, traced_at
 from .fold import partial_shape
+from .groups import REGISTERS
 from .kernel import Kernel, forward, kernel_const_aval
+from .mosaic_gpu import Features
 from .probe import probe
 from .rules import (
     analyze,
+    block_constants,
     dtype_problem,
     empty_problem,
     held_across_reductions,
@@ -92,6 +95,7 @@ class Check:
     known: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)  # rows: trace
     empty: bool = False  # the problem is an array without elements: not an error when forced
     declined: tuple[str, ...] = ()  # targets tried before this one: "<label> not used: <why>"
+    groups: int = 1  # Mosaic GPU: kernels, one per group of fun's output elements
 
     @property
     def backend(self) -> str:
@@ -123,6 +127,7 @@ def check(
     platform: str,
     max_rows: int | None,
     traced: Any = None,
+    judge: Callable[[Check], str | None] | None = None,
 ) -> Check:
     """Whether the fused kernel can run ``reduction`` of ``fun(xs)`` on ``platform``.
 
@@ -138,7 +143,9 @@ def check(
     ``platform`` ``"cpu"`` (interpret mode), ``"gpu"``/``"cuda"``/``"rocm"`` or
     ``"tpu"``; ``max_rows`` the user's ``batch_size``, an upper bound on the block.
     ``traced``: ``fun`` already traced on some number of rows (the planner's chunk),
-    reused for a block of that many rows, so no shape is traced twice.
+    reused for a block of that many rows, so no shape is traced twice. ``judge``:
+    why a kernel that builds is declined all the same (the roofline model's verdict),
+    asked of every backend but the last (whose verdict the caller judges).
     """
     known: dict[int, tuple[Any, list[Any]]] = {}
     if traced is not None:
@@ -149,8 +156,10 @@ def check(
     except ValueError as e:
         return Check(str(e))
     declined: list[str] = []
-    for tgt, why in chain:
+    for i, (tgt, why) in enumerate(chain):
         verdict = Check(why) if why else _check(fun, xs, reduction, tgt, max_rows, known)
+        if verdict.problem is None and judge is not None and i < len(chain) - 1:
+            verdict = dataclasses.replace(verdict, problem=judge(verdict))
         if verdict.problem is None or verdict.empty or len(chain) == 1:
             return dataclasses.replace(verdict, declined=tuple(declined))
         declined.append(f"{tgt.label} not used: {verdict.problem}")
@@ -215,6 +224,9 @@ def _check(
             return Check(problem)
     if tgt.mosaic_gpu:
         problem = _mosaic_gpu_problem(closed, small, reduction, out_shape, terms)
+        sized = lambda r: block_constants(traced_at(fun, xs, r, known)[0], r)
+        if not problem and sized(small) and sized(2 * small):  # (not of its size by chance)
+            problem = f"a constant of fun has a leading axis of the block's {small} rows"
         if problem:
             return Check(problem)
     vmem = 0
@@ -254,10 +266,29 @@ def _check(
     steps = choose_steps(tgt, n, rows)
     closed, out_shape = traced_at(fun, xs, rows, known)
     k = build_kernel((closed, out_shape), xs, reduction, (rows, steps), tgt, tgt.platform == "cpu")
+    groups = 1
+    if tgt.mosaic_gpu:
+        found = Features(k).grouped()[-1]
+        if isinstance(found, int):
+            return Check(
+                f"Mosaic GPU holds one row per thread: one element of fun's output needs {found} "
+                "values of its row at once (the features it reads, what fun makes of them, its "
+                f"state, the constants' elements), over the {REGISTERS} a thread may hold"
+            )
+        groups = len(found)
     verdict = probe(k)
     block_trace = (closed, out_shape)
     return Check(
-        verdict.problem, rows, steps, verdict.compiled, tgt.device_kind, vmem, block_trace, k, known
+        verdict.problem,
+        rows,
+        steps,
+        verdict.compiled,
+        tgt.device_kind,
+        vmem,
+        block_trace,
+        k,
+        known,
+        groups=groups,
     )
 
 

@@ -11,9 +11,10 @@ is computed outside, see ``analysis.tangent``). A call whose body has constants 
 bound as it is: a kernel captures no constants.
 
 Pallas Mosaic GPU (jax 0.12) lowers neither ``is_finite`` nor ``log1p`` (so neither
-``jnp.logaddexp``) nor ``expm1`` nor ``stop_gradient`` nor ``add_any``: with ``portable``, they are
-computed from operations it has (:data:`PORTABLE`), in ``fun`` and, through
-:func:`portable`, in the monoids' folds.
+``jnp.logaddexp``) nor ``expm1`` nor ``stop_gradient`` nor ``add_any``, nor ``integer_pow``
+below 2 but for -1: with ``portable``, they are computed from operations it has
+(:data:`PORTABLE`, :func:`small_power`), in ``fun`` and, through :func:`portable`, in
+the monoids' folds.
 
 Each operation binds in the context it is evaluated in, never in the one it was
 traced in (``jax.core.eval_jaxpr`` re-enters each equation's recorded context,
@@ -30,10 +31,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from ...analysis.jaxpr_graph import bind, subjaxpr, walk
 
-__all__ = ["PORTABLE", "UPCAST_ON_TRITON", "evaluate", "portable"]
+__all__ = ["PORTABLE", "UPCAST_ON_TRITON", "evaluate", "portable", "small_power"]
 
 UPCAST_ON_TRITON = frozenset(
     {"tanh", "log1p", "expm1", "logistic", "div", "pow", "erf", "erf_inv", "tan", "atan2"}
@@ -71,6 +73,16 @@ PORTABLE: dict[str, Callable[..., Any]] = {
 }
 
 
+def small_power(x: Any, y: int) -> Any:
+    """``x ** y`` for an integer ``y < 2``, which Mosaic GPU lowers only at -1 (a
+    derivative's ``x ** 1``, a field's ``r ** -3``): from products and a division."""
+    if y == 1:
+        return x
+    if y == 0:
+        return jnp.ones_like(x)
+    return 1 / (x if y == -1 else lax.integer_pow(x, -y))
+
+
 def evaluate(
     jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], *, upcast: bool, portable: bool = False
 ) -> list:
@@ -85,6 +97,8 @@ def evaluate(
             return invals
         if portable and name in PORTABLE:
             return [PORTABLE[name](*invals)]
+        if portable and name == "integer_pow" and eqn.params["y"] < 2:
+            return [small_power(invals[0], eqn.params["y"])]
         if upcast and name in UPCAST_ON_TRITON and any(map(_is_half, invals)):
             wide = [x.astype(jnp.float32) if _is_half(x) else x for x in invals]
             return [bind(eqn, wide)[0].astype(eqn.outvars[0].aval.dtype)]

@@ -13,6 +13,9 @@ feature: XLA splits each input ``(n, *s)`` into ``prod(s)`` vectors of rows befo
 the kernel (one more pass over the inputs), ``fun`` runs with its own axes unrolled
 (``unrolled.evaluate`` with ``rows``: it must work row by row), each term folds
 every element of its items on its own, and XLA stacks the elements' states after.
+A thread holds a row, so the elements go in groups whose values fit its registers
+(``groups``), a kernel each: ``fun`` is unrolled once outside the kernels
+(:meth:`Features.grouped`) and each kernel evaluates what its group needs of that.
 Mosaic GPU has no ``pallas_call`` grid or block specs and no 0-d loads (constants
 are read element by element), and lowers neither ``is_finite`` nor
 ``log1p``/``expm1``: ``fun`` and the folds are evaluated with those rewritten
@@ -35,19 +38,25 @@ from jax import lax
 from ...core.targets import KERNEL_NAME
 from ..unrolled import evaluate, objects
 from .fold import partial_shape, term_state
+from .groups import REGISTERS, Group, grouped, run
 from .interpreter import portable
 
-__all__ = ["AXIS", "Features", "elements_of", "features", "mosaic_gpu_call"]
+__all__ = ["AXIS", "Features", "element", "elements_of", "features", "mosaic_gpu_call"]
 
 AXIS = "programs"  # the grid axis of the programs
+_GROUPED: dict = {}  # Features.grouped's, by kernel and budget (the oldest dropped)
+
+
+def element(ref: Any, aval: Any, idx: tuple) -> Any:
+    """Element ``idx`` of a constant, loaded on its own from its global-memory ref
+    (``kernel.kernel_const_aval``: ``(1, 1)``, ``(1, n)`` or whole)."""
+    v = ref[idx if len(aval.shape) > 1 else (0, *idx) if idx else (0, 0)]
+    return v != 0 if aval.dtype == bool else v
 
 
 def elements_of(ref: Any, aval: Any) -> list:
-    """A constant's elements (C order), each loaded on its own from its global-memory
-    ref (``kernel.kernel_const_aval``: ``(1, 1)``, ``(1, n)`` or whole)."""
-    at = lambda idx: idx if len(aval.shape) > 1 else (0, *idx) if idx else (0, 0)
-    loaded = [ref[at(idx)] for idx in np.ndindex(*aval.shape)]
-    return [v != 0 for v in loaded] if aval.dtype == bool else loaded
+    """A constant's elements (C order), each loaded on its own (:func:`element`)."""
+    return [element(ref, aval, idx) for idx in np.ndindex(*aval.shape)]
 
 
 def features(x: Any) -> list:
@@ -68,6 +77,15 @@ class Features:
         """The features (vectors of rows) of each input."""
         return [math.prod(a.shape[1:]) for a in self.k.in_avals]
 
+    def feature_avals(self) -> list[jax.ShapeDtypeStruct]:
+        """Every feature's vector of all ``n`` rows (flat over the inputs), as split."""
+        k = self.k
+        return [
+            jax.ShapeDtypeStruct((k.n,), a.dtype)
+            for w, a in zip(self.widths, k.in_avals, strict=True)
+            for _ in range(w)
+        ]
+
     @property
     def layout(self) -> Any:
         """Every vector of rows' layout, set by hand (Lane semantics): Warpgroup
@@ -83,10 +101,68 @@ class Features:
 
         return plgpu.broadcasted_iota(dtype, shape, dim, layout=self.layout)
 
+    def strided(self, v: Any) -> Any:
+        """``v``, a vector of rows, in :attr:`layout`: a constant's or a cotangent's
+        that is the same on every row comes as a splat, which Mosaic GPU's reductions
+        over the rows do not take ("Unsupported layout WGSplatFragLayout")."""
+        return jnp.where(self.iota(jnp.int32, (self.k.rows,), 0) >= 0, v, v)
+
     def elements(self) -> list[tuple[Any, tuple]]:
         """Every term's elements, each folded on its own (items of one shape:
         ``rules.mosaic_gpu_features_problem``)."""
         return [(t, cell) for t in self.k.terms for cell in np.ndindex(*t.items[0].shape)]
+
+    def grouped(
+        self, budget: int = REGISTERS, held: Sequence[int] | None = None
+    ) -> tuple[Any, int, list, list[Group] | int]:
+        """:meth:`unrolled_groups`, kept for the same kernel (the plan's check, its
+        roofline model and the kernel's build each ask)."""
+        key = (self.k.key(), budget, None if held is None else tuple(held))
+        if key not in _GROUPED:
+            while len(_GROUPED) >= 64:
+                _GROUPED.pop(next(iter(_GROUPED)))
+            _GROUPED[key] = self.unrolled_groups(budget, held)
+        return _GROUPED[key]
+
+    def unrolled_groups(
+        self, budget: int, held: Sequence[int] | None
+    ) -> tuple[Any, int, list, list[Group] | int]:
+        """``fun`` unrolled into a jaxpr from the constants' elements and the inputs'
+        features to each element's sources (a vector of rows each, in
+        :meth:`elements` order), its number of constants' elements, each element's
+        outputs of it, and the elements in groups of at most ``budget`` registers
+        per thread (``groups.grouped``; an int: what one element alone needs), each
+        element holding ``held`` values besides (default: its monoid's state)."""
+        k, elements = self.k, self.elements()
+        scalar = lambda a: [jax.ShapeDtypeStruct((), a.dtype)] * math.prod(a.shape)
+        consts = [scalar(a) for a in k.const_avals]
+        vectors = [jax.ShapeDtypeStruct((k.rows,), a.dtype) for a in self.feature_avals()]
+
+        def unrolled(consts: list, vectors: list) -> list:
+            outs = self.outputs(consts, vectors)
+            return [
+                self.row(outs[s][(0, *cell)], i.dtype)
+                for t, cell in elements
+                for s, i in zip(t.leaf.sources, t.items, strict=True)
+            ]
+
+        closed = jax.make_jaxpr(unrolled)(consts, vectors)
+        at = np.cumsum([0, *(len(t.leaf.sources) for t, _ in elements)])
+        reads = [tuple(range(at[e], at[e + 1])) for e in range(len(elements))]
+        one = lambda t: [jax.ShapeDtypeStruct((), i.dtype) for i in t.items]
+        init = lambda t: jax.tree.leaves(jax.eval_shape(t.leaf.monoid.init, one(t)))
+        size = lambda t: sum(math.prod(a.shape) for a in init(t))
+        states = list(held) if held is not None else [size(t) for t, _ in elements]
+        n_consts = sum(map(len, consts))
+        vec = k.rows // 128
+        return closed, n_consts, reads, grouped(closed.jaxpr, n_consts, reads, states, vec, budget)
+
+    def const_elements(self, refs: Sequence[Any], wanted: Sequence[int]) -> list:
+        """The constants' elements ``wanted`` (flat over every constant, C order), each
+        loaded on its own (:func:`element`)."""
+        avals = self.k.const_avals
+        at = [(r, a, i) for r, a in zip(refs, avals, strict=True) for i in np.ndindex(*a.shape)]
+        return [element(*at[j]) for j in wanted]
 
     def outputs(self, consts: list, vectors: list) -> list[np.ndarray]:
         """``fun``'s outputs as object arrays ``(1, *s)`` of vectors of rows, from each
@@ -135,61 +211,69 @@ class Features:
 
 
 def mosaic_gpu_call(k: Any) -> Callable[..., Any]:
-    """The kernel of ``k`` (a ``kernel.Kernel`` for Mosaic GPU): the arguments and
-    outputs of ``kernel.pallas_call``'s."""
+    """The kernels of ``k`` (a ``kernel.Kernel`` for Mosaic GPU), one per element group
+    (``groups``): the arguments and outputs of ``kernel.pallas_call``'s."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     f, nc = Features(k), len(k.const_avals)
-    elements = f.elements()
+    elements, (closed, n_consts, reads, groups) = f.elements(), f.grouped()
+    assert not isinstance(groups, int), groups  # (fused._check declines it)
     one = lambda t: [jax.ShapeDtypeStruct((), it.dtype) for it in t.items]
-    init = lambda: [t.leaf.monoid.init(one(t)) for t, _ in elements]  # in the kernel: no capture
-    states = jax.eval_shape(init)
-    tree = jax.tree.structure(states)
+    init = lambda g: [elements[e][0].leaf.monoid.init(one(elements[e][0])) for e in g.elements]
 
-    def fold(carry: list, vectors: list, consts: list, start: Any, offset: Any) -> list:
-        outs = f.outputs(consts, vectors)
-        merged = []
-        for (t, cell), acc in zip(elements, jax.tree.unflatten(tree, carry), strict=True):
-            ys = {
-                s: f.row(outs[s][(0, *cell)], i.dtype)
-                for s, i in zip(t.leaf.sources, t.items, strict=True)
-            }
-            state = term_state(k, t, ys, start, offset, f.iota)
-            merged.append(t.leaf.monoid.merge(acc, state))
-        return jax.tree.leaves(merged)
+    def group_kernel(g: Group) -> Any:
+        states = jax.eval_shape(lambda: init(g))  # (in the kernel: no capture)
+        tree = jax.tree.structure(states)
 
-    def body(offset_ref: Any, *refs: Any) -> None:
-        nx = sum(f.widths)
-        c_refs, x_refs, o_refs = refs[:nc], refs[nc : nc + nx], refs[nc + nx :]
-        consts = [elements_of(r, a) for r, a in zip(c_refs, k.const_avals, strict=True)]
-        offset, program = offset_ref[0, 0], lax.axis_index(AXIS)
+        def fold(carry: list, vectors: list, consts: list, start: Any, offset: Any) -> list:
+            outs = run(closed, n_consts, g, consts, vectors)
+            merged = []
+            for e, acc in zip(g.elements, jax.tree.unflatten(tree, carry), strict=True):
+                t, _ = elements[e]
+                ys = {s: f.strided(outs[o]) for s, o in zip(t.leaf.sources, reads[e], strict=True)}
+                state = term_state(k, t, ys, start, offset, f.iota)
+                merged.append(t.leaf.monoid.merge(acc, state))
+            return jax.tree.leaves(merged)
 
-        def step(index: tuple, *blocks: Any) -> list:
-            *x_blocks, carry = blocks
-            start = (program * k.steps + index[0]) * k.rows
-            vectors = [plgpu.load(b, layout=f.layout) for b in x_blocks]
-            return portable(fold, carry, vectors, consts, start, offset)
+        def body(offset_ref: Any, *refs: Any) -> None:
+            nx = len(g.features)
+            c_refs, x_refs, o_refs = refs[:nc], refs[nc : nc + nx], refs[nc + nx :]
+            consts = f.const_elements(c_refs, g.consts)
+            offset, program = offset_ref[0, 0], lax.axis_index(AXIS)
 
-        spec = plgpu.BlockSpec((k.rows,), lambda j: (program * k.steps + j,))
-        pipeline = plgpu.emit_pipeline(
-            step,
-            grid=(k.steps,),
-            in_specs=[spec] * nx,
-            init_carry=jax.tree.leaves(init()),
-            max_concurrent_steps=min(2, k.steps),
-        )
-        for part, o_ref in zip(pipeline(*x_refs), o_refs, strict=True):
-            o_ref[program] = part.reshape(o_ref.shape[1:]).astype(o_ref.dtype)
+            def step(index: tuple, *blocks: Any) -> list:
+                *x_blocks, carry = blocks
+                start = (program * k.steps + index[0]) * k.rows
+                vectors = [plgpu.load(b, layout=f.layout) for b in x_blocks]
+                return portable(fold, carry, vectors, consts, start, offset)
 
-    kernel = f.kernel(body, [a.dtype for a in jax.tree.leaves(states)], KERNEL_NAME)
+            spec = plgpu.BlockSpec((k.rows,), lambda j: (program * k.steps + j,))
+            pipeline = plgpu.emit_pipeline(
+                step,
+                grid=(k.steps,),
+                in_specs=[spec] * nx,
+                init_carry=jax.tree.leaves(init(g)),
+                max_concurrent_steps=min(2, k.steps),
+            )
+            for part, o_ref in zip(pipeline(*x_refs), o_refs, strict=True):
+                o_ref[program] = part.reshape(o_ref.shape[1:]).astype(o_ref.dtype)
+
+        return f.kernel(body, [a.dtype for a in jax.tree.leaves(states)], KERNEL_NAME)
+
+    kernels = [group_kernel(g) for g in groups]
 
     def call(first: Any, *args: Any) -> list:
-        """``kernel``'s inputs split into features, its states stacked by term."""
-        parts = iter(kernel(first, *args[:nc], *(v for x in args[nc:] for v in features(x))))
-        per_element = [[next(parts) for _ in jax.tree.leaves(t.state)] for t, _ in elements]
+        """Each group's kernel on the features it reads, the states stacked by term."""
+        vectors = [v for x in args[nc:] for v in features(x)]
+        per_element: dict[int, list] = {}
+        for g, kernel in zip(groups, kernels, strict=True):
+            parts = iter(kernel(first, *args[:nc], *(vectors[j] for j in g.features)))
+            for e in g.elements:
+                t, _ = elements[e]
+                per_element[e] = [next(parts) for _ in jax.tree.leaves(t.state)]
         out = []
         for t in k.terms:
-            mine = [p for (u, _), p in zip(elements, per_element, strict=True) if u is t]
+            mine = [per_element[e] for e, (u, _) in enumerate(elements) if u is t]
             for i, a in enumerate(jax.tree.leaves(t.state)):
                 out.append(f.stacked([p[i] for p in mine], a))
         return out

@@ -19,6 +19,7 @@ from .blocks import is_pow2, tpu_padded_bytes
 __all__ = [
     "Analysis",
     "analyze",
+    "block_constants",
     "dtype_problem",
     "empty_problem",
     "held_across_reductions",
@@ -152,9 +153,10 @@ def mosaic_problem(target: Target, jaxpr: Any, rows: int, where: str) -> str | N
 
 
 # What Pallas Mosaic GPU (jax 0.12) does not lower (DESIGN.md §10), beside what
-# ``interpreter.PORTABLE`` rewrites: matmuls are wgmma/tcgen05 calls there.
+# ``interpreter.PORTABLE`` rewrites. (Its kernels unroll ``fun``'s small matmuls into
+# products and sums: ``unrolled``.)
 MOSAIC_GPU_MISSING = frozenset(
-    {"dot_general", "floor", "ceil", "round", "argmax", "argmin", "sort", "cumsum", "cumprod"}
+    {"floor", "ceil", "round", "argmax", "argmin", "sort", "cumsum", "cumprod"}
     | {"cummax", "cummin", "pow", "gather", "scatter", "scatter-add", "top_k"}
 )
 
@@ -167,37 +169,22 @@ def mosaic_gpu_missing(jaxpr: Any, where: str) -> str | None:
     return None
 
 
-# Values per row the Mosaic GPU kernel takes, each feature a vector of rows (its layout
-# inference found no layout for (Bk, d) blocks, DESIGN.md §10) and unrolled code: 64
-# values per row of its smallest block, 128 rows, fill Target.block_elems (8192).
-MOSAIC_GPU_FEATURES = 64
-
-
 def mosaic_gpu_features_problem(closed: Any, rows: int, items: Sequence[Any]) -> str | None:
     """Why the Mosaic GPU kernel cannot take ``fun`` (``closed``, traced on a block of
     ``rows`` rows) feature by feature, each feature a vector of the block's rows
     (``unrolled.evaluate`` with ``rows``), or None. ``items``: each term's items (one
-    row of each source) and state leaves. It needs ``fun`` to work row by row, at
-    most :data:`MOSAIC_GPU_FEATURES` values per row, constants without a row axis,
-    and each term to reduce every element of its items on its own (its sources of
-    one shape, its state of that shape: sums, extrema, logsumexp, moments, top-k)."""
+    row of each source) and state leaves. It needs ``fun`` to work row by row (its
+    constants without a row axis: :func:`block_constants`), and each term to reduce
+    every element of its items
+    on its own (its sources of one shape, its state of that shape: sums, extrema,
+    logsumexp, moments, top-k). (How many values of a row it holds at once is the
+    element groups' rule, ``groups``.)"""
     why = "Mosaic GPU lowers one value per row, so fun's blocks go feature by feature"
-    if not row_local(closed, rows, bounded=False):  # (values per row: bounded below)
-        return f"{why} only when fun works row by row (elementwise, reshapes, sums over features)"
-    for aval in _all_avals(closed.jaxpr):
-        shape = tuple(getattr(aval, "shape", ()))
-        per_row = math.prod(shape[1:]) if shape[:1] == (rows,) else math.prod(shape)
-        if per_row > MOSAIC_GPU_FEATURES:
-            return (
-                f"{why} up to {MOSAIC_GPU_FEATURES} values per row, but fun holds "
-                f"{_fmt_shape(shape, aval.dtype, rows)}"
-            )
-    inputs = sum(math.prod(v.aval.shape[1:]) for v in closed.jaxpr.invars)
-    if inputs > MOSAIC_GPU_FEATURES:
-        return f"{why} up to {MOSAIC_GPU_FEATURES} input values per row, but fun reads {inputs}"
-    for c in closed.jaxpr.constvars:
-        if tuple(c.aval.shape[:1]) == (rows,):
-            return f"{why}, but a constant of fun has a leading axis of Bk = {rows}"
+    if not row_local(closed, rows, bounded=False):
+        return (
+            f"{why} only when fun works row by row (elementwise, reshapes, sums over features, "
+            "products by a constant matrix)"
+        )
     for monoid, sources, states in items:
         shapes = {tuple(a.shape) for a in (*sources, *states)}
         if len(shapes) > 1:
@@ -206,6 +193,13 @@ def mosaic_gpu_features_problem(closed: Any, rows: int, items: Sequence[Any]) ->
                 f"of shapes {sorted(shapes)} together"
             )
     return None
+
+
+def block_constants(closed: Any, rows: int) -> list[tuple[int, ...]]:
+    """The shapes of ``closed``'s constants with a leading axis of ``rows`` (``fun``
+    traced on a block of ``rows`` rows): made of the block's size (``np.arange(len(x))``)
+    where a trace at another block size has them too."""
+    return [tuple(c.aval.shape) for c in closed.jaxpr.constvars if c.aval.shape[:1] == (rows,)]
 
 
 def _lifetimes(closed: Any, rows: int) -> tuple[list, Callable[[Any], bool], dict[int, int]]:
