@@ -380,7 +380,8 @@ def test_hopper_groups_wide_rows_and_weighs_their_reads():
 @needs_abstract_devices
 def test_constants_of_the_blocks_size_and_of_it_by_chance():
     """fun traced on 128 rows: 128 query points are a constant of that size by chance
-    (a trace on 256 rows has them too), a column of the block's row numbers is not."""
+    (a trace on 256 rows has them too), a column of the block's row numbers is not.
+    The k-NN's backward kernel runs at Triton's own block."""
     q = np.linspace(-1, 1, 128 * 16, dtype=np.float32).reshape(128, 16)
     knn = lambda p: jnp.sum(p * p, axis=1, keepdims=True) - 2.0 * (p @ q.T)
     sized = lambda x: x * np.arange(x.shape[0], dtype=np.float32)[:, None]
@@ -389,6 +390,10 @@ def test_constants_of_the_blocks_size_and_of_it_by_chance():
         top = ajm.explain(knn, x16, 1024, reduction=ajm.top_k(8, smallest=True))
         plan = ajm.explain(sized, x16, 1024, reduction=jnp.add, chunk_reduction=jnp.sum)
     assert top.block_backend == "mosaic_gpu", top.reason
+    # Mosaic GPU's backward kernel takes no top-k: Triton's runs at Triton's own block
+    # (its forward's: 256 // k rows), not at Mosaic GPU's 128 rows of 128 distances.
+    assert top.backward.startswith("backward kernel, blocks of 32 rows"), top.backward
+    assert "(Pallas Triton); Pallas Mosaic GPU not used" in top.backward, top.backward
     assert plan.block_backend == "triton", plan.reason
     assert "a constant of fun has a leading axis of the block's 128 rows" in plan.reason
 

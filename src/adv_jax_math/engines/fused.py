@@ -127,7 +127,7 @@ class FusedEngine(Engine):
             block_steps=verdict.steps,
             block_backend=verdict.backend,
             block_traced=verdict.traced,
-            reverse_traced=reverse_blocks(fun, call.xs, reduction, verdict, platform),
+            reverse_traced=reverse_blocks(fun, call.xs, reduction, verdict, platform, max_rows),
             roofline=(model,) if model else (),
         )
 
@@ -208,11 +208,17 @@ class FusedEngine(Engine):
         tgt: Target,
     ) -> tuple[Any, int]:
         """The reverse pass's kernels for ``tgt`` at the largest of ``plan``'s backward
-        blocks that compiles (or why none does), and which block."""
+        blocks that compiles (or why none does), and which block. After a Mosaic GPU
+        forward, Mosaic GPU's backward kernel runs at its block and Triton's at its own
+        (``reverse_blocks``)."""
         blocks = _reverse_blocks(plan)
+        tried = list(range(len(blocks)))
+        if plan.block_backend == "mosaic_gpu" and tgt.platform == "cuda" and len(blocks) > 1:
+            tried = tried[:1] if tgt.mosaic_gpu else tried[1:]
         reasons, lowered_only = [], False
-        for i, (closed, out_shape, rows, steps) in enumerate(blocks):
-            last = i == len(blocks) - 1  # the VMEM model's block
+        for i in tried:
+            closed, out_shape, rows, steps = blocks[i]
+            last = i == tried[-1]  # the VMEM model's block
             if lowered_only and not last:
                 continue
             built = plan_reverse(

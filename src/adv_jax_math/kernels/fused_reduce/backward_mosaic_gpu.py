@@ -182,8 +182,8 @@ def mosaic_gpu_backward(k: Any, name: str) -> Callable[..., Any]:
                 sums.setdefault(("c", j), []).append(next(outs))
             for e in (e for e in g.elements if e in tallied):
                 sums[("seen", e)] = [next(outs)]
-        zeros = jnp.zeros((k.grid, 1, 1), jnp.float32)
-        total = lambda key, dt: sum(sums.get(key, [zeros]), start=zeros).astype(dt)
+        zeros = lambda dt: jnp.zeros((k.grid, 1, 1), dt)  # (an element no group reads)
+        total = lambda key, dt: sum(sums.get(key, []), start=zeros(dt)).astype(dt)
         out = [
             jnp.stack(
                 [d_x.get(j, jnp.zeros((k.n,), a.dtype)) for j in range(bounds[i], bounds[i + 1])],

@@ -257,10 +257,7 @@ def _check(
             return Check(block)
         rows, vmem = block
     else:
-        slots = max(getattr(t.leaf.monoid, "k", 1) for t in terms)  # (a top-k's)
-        if tgt.triton and slots > 1:
-            max_rows = min(max_rows or n, max(1, TRITON_TOPK_ROWS // slots))
-        rows = choose_block(tgt, n, max_rows, analysis.row_elems, analysis.row_bytes, one_d)
+        rows = _gpu_block(tgt, n, max_rows, analysis, terms, one_d)
     if isinstance(rows, str):
         return Check(rows)
     steps = choose_steps(tgt, n, rows)
@@ -309,8 +306,24 @@ def _mosaic_gpu_problem(
     return problem
 
 
+def _gpu_block(
+    tgt: Target, n: int, max_rows: int | None, analysis: Any, terms: Any, one_d: bool
+) -> int | str:
+    """Rows per block on a GPU target (or why none fits): ``choose_block`` of ``fun``'s
+    widest row, a top-k's rows fewer on Triton."""
+    slots = max(getattr(t.leaf.monoid, "k", 1) for t in terms)  # (a top-k's)
+    if tgt.triton and slots > 1:
+        max_rows = min(max_rows or n, max(1, TRITON_TOPK_ROWS // slots))
+    return choose_block(tgt, n, max_rows, analysis.row_elems, analysis.row_bytes, one_d)
+
+
 def reverse_blocks(
-    fun: Callable, xs: Any, reduction: MonoidReduction, verdict: Check, platform: str
+    fun: Callable,
+    xs: Any,
+    reduction: MonoidReduction,
+    verdict: Check,
+    platform: str,
+    max_rows: int | None = None,
 ) -> tuple[tuple[Any, list[Any], int, int], ...]:
     """``fun`` traced on smaller blocks for the backward kernel, largest first, each
     ``(jaxpr, output avals, rows, steps)``: on TPU, where the VMEM model of a block's
@@ -318,8 +331,13 @@ def reverse_blocks(
     :func:`check` chose does not fit, half and a quarter of it and the model's own
     block (the smallest legal one when none fits). The reverse pass tries the
     forward's block, then these, and runs at the first that compiles (lowered only:
-    the model's block). Empty where the forward's block fits, or elsewhere."""
+    the model's block). After a Mosaic GPU forward, Triton's own block (where
+    Mosaic GPU's backward kernel declines, Triton's runs at the block Triton's forward
+    would have: the Mosaic GPU block's rows can be too wide for it). Empty where the
+    forward's block fits, or elsewhere."""
     tgt = target(platform)
+    if verdict.backend == "mosaic_gpu" and tgt.platform == "cuda":
+        return _triton_block(fun, xs, reduction, verdict, platform, max_rows)
     if not tgt.mosaic or verdict.kernel is None:
         return ()
     closed, out_shape = verdict.traced
@@ -376,3 +394,26 @@ def fused_states(
         raise ValueError(problem)
     k = build_kernel((closed, out_shape), xs, reduction, (rows, steps), tgt, interpret)
     return forward(k, list(closed.consts), list(leaves), offset)
+
+
+def _triton_block(
+    fun: Callable,
+    xs: Any,
+    reduction: MonoidReduction,
+    verdict: Check,
+    platform: str,
+    max_rows: int | None,
+) -> tuple[tuple[Any, list[Any], int, int], ...]:
+    """``fun`` traced at Triton's block, where it is smaller than the Mosaic GPU
+    forward's (``reverse_blocks``); empty without Pallas Triton."""
+    if triton_problem() or _config.current().gpu_backend == "mosaic_gpu":
+        return ()
+    tgt, (closed, out_shape) = target(platform, "triton"), verdict.traced
+    leaves = jax.tree.leaves(xs)
+    one_d = any(len(x.shape) == 1 for x in leaves)
+    terms = block_terms(reduction, out_shape, verdict.rows)
+    n = verdict.kernel.n
+    rows = _gpu_block(tgt, n, max_rows, analyze(closed.jaxpr, verdict.rows), terms, one_d)
+    if isinstance(rows, str) or rows >= verdict.rows:
+        return ()
+    return ((*traced_at(fun, xs, rows, verdict.known), rows, choose_steps(tgt, n, rows)),)
