@@ -22,9 +22,11 @@ tests). Workloads, from ``workloads``:
     k-NN top-8 at D = 128 and Sinkhorn's logsumexp at D = 64 against the dense XLA
     expression (``--full``: the whole grid, else its quick subset);
 (f) ``--gpu-backends`` (alone): the fused kernel built by Pallas Mosaic GPU against
-    Pallas Triton's (``config(gpu_backend=...)``) on the workloads of (a), next to the
-    scan engine; then the pairwise tile kernel from each, forward and
-    ``value_and_grad``, on a kernel sum, a logsumexp and a min-argmin at D = 3 and 16;
+    Pallas Triton's (``config(gpu_backend=...)``) on the workloads of (a) and on two
+    of wide rows (a layer ``tanh(x @ w)``, 16 -> 32; ``tanh(x) * x`` over rows of
+    8 x 16: Mosaic GPU's element groups), next to the scan engine; then the pairwise
+    tile kernel from each, forward and ``value_and_grad``, on a kernel sum, a logsumexp
+    and a min-argmin at D = 3 and 16;
 (g) ``--heads`` (alone): multi-head attention in ``dot_product_attention``'s
     ``(B, T, N, H)`` layout as the pairwise guide writes it (``jax.vmap`` over B, one
     ``ajm.pairwise`` call with ``softmax_weighted(heads=True)`` for every head, a causal
@@ -50,7 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 from _timing import measure
 from cases import map_reduce, max_rel_error, pairwise
-from cases.workloads import ADD_ONE, ADD_ONE_LOGSUMEXP, Workload, nbody
+from cases.workloads import ADD_ONE, ADD_ONE_LOGSUMEXP, LAYER, WIDE, Workload, nbody
 
 import adv_jax_math as ajm
 from adv_jax_math.core.devices import DEVICES
@@ -277,11 +279,11 @@ def matrix_units(*, interpret: bool, reps: int, full: bool) -> None:
 def gpu_backends(*, interpret: bool, peak: float, reps: int) -> None:
     """(f): the same fused kernel from Mosaic GPU and from Triton, forced in turn."""
     kernel = "interpret" if interpret else "pallas"
-    n = 1 << (12 if interpret else 28)
     print("\n## Pallas Mosaic GPU against Pallas Triton (the fused kernel alone)")
     print("| workload | backend | block | ms | GB/s | of peak | max rel err |")
     print("|---|---|---|---|---|---|---|")
-    for w in (ADD_ONE, ADD_ONE_LOGSUMEXP):
+    for w in (ADD_ONE, ADD_ONE_LOGSUMEXP, LAYER, WIDE):  # (the last two: element groups)
+        n = 1 << 12 if interpret else w.sizes[0]
         params, x = w.inputs(n)
         nbytes = sum(a.nbytes for a in jax.tree.leaves((params, x)))
         reference = measure(w.oracle(), (params, x), repeats=1, warmup=1).out

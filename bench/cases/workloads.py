@@ -340,6 +340,27 @@ ADD_ONE = elementwise("x + 1, add", jnp.add, 1.0, sizes=(2**28,))
 ADD_ONE_LOGSUMEXP = elementwise(
     "x + 1, logsumexp", jnp.add, 1.0, monoid="logsumexp", sizes=(2**28,)
 )
+
+
+def _layer_inputs(n: int, dtype: Any, seed: int) -> tuple:
+    kw, kx = jax.random.split(jax.random.key(seed))
+    return jax.random.normal(kw, (16, 32), dtype) * 0.25, jax.random.normal(kx, (n, 16), dtype)
+
+
+def _wide_inputs(n: int, dtype: Any, seed: int) -> tuple:
+    return None, jax.random.normal(jax.random.key(seed), (n, 8, 16), dtype)
+
+
+# Wide rows: Mosaic GPU folds them in element groups, a kernel each (a layer's groups
+# each read every feature; an elementwise fun's, features of their own).
+LAYER = Workload(
+    "tanh(x @ w), 16 -> 32, add", lambda w, x: jnp.tanh(x @ w), _layer_inputs, 1 << 16,
+    (2**22,), *SUM_ALL,
+)  # fmt: skip
+WIDE = Workload(
+    "tanh(x) * x, rows of 8 x 16, add", lambda _, x: jnp.tanh(x) * x, _wide_inputs, 1 << 16,
+    (2**21,), *SUM_ALL,
+)  # fmt: skip
 NBODY = nbody(name="N-body (256, 3)")
 NBODY_FORCES = nbody("forces", name="grad N-body")
 DICT_MAP = Workload("dict map", _dict_fun, _dict_inputs, 4096, (98_304, 100_000))
