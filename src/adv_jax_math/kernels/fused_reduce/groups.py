@@ -6,13 +6,13 @@ once (the features it reads, what ``fun`` makes of them, the states it carries, 
 constants' elements it loads before its loop), and past a Hopper thread's 255
 registers ptxas spills (compiled for H100: 128 features read and 128 sums carried at
 128 rows took 254-255 registers and spilled up to 16 bytes). So ``fun`` is unrolled
-once, outside the kernel, into a jaxpr from the constants' elements (scalars) and the
-inputs' features (vectors of rows) to every output element (:func:`flat`), and its
-output elements are split, in order, into groups whose values live at once in that
-jaxpr's order (each value from where it is made to its last use; features from the
-block's load, constants from the kernel's start) stay within a budget: each group is
-one kernel that reads only the features its elements need and evaluates only the
-equations they need (:func:`run`).
+once, outside the kernel, into a jaxpr from the constants' elements (scalars) and
+the inputs' features (vectors of rows) to every output element
+(``Features.grouped``), and its output elements are split, in order, into groups
+whose values live at once in that jaxpr's order (each value from where it is made
+to its last use; features from the block's load, constants from the kernel's start)
+stay within a budget: each group is one kernel that reads only the features its
+elements need and evaluates only the equations they need (:func:`run`).
 """
 
 from __future__ import annotations
