@@ -493,7 +493,10 @@ def check(rec: dict, target: str) -> list[str]:
     gpu = DEVICES[KINDS[base]].gpu
     hopper = gpu is not None and gpu.capability >= (9, 0)
     # Without Pallas Triton only Mosaic GPU's cases keep a kernel, and only on Hopper+.
-    gone = variant == "no-triton" and not (case.mosaic_gpu and hopper)
+    forward_only = case.mosaic_gpu_forward if hopper else ""
+    gone = variant == "no-triton" and not ((case.mosaic_gpu or forward_only) and hopper)
+    # (a forward on Mosaic GPU whose backward declines runs it on the scan engine there)
+    scan_backward = variant == "no-triton" and forward_only and forward_only in backward
     if base in case.kernel_on and engine != "pallas" and not gone:
         problems.append(f"must take the kernel on {target}: {rec['explain'].get('reason')}")
     if gone and base in case.kernel_on and "Pallas Triton is missing" not in reason:
@@ -505,7 +508,7 @@ def check(rec: dict, target: str) -> list[str]:
             f"{'a' if rec.get('backward_kernel') else 'no'} backward kernel and "
             f"{rec.get('while_loops')} while loops"
         )
-    if case.grad and engine == "pallas" and base != "v4" and not kernels:
+    if case.grad and engine == "pallas" and base != "v4" and not kernels and not scan_backward:
         problems.append(  # the issue's goal: every gradient program fused but on v4
             f"value_and_grad must hold the backward kernel and no while loop on {target}: "
             f"{backward or 'no backward kernel'}"
@@ -515,7 +518,7 @@ def check(rec: dict, target: str) -> list[str]:
         want = "Pallas Mosaic GPU" if mosaic else "Pallas Triton"
         if f"({want}" not in reason:
             problems.append(f"must take {want}'s kernel on {target}: {reason}")
-        if case.grad and f"per program ({want})" not in backward:
+        if case.grad and f"per program ({want})" not in backward and not scan_backward:
             problems.append(f"must take {want}'s backward kernel on {target}: {backward}")
         spills = [
             e for e in rec.get("ptxas") or [] if e.get("spill_stores") or e.get("spill_loads")

@@ -66,6 +66,8 @@ class Case:
     mosaic_gpu : Pallas Mosaic GPU's kernel on Hopper and newer (compute capability
         >= 9.0; ``fun`` row by row, feature by feature), Triton's on older GPUs
         (``--check`` of ``bench/accel/compile_targets.py``).
+    mosaic_gpu_forward : Mosaic GPU's forward kernel only, and why its backward
+        kernel declines (then Triton's runs; without Triton, the scan engine's).
     """
 
     name: str
@@ -81,6 +83,7 @@ class Case:
     kernel_on: tuple[str, ...] = ()
     fallback_on: dict[str, str] = dataclasses.field(default_factory=dict)
     mosaic_gpu: bool = False
+    mosaic_gpu_forward: str = ""  # Mosaic GPU takes the forward only: why not the backward
 
     @property
     def x64(self) -> bool:
@@ -617,7 +620,15 @@ MOSAIC_GPU = {
     "monoid_var_ddof1_vg", "monoid_pytree",
     "roofline_add_params", "roofline_add_inputs", "roofline_max_vector",
 }  # fmt: skip
-CASES = [dataclasses.replace(c, mosaic_gpu=c.name in MOSAIC_GPU) for c in CASES]
+# Mosaic GPU's forward kernel, not its backward kernel (a top-k's state has k slots per
+# element of a row: its backward goes element by element).
+MOSAIC_GPU_FORWARD = {"monoid_knn_topk8_vg": "takes each term element by element"}
+CASES = [
+    dataclasses.replace(
+        c, mosaic_gpu=c.name in MOSAIC_GPU, mosaic_gpu_forward=MOSAIC_GPU_FORWARD.get(c.name, "")
+    )
+    for c in CASES
+]
 
 # bench/bench_monoids.py's cases against plain JAX, at the issue's sizes (its quick run
 # and the tests take them smaller: Case.at): the 16 nearest and the nearest of 2^20
