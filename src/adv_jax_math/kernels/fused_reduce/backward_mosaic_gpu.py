@@ -161,7 +161,8 @@ def mosaic_gpu_backward(k: Any, name: str) -> Callable[..., Any]:
         staging = [plgpu.SMEM((k.rows,), d) for d in dtypes]
         return f.kernel(body, sum_dtypes, name, out_type=dx_type, scratch_types=staging), dc, dx
 
-    kernels, written = [], set()
+    kernels: list = []
+    written: set[int] = set()
     for g in groups:
         shared = [j for j in g.features if j in dx_features and j in written]
         kernels.append((g, shared, *group_kernel(g, shared)))

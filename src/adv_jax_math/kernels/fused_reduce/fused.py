@@ -408,6 +408,7 @@ def _triton_block(
     forward's (``reverse_blocks``); empty without Pallas Triton."""
     if triton_problem() or _config.current().gpu_backend == "mosaic_gpu":
         return ()
+    assert verdict.kernel is not None  # (a Mosaic GPU verdict's)
     tgt, (closed, out_shape) = target(platform, "triton"), verdict.traced
     leaves = jax.tree.leaves(xs)
     one_d = any(len(x.shape) == 1 for x in leaves)
