@@ -224,7 +224,7 @@ def test_a_backward_block_of_its_own(monkeypatch, name):
     from adv_jax_math.engines import fused as engine
     from adv_jax_math.kernels.fused_reduce.build import traced_at as _traced_at
 
-    def three_rows(fun, xs, reduction, verdict, platform):
+    def three_rows(fun, xs, reduction, verdict, platform, max_rows=None):
         closed, out_shape = _traced_at(fun, xs, 3, verdict.known)
         return ((closed, out_shape, 3, 1),)
 

@@ -99,7 +99,7 @@ def test_tpu_legal_rows():
 @pytest.mark.parametrize(("k", "rows"), [(16, 16), (8, 32), (4, 64)])
 def test_triton_blocks_of_a_top_k_shrink_with_k(k, rows):
     """Its merge network holds k slots per element beside the block: 64 rows of 128
-    distances spilled on H100 at k = 16 and 8 (fused.TRITON_TOPK_ROWS)."""
+    distances spilled on H100 at k = 16 and 8 (blocks.TRITON_TOPK_ROWS)."""
     import adv_jax_math as ajm
     from adv_jax_math.core.targets import abstract_mesh
 

@@ -55,6 +55,12 @@ def test_row_local_maps_run_whole():
     )
     assert kept is not None and int(kept[1]) <= 12, plan.backward
     assert_tree_close(ajm.batch_map(norms, x, 64), norms(x))
+    # each row times a matrix of constants is row-local (a sort of the products is not)
+    w = jnp.cos(jnp.arange(4 * 6.0).reshape(4, 6))
+    layer = lambda c: jnp.tanh(c @ w)
+    assert ajm.explain(layer, x, 64).chunks == 1
+    assert_tree_close(ajm.batch_map(layer, x, 64), layer(x))
+    assert ajm.explain(lambda c: jnp.sort(c @ w, axis=-1), x, 64).chunks > 1
     # a softmax: reverse mode run whole would keep its exponentials for all rows, more
     # than the rows' inputs and outputs: the derivatives run in the chunks
     exp = lambda c: jnp.exp(c * 3.0 - jnp.max(c * 3.0, axis=-1, keepdims=True))

@@ -44,7 +44,7 @@ from ...core.targets import (
 )
 from ...monoids.reduction import MonoidReduction
 from .backward import reverse_rows
-from .blocks import choose_block, choose_steps, row_stats, tpu_block, tpu_legal_rows
+from .blocks import choose_block, choose_steps, gpu_block, row_stats, tpu_block, tpu_legal_rows
 from .build import block_terms, build_kernel, fold_jaxpr, traced_at
 from .fold import partial_shape
 from .groups import REGISTERS
@@ -74,10 +74,6 @@ __all__ = [
 
 
 _ROWWISE = "the kernel needs one output row per input row"
-# Triton's blocks of a top-k: at most this many rows times k. Its merge network holds
-# k slots of each leaf per element beside the block: 64 rows spilled 1412 bytes at
-# k = 16 and 164 at k = 8 on H100 (128 distances per row), 16 and 32 rows none.
-TRITON_TOPK_ROWS = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -257,7 +253,7 @@ def _check(
             return Check(block)
         rows, vmem = block
     else:
-        rows = _gpu_block(tgt, n, max_rows, analysis, terms, one_d)
+        rows = gpu_block(tgt, n, max_rows, analysis, terms, one_d)
     if isinstance(rows, str):
         return Check(rows)
     steps = choose_steps(tgt, n, rows)
@@ -276,17 +272,9 @@ def _check(
     verdict = probe(k)
     block_trace = (closed, out_shape)
     return Check(
-        verdict.problem,
-        rows,
-        steps,
-        verdict.compiled,
-        tgt.device_kind,
-        vmem,
-        block_trace,
-        k,
-        known,
-        groups=groups,
-    )
+        verdict.problem, rows, steps, verdict.compiled, tgt.device_kind, vmem, block_trace, k,
+        known, groups=groups,
+    )  # fmt: skip
 
 
 def _mosaic_gpu_problem(
@@ -304,17 +292,6 @@ def _mosaic_gpu_problem(
             fold_jaxpr(t, rows).jaxpr, f"{t.leaf.monoid!r}'s fold"
         )
     return problem
-
-
-def _gpu_block(
-    tgt: Target, n: int, max_rows: int | None, analysis: Any, terms: Any, one_d: bool
-) -> int | str:
-    """Rows per block on a GPU target (or why none fits): ``choose_block`` of ``fun``'s
-    widest row, a top-k's rows fewer on Triton."""
-    slots = max(getattr(t.leaf.monoid, "k", 1) for t in terms)  # (a top-k's)
-    if tgt.triton and slots > 1:
-        max_rows = min(max_rows or n, max(1, TRITON_TOPK_ROWS // slots))
-    return choose_block(tgt, n, max_rows, analysis.row_elems, analysis.row_bytes, one_d)
 
 
 def reverse_blocks(
@@ -414,7 +391,7 @@ def _triton_block(
     one_d = any(len(x.shape) == 1 for x in leaves)
     terms = block_terms(reduction, out_shape, verdict.rows)
     n = verdict.kernel.n
-    rows = _gpu_block(tgt, n, max_rows, analyze(closed.jaxpr, verdict.rows), terms, one_d)
+    rows = gpu_block(tgt, n, max_rows, analyze(closed.jaxpr, verdict.rows), terms, one_d)
     if isinstance(rows, str) or rows >= verdict.rows:
         return ()
     return ((*traced_at(fun, xs, rows, verdict.known), rows, choose_steps(tgt, n, rows)),)
