@@ -112,6 +112,12 @@ def test_rows_of_features_go_feature_by_feature(name, fun, x, monoid, axis):
     sums over features, closed-over vectors), each element folded on its own."""
     is_leaf = lambda s: isinstance(s, tuple) and all(isinstance(d, int) for d in s)
     xs = jax.tree.map(lambda s: normal(len(s), s), x, is_leaf=is_leaf)
+    interpreted_against_the_oracle(fun, xs, monoid, axis)
+
+
+def interpreted_against_the_oracle(fun, xs, monoid, axis):
+    """``batch_map`` in blocks of 256 rows in Mosaic GPU's interpreter, checked against
+    the plain-JAX oracle; its plan."""
     reduction, chunk = plain_pair(monoid, axis)
     call = lambda x: ajm.batch_map(fun, x, 256, reduction=reduction, chunk_reduction=chunk)
     with ajm.config(backend="interpret", gpu_backend="mosaic_gpu"):
@@ -119,6 +125,7 @@ def test_rows_of_features_go_feature_by_feature(name, fun, x, monoid, axis):
         got = jax.jit(call)(xs)
     assert plan.engine == "interpret" and "Pallas Mosaic GPU interpreter" in plan.reason, plan
     assert_tree_close(got, oracle(monoid, axis)(fun(xs)), rtol=3e-6, atol=3e-6)
+    return plan
 
 
 W16 = np.linspace(-0.5, 0.5, 16 * 8, dtype=np.float32).reshape(16, 8)
@@ -140,16 +147,9 @@ def test_wide_rows_go_in_element_groups(name, fun, x, monoid, axis):
     elements need; products by a constant matrix are unrolled into sums of products."""
     from adv_jax_math.kernels.fused_reduce.groups import REGISTERS
 
-    xs = normal(len(x), x)
-    reduction, chunk = plain_pair(monoid, axis)
-    call = lambda x: ajm.batch_map(fun, x, 256, reduction=reduction, chunk_reduction=chunk)
-    with ajm.config(backend="interpret", gpu_backend="mosaic_gpu"):
-        plan = ajm.explain(fun, xs, 256, reduction=reduction, chunk_reduction=chunk)
-        got = jax.jit(call)(xs)
-    assert plan.engine == "interpret" and "Pallas Mosaic GPU interpreter" in plan.reason, plan
+    plan = interpreted_against_the_oracle(fun, normal(len(x), x), monoid, axis)
     if math.prod(x[1:]) * 2 > REGISTERS:
         assert "kernels, each folding a group of fun's output elements" in plan.reason, plan
-    assert_tree_close(got, oracle(monoid, axis)(fun(xs)), rtol=3e-6, atol=3e-6)
 
 
 @pytest.mark.parametrize("monoid", ["add", "max", "logsumexp"])
