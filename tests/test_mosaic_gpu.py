@@ -152,26 +152,46 @@ def test_wide_rows_go_in_element_groups(name, fun, x, monoid, axis):
         assert "kernels, each folding a group of fun's output elements" in plan.reason, plan
 
 
-@pytest.mark.parametrize("monoid", ["add", "max", "logsumexp"])
-@pytest.mark.parametrize("fun", ["layer", "wide"])
-def test_element_groups_have_gradients(monoid, fun):
+# Per size: (x, w) per fun, batch_size, and a thread's registers (``groups.REGISTERS``):
+# as the kernels run on Hopper, or lowered to split small problems into the same
+# groups fast (the interpreter runs each group's kernel: 1-2 minutes a case at full).
+GROUP_SIZES = {
+    "full": ({"layer": ((1001, 16), (16, 24)), "wide": ((700, 8, 16), (8, 16))}, 256, None),
+    "small": ({"layer": ((300, 4), (4, 8)), "wide": ((300, 4, 6), (4, 6))}, 128, 48),
+}
+
+
+@pytest.mark.parametrize(
+    ("monoid", "fun", "size"),
+    [
+        *((m, f, "small") for m in ("add", "max", "logsumexp") for f in ("layer", "wide")),
+        pytest.param("max", "layer", "full", marks=pytest.mark.slow),
+        pytest.param("logsumexp", "wide", "full", marks=pytest.mark.slow),
+    ],
+)
+def test_element_groups_have_gradients(monoid, fun, size, monkeypatch):
     """The backward kernel goes in element groups too: a layer's outputs each read every
     feature (each group adds its share of their cotangents to the earlier groups') and
     a column of ``w`` (its cotangents summed per program and over groups); a wide
     elementwise ``fun``'s groups read features of their own. Max's tallies per group."""
+    from adv_jax_math.kernels.fused_reduce import groups
+
     reduction, plain = GRADS[monoid]
+    shapes, batch, budget = GROUP_SIZES[size]
+    if budget is not None:
+        monkeypatch.setattr(groups, "REGISTERS", budget)
+    x, w = normal(3, shapes[fun][0]), normal(4, shapes[fun][1])
     if fun == "layer":
-        x, w = normal(3, (1001, 16)), normal(4, (16, 24)) * 0.3
+        w = w * 0.3
         f = lambda w: lambda v: jnp.tanh(v @ w) + 0.1 * jnp.sum(v, axis=1, keepdims=True)
     else:
-        x, w = normal(5, (700, 8, 16)), normal(6, (8, 16))
         f = lambda w: lambda v: jnp.tanh(v * w) * v
-    loss = lambda w, x: jnp.sum(ajm.batch_map(f(w), x, 256, reduction=reduction) ** 2)
+    loss = lambda w, x: jnp.sum(ajm.batch_map(f(w), x, batch, reduction=reduction) ** 2)
     with ajm.config(backend="interpret", gpu_backend="mosaic_gpu"):
-        plan = ajm.explain(f(w), x, 256, reduction=reduction)
+        plan = ajm.explain(f(w), x, batch, reduction=reduction)
         got = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(w, x)
     assert "kernels, each folding a group of fun's output elements" in plan.reason, plan.reason
-    assert "(Pallas Mosaic GPU interpreter)" in plan.backward, plan.backward
+    assert "(Pallas Mosaic GPU interpreter), in " in plan.backward, plan.backward
     want = jax.value_and_grad(lambda w, x: jnp.sum(plain(f(w)(x)) ** 2), argnums=(0, 1))(w, x)
     assert_tree_close(got, want, rtol=2e-5, atol=5e-4)  # (gradients of up to 1500)
 

@@ -17,6 +17,7 @@ from ..core import config as _config
 from ..core.sharding import Lanes, explicit_context, kernel_blocked
 from ..core.targets import Target, target, triton_problem
 from ..kernels.fused_reduce.backward import float_positions, plan_reverse, run_reverse
+from ..kernels.fused_reduce.backward_mosaic_gpu import backward_groups
 from ..kernels.fused_reduce.fused import Check, check, fused_states, reverse_blocks
 from ..monoids.reduction import MonoidReduction
 from ..plan import roofline
@@ -263,6 +264,8 @@ class FusedEngine(Engine):
             k = built.kernel
             text = f"backward kernel, blocks of {k.rows} rows, {k.steps} per program"
             text += f" ({k.target.label})"
+            groups = len(backward_groups(k)[-1]) if k.target.mosaic_gpu else 1
+            text += f", in {groups} kernels, one per group of fun's output elements" * (groups > 1)
             text += " (the tied rows tallied first)" if built.tally else ""
             text += "".join(f"; {why}" for why in built.declined)
         models = plan.roofline + ((model,) if model else ())

@@ -39,11 +39,11 @@ from jax.experimental import pallas as pl
 
 from ...core.targets import TPU_F32_MATH, Target, tpu_vmem_limit
 from ...monoids.reduction import MonoidReduction
+from . import groups as _groups
 from .backward_kernel import BACKWARD_NAME, Backward, _block_args, _block_vjp
 from .backward_mosaic_gpu import backward_groups
 from .blocks import tpu_block
 from .build import block_terms, build_kernel
-from .groups import REGISTERS
 from .kernel import (
     Kernel,
     Term,
@@ -162,9 +162,9 @@ def _problem(k: Backward, vmem_model: bool) -> str | None:
         found = backward_groups(k)[-1]
         if isinstance(found, int):
             return (
-                f"Mosaic GPU's backward kernel holds one row per thread: one element of fun's "
-                f"output needs {found} values of its row at once, over the {REGISTERS // 2} "
-                "a thread may hold in a VJP"
+                "Mosaic GPU's backward kernel holds one row per thread: one element of fun's "
+                f"output needs {found} values of its row at once, over the "
+                f"{_groups.REGISTERS // 2} a thread may hold in a VJP"
             )
         return mosaic_gpu_missing(_vjp_jaxpr(k).jaxpr, "fun's VJP")
     if k.target.mosaic and vmem_model:

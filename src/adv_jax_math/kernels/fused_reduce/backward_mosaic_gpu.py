@@ -27,7 +27,8 @@ from jax.experimental import pallas as pl
 from ...core.linear import cotangent_for
 from ...monoids.base import index_dtype
 from ..unrolled import objects
-from .groups import REGISTERS, Group, run
+from . import groups as _groups
+from .groups import Group, run
 from .interpreter import portable
 from .mosaic_gpu import AXIS, Features, elements_of, features
 
@@ -213,7 +214,7 @@ def backward_groups(k: Any) -> tuple[Any, int, list, list[Group] | int]:
     (its cotangent, final state and tally)."""
     f = Features(k)
     held = [len(jax.tree.leaves(k.per_term[k.terms.index(t)])) for t, _ in f.elements()]
-    return f.grouped(REGISTERS // 2, held)
+    return f.grouped(_groups.REGISTERS // 2, held)
 
 
 def _const_dtype(k: Any, c_bounds: np.ndarray, j: int) -> Any:

@@ -43,11 +43,11 @@ from ...core.targets import (
     triton_problem,
 )
 from ...monoids.reduction import MonoidReduction
+from . import groups as _groups
 from .backward import reverse_rows
 from .blocks import choose_block, choose_steps, gpu_block, row_stats, tpu_block, tpu_legal_rows
 from .build import block_terms, build_kernel, fold_jaxpr, traced_at
 from .fold import partial_shape
-from .groups import REGISTERS
 from .kernel import Kernel, forward, kernel_const_aval
 from .mosaic_gpu import Features
 from .probe import probe
@@ -153,9 +153,8 @@ def check(
         return Check(str(e))
     declined: list[str] = []
     for i, (tgt, why) in enumerate(chain):
-        verdict = Check(why) if why else _check(fun, xs, reduction, tgt, max_rows, known)
-        if verdict.problem is None and judge is not None and i < len(chain) - 1:
-            verdict = dataclasses.replace(verdict, problem=judge(verdict))
+        asked = judge if i < len(chain) - 1 else None
+        verdict = Check(why) if why else _check(fun, xs, reduction, tgt, max_rows, known, asked)
         if verdict.problem is None or verdict.empty or len(chain) == 1:
             return dataclasses.replace(verdict, declined=tuple(declined))
         declined.append(f"{tgt.label} not used: {verdict.problem}")
@@ -169,8 +168,10 @@ def _check(
     tgt: Target,
     max_rows: int | None,
     known: dict[int, tuple[Any, list[Any]]],
+    judge: Callable[[Check], str | None] | None = None,
 ) -> Check:
-    """:func:`check` for one target."""
+    """:func:`check` for one target; ``judge`` weighs the kernel before it is built
+    (a compile Mosaic GPU's groups would spend for a kernel the model declines)."""
     n = mapped_rows(xs, "xs")
     leaves = jax.tree.leaves(xs)
     if n < 1:
@@ -266,15 +267,17 @@ def _check(
             return Check(
                 f"Mosaic GPU holds one row per thread: one element of fun's output needs {found} "
                 "values of its row at once (the features it reads, what fun makes of them, its "
-                f"state, the constants' elements), over the {REGISTERS} a thread may hold"
+                f"state, the constants' elements), over the {_groups.REGISTERS} a thread may hold"
             )
         groups = len(found)
-    verdict = probe(k)
-    block_trace = (closed, out_shape)
-    return Check(
-        verdict.problem, rows, steps, verdict.compiled, tgt.device_kind, vmem, block_trace, k,
-        known, groups=groups,
+    found = Check(
+        None, rows, steps, False, tgt.device_kind, vmem, (closed, out_shape), k, known,
+        groups=groups,
     )  # fmt: skip
+    if judge is not None and (problem := judge(found)):
+        return dataclasses.replace(found, problem=problem)
+    built = probe(k)
+    return dataclasses.replace(found, problem=built.problem, compiled=built.compiled)
 
 
 def _mosaic_gpu_problem(

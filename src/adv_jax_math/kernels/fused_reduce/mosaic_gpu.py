@@ -37,8 +37,9 @@ from jax import lax
 
 from ...core.targets import KERNEL_NAME
 from ..unrolled import evaluate, objects
+from . import groups as _groups
 from .fold import partial_shape, term_state
-from .groups import REGISTERS, Group, grouped, run
+from .groups import Group, grouped, run
 from .interpreter import portable
 
 __all__ = ["AXIS", "Features", "element", "elements_of", "features", "mosaic_gpu_call"]
@@ -113,10 +114,12 @@ class Features:
         return [(t, cell) for t in self.k.terms for cell in np.ndindex(*t.items[0].shape)]
 
     def grouped(
-        self, budget: int = REGISTERS, held: Sequence[int] | None = None
+        self, budget: int | None = None, held: Sequence[int] | None = None
     ) -> tuple[Any, int, list, list[Group] | int]:
         """:meth:`unrolled_groups`, kept for the same kernel (the plan's check, its
-        roofline model and the kernel's build each ask)."""
+        roofline model and the kernel's build each ask); ``budget`` registers per thread,
+        by default ``groups.REGISTERS`` (read at the call: tests lower it)."""
+        budget = _groups.REGISTERS if budget is None else budget
         key = (self.k.key(), budget, None if held is None else tuple(held))
         if key not in _GROUPED:
             while len(_GROUPED) >= 64:
