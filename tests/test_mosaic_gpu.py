@@ -196,6 +196,32 @@ def test_element_groups_have_gradients(monoid, fun, size, monkeypatch):
     assert_tree_close(got, want, rtol=2e-5, atol=5e-4)  # (gradients of up to 1500)
 
 
+def test_backward_groups_skip_results_without_cotangents(monkeypatch):
+    """The backward's element groups leave out an argmin's elements (integer indices: no
+    cotangent, no tally): next to a mean, the backward is the mean's alone; alone, no
+    backward kernel is launched."""
+    from adv_jax_math.kernels.fused_reduce import groups
+
+    monkeypatch.setattr(groups, "REGISTERS", 48)
+    x, w = normal(7, (300, 4)), normal(8, (4, 8))
+    f = lambda w: lambda v: {"a": jnp.tanh(v * w[:, 0]), "b": (v @ w) ** 2}
+    both = {"a": ajm.MEAN, "b": ajm.ARGMIN}
+
+    def loss(w, x):
+        return jnp.sum(ajm.batch_map(f(w), x, 128, reduction=both)["a"] ** 2)
+
+    with ajm.config(backend="interpret", gpu_backend="mosaic_gpu"):
+        explained = ajm.explain(f(w), x, 128, reduction=both)
+        mean = ajm.explain(lambda v: f(w)(v)["a"], x, 128, reduction=ajm.MEAN)
+        argmin = ajm.explain(lambda v: f(w)(v)["b"], x, 128, reduction=ajm.ARGMIN)
+        got = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(w, x)
+    assert "kernels, each folding a group" in explained.reason, explained.reason
+    assert explained.backward == mean.backward, (explained.backward, mean.backward)
+    assert argmin.backward.startswith("no backward kernel"), argmin.backward
+    plain = lambda w, x: jnp.sum(jnp.mean(f(w)(x)["a"], 0) ** 2)
+    assert_tree_close(got, jax.value_and_grad(plain, argnums=(0, 1))(w, x), rtol=2e-5, atol=1e-6)
+
+
 def test_element_groups_fit_their_budget_and_read_what_they_need():
     """``groups.grouped``: consecutive elements, each group within the budget (values
     live at once in the unrolled jaxpr's order, states included), as large as fits;

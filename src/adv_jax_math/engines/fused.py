@@ -262,10 +262,12 @@ class FusedEngine(Engine):
             text = f"the scan engine's chunks, transposed: {built}"
         else:
             k = built.kernel
+            groups = len(backward_groups(k)[-1]) if k.target.mosaic_gpu else 1
             text = f"backward kernel, blocks of {k.rows} rows, {k.steps} per program"
             text += f" ({k.target.label})"
-            groups = len(backward_groups(k)[-1]) if k.target.mosaic_gpu else 1
             text += f", in {groups} kernels, one per group of fun's output elements" * (groups > 1)
+            if not groups:
+                text = f"no backward kernel ({k.target.label}): no result has a float cotangent"
             text += " (the tied rows tallied first)" if built.tally else ""
             text += "".join(f"; {why}" for why in built.declined)
         models = plan.roofline + ((model,) if model else ())

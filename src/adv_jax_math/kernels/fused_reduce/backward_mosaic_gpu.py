@@ -211,10 +211,13 @@ def mosaic_gpu_backward(k: Any, name: str) -> Callable[..., Any]:
 def backward_groups(k: Any) -> tuple[Any, int, list, list[Group] | int]:
     """``Features.grouped`` for the backward kernel of ``k``: at half the forward's
     budget (a VJP holds its residuals too), each element holding what it reads whole
-    (its cotangent, final state and tally)."""
+    (its cotangent, final state and tally); only the elements of terms with a float
+    cotangent or a tally (an argmin's indices have neither: its rows get nothing)."""
     f = Features(k)
-    held = [len(jax.tree.leaves(k.per_term[k.terms.index(t)])) for t, _ in f.elements()]
-    return f.grouped(_groups.REGISTERS // 2, held)
+    whole = [k.per_term[k.terms.index(t)] for t, _ in f.elements()]
+    held = [len(jax.tree.leaves(w)) for w in whole]
+    only = [e for e, (ct, _, tally) in enumerate(whole) if jax.tree.leaves(ct) or tally]
+    return f.grouped(_groups.REGISTERS // 2, held, only)
 
 
 def _const_dtype(k: Any, c_bounds: np.ndarray, j: int) -> Any:

@@ -114,28 +114,32 @@ class Features:
         return [(t, cell) for t in self.k.terms for cell in np.ndindex(*t.items[0].shape)]
 
     def grouped(
-        self, budget: int | None = None, held: Sequence[int] | None = None
+        self,
+        budget: int | None = None,
+        held: Sequence[int] | None = None,
+        only: Sequence[int] | None = None,
     ) -> tuple[Any, int, list, list[Group] | int]:
         """:meth:`unrolled_groups`, kept for the same kernel (the plan's check, its
         roofline model and the kernel's build each ask); ``budget`` registers per thread,
         by default ``groups.REGISTERS`` (read at the call: tests lower it)."""
         budget = _groups.REGISTERS if budget is None else budget
-        key = (self.k.key(), budget, None if held is None else tuple(held))
+        key = (self.k.key(), budget, *(None if a is None else tuple(a) for a in (held, only)))
         if key not in _GROUPED:
             while len(_GROUPED) >= 64:
                 _GROUPED.pop(next(iter(_GROUPED)))
-            _GROUPED[key] = self.unrolled_groups(budget, held)
+            _GROUPED[key] = self.unrolled_groups(budget, held, only)
         return _GROUPED[key]
 
     def unrolled_groups(
-        self, budget: int, held: Sequence[int] | None
+        self, budget: int, held: Sequence[int] | None, only: Sequence[int] | None = None
     ) -> tuple[Any, int, list, list[Group] | int]:
         """``fun`` unrolled into a jaxpr from the constants' elements and the inputs'
         features to each element's sources (a vector of rows each, in
         :meth:`elements` order), its number of constants' elements, each element's
         outputs of it, and the elements in groups of at most ``budget`` registers
         per thread (``groups.grouped``; an int: what one element alone needs), each
-        element holding ``held`` values besides (default: its monoid's state)."""
+        element holding ``held`` values besides (default: its monoid's state); ``only``:
+        the elements grouped (default: all)."""
         k, elements = self.k, self.elements()
         scalar = lambda a: [jax.ShapeDtypeStruct((), a.dtype)] * math.prod(a.shape)
         consts = [scalar(a) for a in k.const_avals]
@@ -158,7 +162,20 @@ class Features:
         states = list(held) if held is not None else [size(t) for t, _ in elements]
         n_consts = sum(map(len, consts))
         vec = k.rows // 128
-        return closed, n_consts, reads, grouped(closed.jaxpr, n_consts, reads, states, vec, budget)
+        picked = range(len(elements)) if only is None else only
+        found = grouped(
+            closed.jaxpr,
+            n_consts,
+            [reads[e] for e in picked],
+            [states[e] for e in picked],
+            vec,
+            budget,
+        )
+        if not isinstance(found, int):
+            found = [
+                dataclasses.replace(g, elements=tuple(picked[i] for i in g.elements)) for g in found
+            ]
+        return closed, n_consts, reads, found
 
     def const_elements(self, refs: Sequence[Any], wanted: Sequence[int]) -> list:
         """The constants' elements ``wanted`` (flat over every constant, C order), each
