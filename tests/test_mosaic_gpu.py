@@ -19,7 +19,14 @@ import numpy as np
 import pytest
 import test_special_values as special
 from cases import plain_pair
-from helpers import assert_tree_close, needs_abstract_devices, needs_kernel, normal, oracle
+from helpers import (
+    assert_tree_close,
+    enable_x64,
+    needs_abstract_devices,
+    needs_kernel,
+    normal,
+    oracle,
+)
 from jax import lax
 
 import adv_jax_math as ajm
@@ -220,6 +227,26 @@ def test_backward_groups_skip_results_without_cotangents(monkeypatch):
     assert argmin.backward.startswith("no backward kernel"), argmin.backward
     plain = lambda w, x: jnp.sum(jnp.mean(f(w)(x)["a"], 0) ** 2)
     assert_tree_close(got, jax.value_and_grad(plain, argnums=(0, 1))(w, x), rtol=2e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("monoid", ["add", "max", "logsumexp"])
+def test_float64_rows_travel_as_their_bits(monoid):
+    """float64 inputs (DESC computes in them): Mosaic GPU's TMA copies take no float64,
+    so the features and the inputs' cotangents travel as int64 bits, bitcast in the
+    kernels; value and gradients to float64 accuracy, not float32's."""
+    reduction, plain = GRADS[monoid]
+    with enable_x64():
+        x, w = normal(9, (1000, 3), np.float64), normal(10, (3,), np.float64)
+        f = lambda w: lambda v: jnp.sin(v * w) * v + 1e-9 * v**2
+        loss = lambda w, x: jnp.sum(ajm.batch_map(f(w), x, 256, reduction=reduction) ** 2)
+        with ajm.config(backend="interpret", gpu_backend="mosaic_gpu"):
+            plan = ajm.explain(f(w), x, 256, reduction=reduction)
+            got = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(w, x)
+        want = jax.value_and_grad(lambda w, x: jnp.sum(plain(f(w)(x)) ** 2), argnums=(0, 1))(w, x)
+    assert "Pallas Mosaic GPU interpreter)" in plan.reason, plan.reason
+    assert "(Pallas Mosaic GPU interpreter)" in plan.backward, plan.backward
+    assert all(a.dtype == np.float64 for a in jax.tree.leaves(got))
+    assert_tree_close(got, want, rtol=1e-12, atol=1e-12)
 
 
 def test_element_groups_fit_their_budget_and_read_what_they_need():

@@ -606,11 +606,12 @@ CASES += [
 ]
 
 # The cases Pallas Mosaic GPU's kernel takes on Hopper and newer (row by row, products
-# by constant matrices included, wide rows in element groups, blocks of at least 128
-# rows; a gradient's backward kernel too): 30 of the 48 cases in the deviceless H100
-# compile; the others take Triton or the scan engine, each with its reason.
+# by constant matrices included, wide rows in element groups, float64 as int64 bits,
+# blocks of at least 128 rows; a gradient's backward kernel too): 31 of the 48 cases in
+# the deviceless H100 compile, and the forward of one more (MOSAIC_GPU_FORWARD); the
+# others take Triton or the scan engine, each with its reason.
 MOSAIC_GPU = {
-    "test_elementwise_1d", "test_n48_max", "test_pytree_bf16_int", "test_n3_fallback",
+    "test_elementwise_1d", "test_n48_max", "test_pytree_bf16_int", "test_n3_fallback", "test_f64",
     "test_n816_f32", "test_n816_bf16", "test_n816_i32",
     "test_grad_params_lse", "test_grad_both_tanh", "issue_field", "issue_field_vg",
     "issue_tanh_bf16", "issue_tanh_bf16_upcast", "issue_tanh_f32",

@@ -262,7 +262,8 @@ class FusedEngine(Engine):
             text = f"the scan engine's chunks, transposed: {built}"
         else:
             k = built.kernel
-            groups = len(backward_groups(k)[-1]) if k.target.mosaic_gpu else 1
+            grouped: Any = backward_groups(k)[-1] if k.target.mosaic_gpu else [k]
+            groups = len(grouped) if isinstance(grouped, list) else 1  # (an int: declined)
             text = f"backward kernel, blocks of {k.rows} rows, {k.steps} per program"
             text += f" ({k.target.label})"
             text += f", in {groups} kernels, one per group of fun's output elements" * (groups > 1)

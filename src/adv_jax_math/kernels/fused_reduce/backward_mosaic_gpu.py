@@ -28,9 +28,9 @@ from ...core.linear import cotangent_for
 from ...monoids.base import index_dtype
 from ..unrolled import objects
 from . import groups as _groups
-from .groups import Group, run
+from .groups import Group, run, words
 from .interpreter import portable
-from .mosaic_gpu import AXIS, Features, elements_of, features
+from .mosaic_gpu import AXIS, Features, elements_of, features, wire_dtype, wired
 
 __all__ = ["backward_groups", "mosaic_gpu_backward"]
 
@@ -56,6 +56,7 @@ def mosaic_gpu_backward(k: Any, name: str) -> Callable[..., Any]:
     per_term_tree = jax.tree.structure(k.per_term)
     closed, n_consts, reads, groups = backward_groups(k)
     assert not isinstance(groups, int), groups  # (backward._problem)
+    dtype_of = lambda j: f.feature_avals()[j].dtype  # (feature j's)
     tallied = [
         e for e, (t, _) in enumerate(elements) if k.per_term[k.terms.index(t)][2] is not None
     ]
@@ -126,12 +127,18 @@ def mosaic_gpu_backward(k: Any, name: str) -> Callable[..., Any]:
             consts = f.const_elements(c_refs, g.consts)
             whole = [elements_of(r, a) for r, a in zip(w_refs, k.whole(), strict=True)]
             offset, program = offset_ref[0, 0], lax.axis_index(AXIS)
-            firsts = [r[program * k.tile] for r in x_refs] if k.n % k.tile else [None] * nx
+            firsts = [
+                wired(r[program * k.tile], dtype_of(j)) if k.n % k.tile else None
+                for r, j in zip(x_refs, g.features, strict=True)
+            ]
 
             def step(index: tuple, *blocks: Any) -> list:
                 *in_blocks, carry = blocks
                 start = (program * k.steps + index[0]) * k.rows
-                loaded = [plgpu.load(b, layout=f.layout) for b in in_blocks]
+                loaded = [
+                    wired(plgpu.load(b, layout=f.layout), dtype_of(j))
+                    for b, j in zip(in_blocks, [*g.features, *shared], strict=True)
+                ]
                 xs, prior = loaded[:nx], loaded[nx:]
                 prior_dx = _prior(dx, shared, prior)
                 carry, d_x = portable(
@@ -139,8 +146,8 @@ def mosaic_gpu_backward(k: Any, name: str) -> Callable[..., Any]:
                 )
                 # Written through shared memory by hand: the pipeline's own copies out are
                 # predicated, which Mosaic GPU's interpreter does not take (jax 0.12).
-                for o, s, d in zip(dx_refs, staged, d_x, strict=True):
-                    s[...] = d.astype(s.dtype)
+                for o, s, d, dtype in zip(dx_refs, staged, d_x, dtypes, strict=True):
+                    s[...] = wired(d.astype(dtype))
                     plgpu.commit_smem()
                     plgpu.copy_smem_to_gmem(s, o.at[pl.ds(start, k.rows)])
                     plgpu.wait_smem_to_gmem(0)
@@ -157,9 +164,9 @@ def mosaic_gpu_backward(k: Any, name: str) -> Callable[..., Any]:
             for part, o_ref in zip(pipeline(*x_refs, *p_refs), sum_refs, strict=True):
                 o_ref[program] = part.reshape(o_ref.shape[1:]).astype(o_ref.dtype)
 
-        dtypes = [np.dtype(k.in_avals[_input_of(bounds, j)].dtype) for j in dx]
-        dx_type = [jax.ShapeDtypeStruct((k.n,), d) for d in dtypes]
-        staging = [plgpu.SMEM((k.rows,), d) for d in dtypes]
+        dtypes = [dtype_of(j) for j in dx]
+        dx_type = [jax.ShapeDtypeStruct((k.n,), wire_dtype(d)) for d in dtypes]
+        staging = [plgpu.SMEM((k.rows,), wire_dtype(d)) for d in dtypes]
         return f.kernel(body, sum_dtypes, name, out_type=dx_type, scratch_types=staging), dc, dx
 
     kernels: list = []
@@ -188,7 +195,10 @@ def mosaic_gpu_backward(k: Any, name: str) -> Callable[..., Any]:
         total = lambda key, dt: sum(sums.get(key, []), start=zeros(dt)).astype(dt)
         out = [
             jnp.stack(
-                [d_x.get(j, jnp.zeros((k.n,), a.dtype)) for j in range(bounds[i], bounds[i + 1])],
+                [
+                    wired(d_x[j], a.dtype) if j in d_x else jnp.zeros((k.n,), a.dtype)
+                    for j in range(bounds[i], bounds[i + 1])
+                ],
                 -1,
             ).reshape(a.shape)
             for i in k.x_idx
@@ -215,7 +225,7 @@ def backward_groups(k: Any) -> tuple[Any, int, list, list[Group] | int]:
     cotangent or a tally (an argmin's indices have neither: its rows get nothing)."""
     f = Features(k)
     whole = [k.per_term[k.terms.index(t)] for t, _ in f.elements()]
-    held = [len(jax.tree.leaves(w)) for w in whole]
+    held = [sum(words(a.dtype) for a in jax.tree.leaves(w)) for w in whole]
     only = [e for e, (ct, _, tally) in enumerate(whole) if jax.tree.leaves(ct) or tally]
     return f.grouped(_groups.REGISTERS // 2, held, only)
 

@@ -270,14 +270,14 @@ def _check(
                 f"state, the constants' elements), over the {_groups.REGISTERS} a thread may hold"
             )
         groups = len(found)
-    found = Check(
+    planned = Check(
         None, rows, steps, False, tgt.device_kind, vmem, (closed, out_shape), k, known,
         groups=groups,
     )  # fmt: skip
-    if judge is not None and (problem := judge(found)):
-        return dataclasses.replace(found, problem=problem)
+    if judge is not None and (problem := judge(planned)):
+        return dataclasses.replace(planned, problem=problem)
     built = probe(k)
-    return dataclasses.replace(found, problem=built.problem, compiled=built.compiled)
+    return dataclasses.replace(planned, problem=built.problem, compiled=built.compiled)
 
 
 def _mosaic_gpu_problem(

@@ -21,15 +21,21 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 from jax.extend.core import Literal
 
 from ...analysis.jaxpr_graph import bind
 
-__all__ = ["REGISTERS", "Group", "grouped", "run"]
+__all__ = ["REGISTERS", "Group", "grouped", "run", "words"]
 
 # Values of its rows a thread may hold at once (registers; a Hopper thread has 255,
 # some taken by addresses, indices and temporaries).
 REGISTERS = 128
+
+
+def words(dtype: Any) -> int:
+    """The 32-bit registers a value of ``dtype`` takes (a float64 two)."""
+    return max(1, np.dtype(dtype).itemsize // 4)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +66,7 @@ def _measure(jaxpr: Any, n_consts: int, outputs: set[int], vec: int) -> Group:
     for pos, i in enumerate(keep):
         for v in real(jaxpr.eqns[i].invars):
             last[v] = max(last.get(v, pos), pos)
-    cost = lambda v: vec if v.aval.shape else 1
+    cost = lambda v: (vec if v.aval.shape else 1) * words(v.aval.dtype)
     inputs = [j for j, v in enumerate(jaxpr.invars) if v in need]
     live = peak = sum(cost(jaxpr.invars[j]) for j in inputs)
     held = set(jaxpr.invars[:n_consts])

@@ -39,7 +39,7 @@ from ...core.targets import KERNEL_NAME
 from ..unrolled import evaluate, objects
 from . import groups as _groups
 from .fold import partial_shape, term_state
-from .groups import Group, grouped, run
+from .groups import Group, grouped, run, words
 from .interpreter import portable
 
 __all__ = ["AXIS", "Features", "element", "elements_of", "features", "mosaic_gpu_call"]
@@ -61,9 +61,23 @@ def elements_of(ref: Any, aval: Any) -> list:
 
 
 def features(x: Any) -> list:
-    """``x`` of shape ``(n, *s)`` as ``prod(s)`` vectors of its rows (in XLA)."""
-    flat = x.reshape(x.shape[0], -1)
+    """``x`` of shape ``(n, *s)`` as ``prod(s)`` vectors of its rows (in XLA), as the
+    pipeline's TMA copies carry them (:func:`wired`)."""
+    flat = wired(x.reshape(x.shape[0], -1))
     return [flat[:, f] for f in range(flat.shape[1])]
+
+
+def wire_dtype(dtype: Any) -> np.dtype:
+    """The dtype TMA copies carry values of ``dtype`` as: float64's bits as int64
+    (Mosaic GPU's TMA takes no float64), others as they are."""
+    return np.dtype(np.int64) if np.dtype(dtype) == np.float64 else np.dtype(dtype)
+
+
+def wired(x: Any, dtype: Any = None) -> Any:
+    """``x`` in :func:`wire_dtype`; with ``dtype``, back from it (in a kernel: a bitcast
+    of registers)."""
+    to = wire_dtype(x.dtype) if dtype is None else np.dtype(dtype)
+    return x if x.dtype == to else lax.bitcast_convert_type(x, to)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,7 +172,7 @@ class Features:
         reads = [tuple(range(at[e], at[e + 1])) for e in range(len(elements))]
         one = lambda t: [jax.ShapeDtypeStruct((), i.dtype) for i in t.items]
         init = lambda t: jax.tree.leaves(jax.eval_shape(t.leaf.monoid.init, one(t)))
-        size = lambda t: sum(math.prod(a.shape) for a in init(t))
+        size = lambda t: sum(math.prod(a.shape) * words(a.dtype) for a in init(t))
         states = list(held) if held is not None else [size(t) for t, _ in elements]
         n_consts = sum(map(len, consts))
         vec = k.rows // 128
@@ -241,6 +255,8 @@ def mosaic_gpu_call(k: Any) -> Callable[..., Any]:
     one = lambda t: [jax.ShapeDtypeStruct((), it.dtype) for it in t.items]
     init = lambda g: [elements[e][0].leaf.monoid.init(one(elements[e][0])) for e in g.elements]
 
+    avals = f.feature_avals()
+
     def group_kernel(g: Group) -> Any:
         states = jax.eval_shape(lambda: init(g))  # (in the kernel: no capture)
         tree = jax.tree.structure(states)
@@ -264,7 +280,10 @@ def mosaic_gpu_call(k: Any) -> Callable[..., Any]:
             def step(index: tuple, *blocks: Any) -> list:
                 *x_blocks, carry = blocks
                 start = (program * k.steps + index[0]) * k.rows
-                vectors = [plgpu.load(b, layout=f.layout) for b in x_blocks]
+                vectors = [
+                    wired(plgpu.load(b, layout=f.layout), avals[j].dtype)
+                    for b, j in zip(x_blocks, g.features, strict=True)
+                ]
                 return portable(fold, carry, vectors, consts, start, offset)
 
             spec = plgpu.BlockSpec((k.rows,), lambda j: (program * k.steps + j,))

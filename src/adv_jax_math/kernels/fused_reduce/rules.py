@@ -79,8 +79,6 @@ def dtype_problem(target: Target, dtypes: Sequence[Any], where: str) -> str | No
     for dt in map(np.dtype, dtypes):
         if jnp.issubdtype(dt, jnp.complexfloating):
             return f"{target.label} kernels do not support complex types ({dt.name} in {where})"
-        if target.mosaic_gpu and dt.itemsize == 8:  # (found at its compile, as a ValueError)
-            return f"Mosaic GPU's TMA copies take no 64-bit types ({dt.name} in {where})"
         if target.mosaic and dt.itemsize == 8:
             return (
                 f"TPU kernels do not support 64-bit types ({dt.name} in {where}); "
