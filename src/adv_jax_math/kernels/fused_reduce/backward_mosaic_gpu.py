@@ -30,7 +30,7 @@ from ..unrolled import objects
 from . import groups as _groups
 from .groups import Group, run, words
 from .interpreter import portable
-from .mosaic_gpu import AXIS, Features, elements_of, features, wire_dtype, wired
+from .mosaic_gpu import AXIS, Features, elements_of, features, scalar_items, wire_dtype, wired
 
 __all__ = ["backward_groups", "mosaic_gpu_backward"]
 
@@ -96,7 +96,7 @@ def mosaic_gpu_backward(k: Any, name: str) -> Callable[..., Any]:
             for e in g.elements:
                 t, cell = elements[e]
                 shape = t.items[0].shape
-                items = [jax.ShapeDtypeStruct((), it.dtype) for it in t.items]
+                items = scalar_items(t)
                 ct, state, tally = per_term[k.terms.index(t)]
                 ct_e, state_e, tally_e = jax.tree.map(
                     lambda o, c=cell, s=shape: _pick(o, c, s), (ct, state, tally)

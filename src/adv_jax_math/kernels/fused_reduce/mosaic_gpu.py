@@ -67,6 +67,11 @@ def features(x: Any) -> list:
     return [flat[:, f] for f in range(flat.shape[1])]
 
 
+def scalar_items(t: Any) -> list[jax.ShapeDtypeStruct]:
+    """The items of one element of term ``t`` (each folded on its own): scalars."""
+    return [jax.ShapeDtypeStruct((), i.dtype) for i in t.items]
+
+
 def wire_dtype(dtype: Any) -> np.dtype:
     """The dtype TMA copies carry values of ``dtype`` as: float64's bits as int64
     (Mosaic GPU's TMA takes no float64), others as they are."""
@@ -170,8 +175,7 @@ class Features:
         closed = jax.make_jaxpr(unrolled)(consts, vectors)
         at = np.cumsum([0, *(len(t.leaf.sources) for t, _ in elements)])
         reads = [tuple(range(at[e], at[e + 1])) for e in range(len(elements))]
-        one = lambda t: [jax.ShapeDtypeStruct((), i.dtype) for i in t.items]
-        init = lambda t: jax.tree.leaves(jax.eval_shape(t.leaf.monoid.init, one(t)))
+        init = lambda t: jax.tree.leaves(jax.eval_shape(t.leaf.monoid.init, scalar_items(t)))
         size = lambda t: sum(math.prod(a.shape) * words(a.dtype) for a in init(t))
         states = list(held) if held is not None else [size(t) for t, _ in elements]
         n_consts = sum(map(len, consts))
@@ -252,8 +256,9 @@ def mosaic_gpu_call(k: Any) -> Callable[..., Any]:
     f, nc = Features(k), len(k.const_avals)
     elements, (closed, n_consts, reads, groups) = f.elements(), f.grouped()
     assert not isinstance(groups, int), groups  # (fused._check declines it)
-    one = lambda t: [jax.ShapeDtypeStruct((), it.dtype) for it in t.items]
-    init = lambda g: [elements[e][0].leaf.monoid.init(one(elements[e][0])) for e in g.elements]
+    init = lambda g: [
+        elements[e][0].leaf.monoid.init(scalar_items(elements[e][0])) for e in g.elements
+    ]
 
     avals = f.feature_avals()
 
