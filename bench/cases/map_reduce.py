@@ -621,9 +621,9 @@ MOSAIC_GPU = {
     "monoid_var_ddof1_vg", "monoid_pytree",
     "roofline_add_params", "roofline_add_inputs", "roofline_max_vector",
 }  # fmt: skip
-# Mosaic GPU's forward kernel, not its backward kernel (a top-k's state has k slots per
-# element of a row: its backward goes element by element).
-MOSAIC_GPU_FORWARD = {"monoid_knn_topk8_vg": "takes each term element by element"}
+# Mosaic GPU's forward kernel, not its backward kernel (k-NN top-8's VJP: one distance
+# needs 74 values of its row at once, with its 8 slots' cotangents, rows and values).
+MOSAIC_GPU_FORWARD = {"monoid_knn_topk8_vg": "a thread may hold in a VJP"}
 CASES = [
     dataclasses.replace(
         c, mosaic_gpu=c.name in MOSAIC_GPU, mosaic_gpu_forward=MOSAIC_GPU_FORWARD.get(c.name, "")

@@ -18,9 +18,12 @@ from .topk_networks import empty_row, merge_sorted, merge_stacked, select
 __all__ = ["TopK", "top_k"]
 
 
-def _slot(a: jax.Array, j: int) -> jax.Array:
+def _slot(a: jax.Array | list, j: int) -> jax.Array:
     """``a[j]`` as a masked sum over the leading axis (exact: one nonzero term), not a
-    slice: Pallas Triton has no lowering for ``slice``."""
+    slice: Pallas Triton has no lowering for ``slice``; of a list (one element's slots,
+    in Mosaic GPU's backward kernel), its item."""
+    if isinstance(a, list):
+        return a[j]
     lead = lax.broadcasted_iota(np.int32, a.shape, 0)
     return jnp.sum(jnp.where(lead == j, a, jnp.zeros_like(a)), axis=0)
 

@@ -153,9 +153,9 @@ def _problem(k: Backward, vmem_model: bool) -> str | None:
         for t, whole in zip(k.terms, k.per_term, strict=True):
             shape = t.items[0].shape
             for a in jax.tree.leaves(whole):  # the backward_mosaic_gpu._pick rule
-                if a.shape not in (shape, ()):
+                if a.shape not in (shape, ()) and a.shape[1:] != shape:
                     return (
-                        f"Mosaic GPU's backward kernel takes each term element by element, but "
+                        "Mosaic GPU's backward kernel takes each term element by element, but "
                         f"{t.leaf.monoid!r} has a result or state of shape {a.shape} for rows "
                         f"of shape {shape}"
                     )

@@ -6,10 +6,11 @@ kernel is (``mosaic_gpu``): feature by feature. XLA splits each input into vecto
 rows; ``plgpu.emit_pipeline`` streams blocks of them in, and each block's cotangents
 of the mapped inputs go out through shared memory (TMA both ways); ``fun`` runs
 unrolled over its own axes inside ``jax.vjp``; each term's rows get their cotangents
-element by element (``Monoid.cotangent``, with the final state's element, or its scalar
-for a term over every axis); the cotangents of the constants (one per element) and the
-tallies' counts are carried through the pipeline and written per program, summed in
-XLA. Rows past ``n`` are replaced by the program's first row before ``fun`` sees them.
+element by element (``Monoid.cotangent``, with the final state's element, a top-k's k
+slots as a list, or its scalar for a term over every axis); the cotangents of the
+constants (one per element) and the tallies' counts are carried through the pipeline
+and written per program, summed in XLA. Rows past ``n`` are replaced by the program's
+first row before ``fun`` sees them.
 """
 
 from __future__ import annotations
@@ -37,8 +38,13 @@ __all__ = ["backward_groups", "mosaic_gpu_backward"]
 
 def _pick(leaf: Any, cell: tuple, shape: tuple) -> Any:
     """Element ``cell`` of a whole array's elements (an object array) whose items have
-    ``shape``; its one element where it has none (a term over every axis)."""
-    return leaf[cell] if leaf.shape == shape else leaf[()]
+    ``shape``: of a ``(k, *shape)`` array (a top-k's values), its k slots as a list; its
+    one element where it has none (a term over every axis)."""
+    if leaf.shape == shape:
+        return leaf[cell]
+    if leaf.shape[1:] == shape:
+        return [leaf[(j, *cell)] for j in range(leaf.shape[0])]
+    return leaf[()]
 
 
 def mosaic_gpu_backward(k: Any, name: str) -> Callable[..., Any]:
@@ -225,7 +231,13 @@ def backward_groups(k: Any) -> tuple[Any, int, list, list[Group] | int]:
     cotangent or a tally (an argmin's indices have neither: its rows get nothing)."""
     f = Features(k)
     whole = [k.per_term[k.terms.index(t)] for t, _ in f.elements()]
-    held = [sum(words(a.dtype) for a in jax.tree.leaves(w)) for w in whole]
+    held = [
+        sum(
+            words(a.dtype) * max(1, a.size // math.prod(t.items[0].shape))
+            for a in jax.tree.leaves(w)
+        )
+        for w, (t, _) in zip(whole, f.elements(), strict=True)
+    ]
     only = [e for e, (ct, _, tally) in enumerate(whole) if jax.tree.leaves(ct) or tally]
     return f.grouped(_groups.REGISTERS // 2, held, only)
 
