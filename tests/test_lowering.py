@@ -74,7 +74,10 @@ SLOW = {("test_nbody_field_5000", "cuda")}
     ("name", "platform"),
     [
         pytest.param(
-            n, p.values[0], id=f"{n}-{p.id}", marks=[pytest.mark.slow] * ((n, p.values[0]) in SLOW)
+            n,
+            p.values[0],
+            id=f"{n}-{p.id}",
+            marks=pytest.mark.slow if (n, p.values[0]) in SLOW else (),
         )
         for n in CASES
         for p in TARGETS

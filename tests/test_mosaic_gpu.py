@@ -159,12 +159,22 @@ def test_wide_rows_go_in_element_groups(name, fun, x, monoid, axis):
         assert "kernels, each folding a group of fun's output elements" in plan.reason, plan
 
 
-# Per size: (x, w) per fun, batch_size, and a thread's registers (``groups.REGISTERS``):
-# as the kernels run on Hopper, or lowered to split small problems into the same
-# groups fast (the interpreter runs each group's kernel: 1-2 minutes a case at full).
+# A thread's registers lowered (``groups.REGISTERS``: 128 on Hopper) so that small
+# problems split into several groups fast (the interpreter runs each group's kernel:
+# 1-2 minutes a case at full size).
+SMALL_BUDGET = 48
+
+
+def lower_budget(monkeypatch, budget=SMALL_BUDGET):
+    from adv_jax_math.kernels.fused_reduce import groups
+
+    monkeypatch.setattr(groups, "REGISTERS", budget)
+
+
+# Per size: (x, w) per fun, batch_size, and a thread's registers (None: Hopper's).
 GROUP_SIZES = {
     "full": ({"layer": ((1001, 16), (16, 24)), "wide": ((700, 8, 16), (8, 16))}, 256, None),
-    "small": ({"layer": ((300, 4), (4, 8)), "wide": ((300, 4, 6), (4, 6))}, 128, 48),
+    "small": ({"layer": ((300, 4), (4, 8)), "wide": ((300, 4, 6), (4, 6))}, 128, SMALL_BUDGET),
 }
 
 
@@ -181,12 +191,10 @@ def test_element_groups_have_gradients(monoid, fun, size, monkeypatch):
     feature (each group adds its share of their cotangents to the earlier groups') and
     a column of ``w`` (its cotangents summed per program and over groups); a wide
     elementwise ``fun``'s groups read features of their own. Max's tallies per group."""
-    from adv_jax_math.kernels.fused_reduce import groups
-
     reduction, plain = GRADS[monoid]
     shapes, batch, budget = GROUP_SIZES[size]
     if budget is not None:
-        monkeypatch.setattr(groups, "REGISTERS", budget)
+        lower_budget(monkeypatch, budget)
     x, w = normal(3, shapes[fun][0]), normal(4, shapes[fun][1])
     if fun == "layer":
         w = w * 0.3
@@ -207,9 +215,7 @@ def test_element_groups_have_gradients(monoid, fun, size, monkeypatch):
 def test_top_k_gradients_in_element_groups(smallest, monkeypatch):
     """A top-k's backward kernel on Mosaic GPU: each element's k slots (its values'
     cotangents and rows) read as a list, in element groups; against lax.top_k's."""
-    from adv_jax_math.kernels.fused_reduce import groups
-
-    monkeypatch.setattr(groups, "REGISTERS", 48)
+    lower_budget(monkeypatch)
     x, w = normal(11, (300, 4)), normal(12, (4, 8)) * 0.5
     f = lambda w: lambda v: jnp.tanh(v @ w)
     sign = -1.0 if smallest else 1.0
@@ -227,9 +233,7 @@ def test_backward_groups_skip_results_without_cotangents(monkeypatch):
     """The backward's element groups leave out an argmin's elements (integer indices: no
     cotangent, no tally): next to a mean, the backward is the mean's alone; alone, no
     backward kernel is launched."""
-    from adv_jax_math.kernels.fused_reduce import groups
-
-    monkeypatch.setattr(groups, "REGISTERS", 48)
+    lower_budget(monkeypatch)
     x, w = normal(7, (300, 4)), normal(8, (4, 8))
     f = lambda w: lambda v: {"a": jnp.tanh(v * w[:, 0]), "b": (v @ w) ** 2}
     both = {"a": ajm.MEAN, "b": ajm.ARGMIN}

@@ -17,7 +17,7 @@ from ..core import config as _config
 from ..core.sharding import Lanes, explicit_context, kernel_blocked
 from ..core.targets import Target, target, triton_problem
 from ..kernels.fused_reduce.backward import float_positions, plan_reverse, run_reverse
-from ..kernels.fused_reduce.backward_mosaic_gpu import backward_groups
+from ..kernels.fused_reduce.backward_mosaic_gpu import kernel_count
 from ..kernels.fused_reduce.fused import Check, check, fused_states, reverse_blocks
 from ..monoids.reduction import MonoidReduction
 from ..plan import roofline
@@ -262,12 +262,14 @@ class FusedEngine(Engine):
             text = f"the scan engine's chunks, transposed: {built}"
         else:
             k = built.kernel
-            grouped: Any = backward_groups(k)[-1] if k.target.mosaic_gpu else [k]
-            groups = len(grouped) if isinstance(grouped, list) else 1  # (an int: declined)
-            text = f"backward kernel, blocks of {k.rows} rows, {k.steps} per program"
-            text += f" ({k.target.label})"
-            text += f", in {groups} kernels, one per group of fun's output elements" * (groups > 1)
-            if not groups:
+            groups = kernel_count(k) if k.target.mosaic_gpu else 1
+            if groups:
+                text = f"backward kernel, blocks of {k.rows} rows, {k.steps} per program"
+                text += f" ({k.target.label})"
+                text += f", in {groups} kernels, one per group of fun's output elements" * (
+                    groups > 1
+                )
+            else:
                 text = f"no backward kernel ({k.target.label}): no result has a float cotangent"
             text += " (the tied rows tallied first)" if built.tally else ""
             text += "".join(f"; {why}" for why in built.declined)

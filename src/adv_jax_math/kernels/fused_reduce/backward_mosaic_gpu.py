@@ -33,7 +33,7 @@ from .groups import Group, run, words
 from .interpreter import portable
 from .mosaic_gpu import AXIS, Features, elements_of, features, scalar_items, wire_dtype, wired
 
-__all__ = ["backward_groups", "mosaic_gpu_backward"]
+__all__ = ["backward_groups", "kernel_count", "mosaic_gpu_backward"]
 
 
 def _pick(leaf: Any, cell: tuple, shape: tuple) -> Any:
@@ -62,7 +62,7 @@ def mosaic_gpu_backward(k: Any, name: str) -> Callable[..., Any]:
     per_term_tree = jax.tree.structure(k.per_term)
     closed, n_consts, reads, groups = backward_groups(k)
     assert not isinstance(groups, int), groups  # (backward._problem)
-    dtype_of = lambda j: f.feature_avals()[j].dtype  # (feature j's)
+    feature_dtypes = [a.dtype for a in f.feature_avals()]
     tallied = [
         e for e, (t, _) in enumerate(elements) if k.per_term[k.terms.index(t)][2] is not None
     ]
@@ -134,7 +134,7 @@ def mosaic_gpu_backward(k: Any, name: str) -> Callable[..., Any]:
             whole = [elements_of(r, a) for r, a in zip(w_refs, k.whole(), strict=True)]
             offset, program = offset_ref[0, 0], lax.axis_index(AXIS)
             firsts = [
-                wired(r[program * k.tile], dtype_of(j)) if k.n % k.tile else None
+                wired(r[program * k.tile], feature_dtypes[j]) if k.n % k.tile else None
                 for r, j in zip(x_refs, g.features, strict=True)
             ]
 
@@ -142,7 +142,7 @@ def mosaic_gpu_backward(k: Any, name: str) -> Callable[..., Any]:
                 *in_blocks, carry = blocks
                 start = (program * k.steps + index[0]) * k.rows
                 loaded = [
-                    wired(plgpu.load(b, layout=f.layout), dtype_of(j))
+                    f.load(b, feature_dtypes[j])
                     for b, j in zip(in_blocks, [*g.features, *shared], strict=True)
                 ]
                 xs, prior = loaded[:nx], loaded[nx:]
@@ -170,7 +170,7 @@ def mosaic_gpu_backward(k: Any, name: str) -> Callable[..., Any]:
             for part, o_ref in zip(pipeline(*x_refs, *p_refs), sum_refs, strict=True):
                 o_ref[program] = part.reshape(o_ref.shape[1:]).astype(o_ref.dtype)
 
-        dtypes = [dtype_of(j) for j in dx]
+        dtypes = [feature_dtypes[j] for j in dx]
         dx_type = [jax.ShapeDtypeStruct((k.n,), wire_dtype(d)) for d in dtypes]
         staging = [plgpu.SMEM((k.rows,), wire_dtype(d)) for d in dtypes]
         return f.kernel(body, sum_dtypes, name, out_type=dx_type, scratch_types=staging), dc, dx
@@ -230,26 +230,29 @@ def backward_groups(k: Any) -> tuple[Any, int, list, list[Group] | int]:
     (its cotangent, final state and tally); only the elements of terms with a float
     cotangent or a tally (an argmin's indices have neither: its rows get nothing)."""
     f = Features(k)
-    whole = [k.per_term[k.terms.index(t)] for t, _ in f.elements()]
-    held = [
+    terms = [t for t, _ in f.elements()]
+    whole = [k.per_term[k.terms.index(t)] for t in terms]
+    held = [  # (a top-k's (k, *shape) cotangent: k values per element)
         sum(
             words(a.dtype) * max(1, a.size // math.prod(t.items[0].shape))
             for a in jax.tree.leaves(w)
         )
-        for w, (t, _) in zip(whole, f.elements(), strict=True)
+        for w, t in zip(whole, terms, strict=True)
     ]
     only = [e for e, (ct, _, tally) in enumerate(whole) if jax.tree.leaves(ct) or tally]
     return f.grouped(_groups.REGISTERS // 2, held, only)
 
 
+def kernel_count(k: Any) -> int:
+    """The backward kernels of ``k`` (one per group; 0: no element has a cotangent)."""
+    groups = backward_groups(k)[-1]
+    assert not isinstance(groups, int), groups  # (backward._problem)
+    return len(groups)
+
+
 def _const_dtype(k: Any, c_bounds: np.ndarray, j: int) -> Any:
     """The dtype of constants' element ``j`` (flat)."""
     return k.const_avals[int(np.searchsorted(c_bounds, j, side="right")) - 1].dtype
-
-
-def _input_of(bounds: np.ndarray, j: int) -> int:
-    """The input whose features hold feature ``j`` (flat)."""
-    return int(np.searchsorted(bounds, j, side="right")) - 1
 
 
 def _prior(dx: list[int], shared: list[int], prior: list) -> list:

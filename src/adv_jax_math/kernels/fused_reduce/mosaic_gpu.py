@@ -115,6 +115,13 @@ class Features:
 
         return plgpu.Layout.WG_STRIDED((self.k.rows,), vec_size=self.k.rows // 128)
 
+    def load(self, block: Any, dtype: Any) -> Any:
+        """A pipeline block of a feature's rows in registers (:attr:`layout`), as
+        ``dtype`` (its TMA copy carried it as :func:`wire_dtype`)."""
+        from jax.experimental.pallas import mosaic_gpu as plgpu
+
+        return wired(plgpu.load(block, layout=self.layout), dtype)
+
     def iota(self, dtype: Any, shape: Any, dim: int) -> Any:
         """``lax.broadcasted_iota`` in :attr:`layout` (Lane semantics needs one)."""
         from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -259,8 +266,7 @@ def mosaic_gpu_call(k: Any) -> Callable[..., Any]:
     init = lambda g: [
         elements[e][0].leaf.monoid.init(scalar_items(elements[e][0])) for e in g.elements
     ]
-
-    avals = f.feature_avals()
+    dtypes = [a.dtype for a in f.feature_avals()]  # (each feature's)
 
     def group_kernel(g: Group) -> Any:
         states = jax.eval_shape(lambda: init(g))  # (in the kernel: no capture)
@@ -285,10 +291,7 @@ def mosaic_gpu_call(k: Any) -> Callable[..., Any]:
             def step(index: tuple, *blocks: Any) -> list:
                 *x_blocks, carry = blocks
                 start = (program * k.steps + index[0]) * k.rows
-                vectors = [
-                    wired(plgpu.load(b, layout=f.layout), avals[j].dtype)
-                    for b, j in zip(x_blocks, g.features, strict=True)
-                ]
+                vectors = [f.load(b, dtypes[j]) for b, j in zip(x_blocks, g.features, strict=True)]
                 return portable(fold, carry, vectors, consts, start, offset)
 
             spec = plgpu.BlockSpec((k.rows,), lambda j: (program * k.steps + j,))
